@@ -1,0 +1,640 @@
+"""Megatron-style command line: ``_add_*_args`` groups with Megatron-LM's flag names and
+semantics, cross-flag validation, and the translation to megatron.core config dataclasses.
+
+Validation runs before torch.distributed is initialised and before any model is built, so a
+bad launch fails in about a second with one line naming the flag at fault and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ATTN_MASK_TYPES = ("causal", "no_mask")
+
+# Per-GPU dense bf16 peaks (TFLOP/s) used for MFU when --peak-tflops is not given. Matched
+# against torch.cuda.get_device_name(); dense, not sparsity-doubled, figures.
+GPU_PEAK_TFLOPS = {
+    "A100": 312.0,
+    "A800": 312.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "H200": 989.0,
+    "H20": 148.0,
+    "L40S": 362.0,
+    "B200": 2250.0,
+}
+
+
+class ArgumentValidationError(ValueError):
+    """A flag combination that cannot run. The message names the flag and the fix."""
+
+
+def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="network size")
+    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    group.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="MLP hidden size. Default 4*hidden-size, or 8/3*hidden-size rounded down to a "
+        "multiple of 64 with --swiglu.",
+    )
+    group.add_argument("--num-attention-heads", type=int, default=None)
+    group.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="Projection size per head. Default hidden-size / num-attention-heads.",
+    )
+    group.add_argument("--group-query-attention", action="store_true")
+    group.add_argument("--num-query-groups", type=int, default=1)
+    group.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="Positions of the learned position table. Default: --seq-length.",
+    )
+    group.add_argument(
+        "--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDING_TYPES
+    )
+    group.add_argument("--rotary-base", type=int, default=10000)
+    group.add_argument("--rotary-percent", type=float, default=1.0)
+    group.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
+    group.add_argument("--norm-epsilon", type=float, default=1e-5)
+    group.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU).")
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the vocabulary to a multiple of this times the TP size.",
+    )
+    group.add_argument(
+        "--attn-mask-type",
+        default="causal",
+        choices=ATTN_MASK_TYPES,
+        help="Self-attention mask. Context parallelism needs causal.",
+    )
+
+
+def _add_regularization_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="regularization")
+    group.add_argument("--attention-dropout", type=float, default=0.1)
+    group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--clip-grad", type=float, default=1.0, help="Gradient norm clip; 0 disables.")
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--sgd-momentum", type=float, default=0.9)
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="training")
+    group.add_argument("--micro-batch-size", type=int, default=None)
+    group.add_argument("--global-batch-size", type=int, default=None)
+    group.add_argument("--train-iters", type=int, default=None)
+    group.add_argument(
+        "--exit-interval", type=int, default=None, help="Exit (after saving) at this iteration."
+    )
+    group.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="On SIGTERM (e.g. SLURM preemption), save a checkpoint at the end of the current "
+        "iteration and exit 0.",
+    )
+    group.add_argument(
+        "--exit-signal",
+        default="SIGTERM",
+        choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"),
+        help="Signal caught by --exit-signal-handler.",
+    )
+    group.add_argument(
+        "--recompute-granularity", default=None, choices=("full", "selective"),
+        help="Megatron activation recomputation.",
+    )
+    group.add_argument("--recompute-method", default=None, choices=("uniform", "block"))
+    group.add_argument("--recompute-num-layers", type=int, default=None)
+    group.add_argument(
+        "--recompute-modules",
+        nargs="*",
+        default=None,
+        help="Modules recomputed with --recompute-granularity selective (default core_attn).",
+    )
+    group.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    group.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard optimizer state over data-parallel ranks (CUDA only).",
+    )
+    group.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="Deterministic algorithms only: two runs give bitwise-identical losses.",
+    )
+    group.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes.")
+
+
+def _add_initialization_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="initialization")
+    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="learning rate")
+    group.add_argument("--lr", type=float, default=None)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-warmup-fraction", type=float, default=None)
+    group.add_argument("--lr-warmup-init", type=float, default=0.0)
+    group.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    group.add_argument("--lr-wsd-decay-style", default="exponential")
+    group.add_argument("--start-weight-decay", type=float, default=None)
+    group.add_argument("--end-weight-decay", type=float, default=None)
+    group.add_argument("--weight-decay-incr-style", default="constant")
+
+
+def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="checkpointing")
+    group.add_argument("--save", default=None, help="Checkpoint directory to write.")
+    group.add_argument("--save-interval", type=int, default=None)
+    group.add_argument(
+        "--load", default=None, help="Checkpoint directory to resume from (latest iteration)."
+    )
+    group.add_argument("--no-load-optim", action="store_true")
+    group.add_argument("--no-load-rng", action="store_true")
+    group.add_argument("--finetune", action="store_true", help="Load weights only, iteration 0.")
+
+
+def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="mixed precision")
+    group.add_argument("--fp16", action="store_true")
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--loss-scale", type=float, default=None)
+    group.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    group.add_argument("--attention-softmax-in-fp32", action="store_true")
+
+
+def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="distributed")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--context-parallel-size", type=int, default=1)
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument(
+        "--distributed-backend",
+        default=None,
+        choices=("nccl", "gloo"),
+        help="Default: nccl with CUDA, gloo without.",
+    )
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    group.add_argument("--overlap-grad-reduce", action="store_true")
+    group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+
+
+def _add_validation_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="validation")
+    group.add_argument("--eval-interval", type=int, default=1000)
+    group.add_argument("--eval-iters", type=int, default=100)
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="data and tokenizer")
+    group.add_argument("--seq-length", type=int, default=None)
+    group.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="Indexed dataset prefix(es) (PREFIX.bin/PREFIX.idx), optionally weighted: "
+        "'0.3 A 0.7 B'.",
+    )
+    group.add_argument("--mock-data", action="store_true", help="Synthetic tokens, no files.")
+    group.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
+    group.add_argument("--data-cache-path", default=None)
+    group.add_argument("--tokenizer-type", default=None, help=f"One of {', '.join(TOKENIZER_TYPES)}.")
+    group.add_argument("--tokenizer-model", default=None, help="BPETokenizer JSON file.")
+    group.add_argument("--vocab-size", type=int, default=None, help="For NullTokenizer.")
+    group.add_argument("--reset-position-ids", action="store_true")
+    group.add_argument("--reset-attention-mask", action="store_true")
+    group.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="logging")
+    group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--tensorboard-dir", default=None)
+    group.add_argument(
+        "--log-metrics-jsonl",
+        default=None,
+        help="Append one JSON line of metrics per logged iteration (rank 0) to this file.",
+    )
+    group.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="Per-device peak TFLOP/s for MFU. Default: the detected GPU's dense bf16 peak; "
+        "on CPU, a fp32 GEMM throughput measured at startup.",
+    )
+
+
+ArgsProvider = Callable[[argparse.ArgumentParser], None]
+
+
+def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.ArgumentParser:
+    """The full Megatron-MEMO parser; extra providers add their own argument groups."""
+    parser = argparse.ArgumentParser(
+        description="Megatron-MEMO arguments", allow_abbrev=False, fromfile_prefix_chars="@"
+    )
+    for add_group in (
+        _add_network_size_args,
+        _add_regularization_args,
+        _add_training_args,
+        _add_initialization_args,
+        _add_learning_rate_args,
+        _add_checkpointing_args,
+        _add_mixed_precision_args,
+        _add_distributed_args,
+        _add_validation_args,
+        _add_data_args,
+        _add_logging_args,
+        *extra_args_providers,
+    ):
+        add_group(parser)
+    return parser
+
+
+def parse_args(
+    argv: Optional[Sequence[str]] = None,
+    extra_args_providers: Iterable[ArgsProvider] = (),
+    world_size: Optional[int] = None,
+    cuda_available: Optional[bool] = None,
+) -> argparse.Namespace:
+    """Parse and validate. ``world_size`` defaults to $WORLD_SIZE (torchrun) or 1."""
+    args = build_parser(extra_args_providers).parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    validate_args(args, world_size, cuda_available)
+    return args
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgumentValidationError(message)
+
+
+def _validate_required(args: argparse.Namespace) -> None:
+    for flag in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "micro_batch_size",
+        "train_iters",
+        "lr",
+    ):
+        _require(
+            getattr(args, flag) is not None,
+            f"--{flag.replace('_', '-')} is required; add it to the command line",
+        )
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters"):
+        value = getattr(args, flag)
+        _require(value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
+
+
+def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
+    for flag, size in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp),
+                       ("context-parallel-size", cp)):
+        _require(size >= 1, f"--{flag} must be >= 1, got {size}")
+    model_parallel = tp * pp * cp
+    _require(
+        world_size % model_parallel == 0,
+        f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+        f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = "
+        f"{model_parallel}; change the parallel sizes or the number of processes",
+    )
+    args.world_size = world_size
+    args.data_parallel_size = world_size // model_parallel
+    _require(
+        args.num_attention_heads % tp == 0,
+        f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+        f"--tensor-model-parallel-size {tp}; pick a TP size that divides the head count",
+    )
+    _require(
+        args.num_layers % pp == 0,
+        f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+        f"{pp}; pick a PP size that divides the layer count",
+    )
+    if args.sequence_parallel and tp == 1:
+        # Megatron-LM's behaviour: sequence parallelism is a no-op without TP.
+        args.sequence_parallel = False
+    if args.sequence_parallel:
+        _require(
+            args.seq_length % (tp * cp) == 0,
+            f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
+            f"{tp} x --context-parallel-size {cp} as --sequence-parallel needs; pad the "
+            f"sequence length",
+        )
+    if cp > 1:
+        _require(
+            args.seq_length % (2 * cp) == 0,
+            f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size "
+            f"{cp} (load-balanced CP splits the sequence into 2*CP chunks); pad the sequence "
+            f"length to a multiple of {2 * cp}",
+        )
+        _require(
+            args.attn_mask_type == "causal",
+            f"--context-parallel-size {cp} needs --attn-mask-type causal, got "
+            f"{args.attn_mask_type}; drop --attn-mask-type or set CP to 1",
+        )
+
+
+def _validate_model_shape(args: argparse.Namespace) -> None:
+    tp = args.tensor_model_parallel_size
+    if args.kv_channels is None:
+        _require(
+            args.hidden_size % args.num_attention_heads == 0,
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}; set --kv-channels explicitly or change the head count",
+        )
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.group_query_attention:
+        _require(
+            args.num_query_groups >= 1
+            and args.num_attention_heads % args.num_query_groups == 0,
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--num-query-groups {args.num_query_groups}; use a group count that divides it",
+        )
+        _require(
+            args.num_query_groups % tp == 0,
+            f"--num-query-groups {args.num_query_groups} is not divisible by "
+            f"--tensor-model-parallel-size {tp}; each TP rank needs whole KV groups",
+        )
+    else:
+        args.num_query_groups = args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    _require(
+        args.ffn_hidden_size % tp == 0,
+        f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+        f"--tensor-model-parallel-size {tp}; change one of them",
+    )
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute":
+        _require(
+            args.max_position_embeddings >= args.seq_length,
+            f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
+            f"--seq-length {args.seq_length}; raise it or use --position-embedding-type rope",
+        )
+    for flag in ("attention_dropout", "hidden_dropout"):
+        value = getattr(args, flag)
+        _require(0.0 <= value < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
+
+
+def _validate_batch(args: argparse.Namespace) -> None:
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    _require(
+        args.global_batch_size > 0 and args.global_batch_size % per_step == 0,
+        f"--global-batch-size {args.global_batch_size} is not divisible by "
+        f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+        f"{args.data_parallel_size}; use a multiple of {per_step}",
+    )
+    args.num_microbatches = args.global_batch_size // per_step
+
+
+def _validate_recompute(args: argparse.Namespace) -> None:
+    if args.recompute_granularity == "full":
+        _require(
+            args.recompute_method is not None,
+            "--recompute-granularity full needs --recompute-method uniform or block",
+        )
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = 1
+        _require(
+            args.recompute_num_layers >= 1,
+            f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}",
+        )
+    elif args.recompute_granularity == "selective":
+        _require(
+            args.recompute_method is None,
+            "--recompute-method applies to --recompute-granularity full only; drop it",
+        )
+        if args.recompute_modules is None:
+            args.recompute_modules = ["core_attn"]
+    else:
+        _require(
+            args.recompute_method is None and args.recompute_num_layers is None,
+            "--recompute-method/--recompute-num-layers need --recompute-granularity full",
+        )
+
+
+def _validate_precision(args: argparse.Namespace, cuda_available: bool) -> None:
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive; keep one")
+    if not cuda_available:
+        _require(
+            not (args.fp16 or args.bf16),
+            f"--{'bf16' if args.bf16 else 'fp16'} needs CUDA: megatron-core's mixed-precision "
+            "optimizer only wraps CUDA tensors; on CPU drop the flag and train in fp32",
+        )
+        _require(
+            not args.use_distributed_optimizer,
+            "--use-distributed-optimizer needs CUDA: megatron-core's distributed optimizer "
+            "only wraps CUDA tensors; on CPU drop the flag",
+        )
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _validate_optimization(args: argparse.Namespace) -> None:
+    _require(args.lr > 0, f"--lr must be positive, got {args.lr}")
+    _require(
+        0.0 <= args.min_lr <= args.lr,
+        f"--min-lr {args.min_lr} must be in [0, --lr {args.lr}]; lower --min-lr",
+    )
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        _require(
+            args.lr_warmup_iters == 0,
+            "--lr-warmup-fraction and --lr-warmup-iters are exclusive; keep one",
+        )
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    _require(
+        0 <= args.lr_warmup_iters <= args.lr_decay_iters,
+        f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --lr-decay-iters "
+        f"{args.lr_decay_iters}]",
+    )
+    _require(args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+
+
+def _validate_checkpointing(args: argparse.Namespace) -> None:
+    if args.save_interval is not None:
+        _require(args.save is not None, "--save-interval needs --save DIR")
+        _require(args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}")
+    if args.exit_signal_handler:
+        _require(args.save is not None, "--exit-signal-handler needs --save DIR to save into")
+    if args.load is not None and Path(args.load).exists():
+        _require(Path(args.load).is_dir(), f"--load {args.load} is a file, not a directory")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    _require(
+        args.mock_data or args.data_path,
+        "no training data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data",
+    )
+    _require(
+        not (args.mock_data and args.data_path),
+        "--mock-data and --data-path are exclusive; keep one",
+    )
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer" if args.mock_data else None
+    _require(
+        args.tokenizer_type in TOKENIZER_TYPES,
+        f"--tokenizer-type {args.tokenizer_type!r} is not supported; use one of "
+        f"{', '.join(TOKENIZER_TYPES)}",
+    )
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None and args.vocab_size > 1,
+                 "--vocab-size N is required with --tokenizer-type NullTokenizer (and --mock-data)")
+    if args.tokenizer_type == "BPETokenizer":
+        _require(args.tokenizer_model is not None,
+                 "--tokenizer-model FILE.json is required with --tokenizer-type BPETokenizer")
+        _require(Path(args.tokenizer_model).is_file(),
+                 f"--tokenizer-model {args.tokenizer_model} does not exist; train one with "
+                 "tools/preprocess_data.py or fix the path")
+    if args.data_path:
+        for prefix in _data_path_prefixes(args.data_path):
+            for suffix in (".bin", ".idx"):
+                _require(
+                    Path(prefix + suffix).is_file(),
+                    f"--data-path {prefix}: {prefix + suffix} does not exist; create it with "
+                    "tools/preprocess_data.py or fix the prefix (no .bin/.idx suffix)",
+                )
+    split = args.split.replace("/", ",").split(",")
+    _require(
+        len(split) <= 3 and all(part.strip().replace(".", "", 1).isdigit() for part in split)
+        and sum(float(part) for part in split) > 0,
+        f"--split {args.split!r} must be up to three non-negative numbers like 969,30,1",
+    )
+    _require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
+
+
+def _data_path_prefixes(data_path: list[str]) -> list[str]:
+    """Prefixes from '--data-path A B' or the weighted form '--data-path 0.3 A 0.7 B'."""
+    if len(data_path) > 1 and len(data_path) % 2 == 0:
+        try:
+            float(data_path[0])
+            return data_path[1::2]
+        except ValueError:
+            pass
+    return list(data_path)
+
+
+def _validate_logging(args: argparse.Namespace) -> None:
+    _require(args.log_interval > 0, f"--log-interval must be positive, got {args.log_interval}")
+    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
+    _require(args.eval_interval > 0, f"--eval-interval must be positive, got {args.eval_interval}")
+    if args.peak_tflops is not None:
+        _require(args.peak_tflops > 0, f"--peak-tflops must be positive, got {args.peak_tflops}")
+
+
+def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
+    """Check cross-flag constraints and fill derived values (in place).
+
+    Raises ArgumentValidationError naming the flag at fault and the fix.
+    """
+    _validate_required(args)
+    _validate_parallel_layout(args, world_size)
+    _validate_model_shape(args)
+    _validate_batch(args)
+    _validate_recompute(args)
+    _validate_precision(args, cuda_available)
+    _validate_optimization(args)
+    _validate_checkpointing(args)
+    _validate_data(args)
+    _validate_logging(args)
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda_available else "gloo"
+    _require(
+        cuda_available or args.distributed_backend == "gloo",
+        "--distributed-backend nccl needs CUDA; use gloo on CPU",
+    )
+
+
+def core_transformer_config_from_args(args: argparse.Namespace):
+    """The megatron.core TransformerConfig for validated ``args``."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cuda = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization,
+        add_bias_linear=args.add_bias_linear,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=args.recompute_modules,
+        deterministic_mode=args.deterministic_mode,
+        # CPU initialisation draws the full weight and slices it, so every TP size starts from
+        # the same model; required without CUDA.
+        use_cpu_initialization=not cuda,
+        # The torch.compile-based fusions cost 5-35 s to compile on CPU and gain nothing there.
+        bias_activation_fusion=cuda and not args.swiglu,
+        bias_dropout_fusion=cuda,
+        masked_softmax_fusion=cuda,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        batch_p2p_comm=True,
+    )

@@ -1,0 +1,149 @@
+"""Redirect megatron.core's hard-coded CUDA device placement to the CPU.
+
+megatron-core 0.16.1 creates tensors with ``device=torch.cuda.current_device()`` or
+``device="cuda"`` in many places (GlobalMemoryBuffer.get_tensor, tensor_parallel.mappings'
+gathers -- also inside autograd backward --, pipeline_parallel.p2p_communication and
+schedules, optimizer.clip_grads, distributed.param_and_grad_buffer) and calls
+``torch.cuda.synchronize/Stream/default_stream``. A TorchFunctionMode cannot catch the calls
+made inside autograd backward, so instead each loaded ``megatron.core.*`` module gets its
+``torch`` global replaced by :data:`CPU_TORCH`, a proxy that forwards everything to ``torch``
+except ``torch.cuda`` (a CPU stand-in) and the factory functions (device arguments naming
+CUDA become ``cpu``). The real ``torch`` module is left alone with one exception:
+``Tensor.cuda()`` is a method, reached without any module global (LanguageModule.
+setup_embeddings_and_output_layer with PP>1, the optimizer's state loading,
+tensor_parallel.data.broadcast_data, dist_checkpointing.exchange_utils), so on a build without
+CUDA -- where it could only raise -- :func:`keep_tensors_on_cpu` makes it return the tensor
+unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from contextlib import nullcontext
+
+import torch
+
+_CPU = torch.device("cpu")
+
+# Functions megatron.core calls with an explicit device argument.
+_FACTORY_FUNCTIONS = (
+    "empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
+    "empty_like", "zeros_like", "ones_like", "full_like", "as_tensor", "eye", "linspace",
+)
+
+
+def _to_cpu_device(device):
+    """Map any CUDA device spelling (int index, 'cuda', 'cuda:1', torch.device) to cpu."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return _CPU
+    if isinstance(device, str) and device.startswith("cuda"):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _redirect_device(factory):
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream: CPU ops are synchronous, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self):
+        pass
+
+
+class _CpuCudaNamespace(types.SimpleNamespace):
+    """The subset of ``torch.cuda`` that megatron.core's training path calls, answered for CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+CPU_CUDA = _CpuCudaNamespace(
+    current_device=lambda: _CPU,
+    device_count=lambda: 0,
+    synchronize=lambda *args, **kwargs: None,
+    empty_cache=lambda: None,
+    Stream=_NullStream,
+    stream=lambda stream=None: nullcontext(),
+    default_stream=lambda *args, **kwargs: _NullStream(),
+    current_stream=lambda *args, **kwargs: _NullStream(),
+    get_rng_state=lambda *args, **kwargs: torch.get_rng_state(),
+    set_rng_state=lambda state, *args, **kwargs: torch.set_rng_state(state),
+    manual_seed=lambda seed: torch.manual_seed(seed),
+    memory_allocated=lambda *args, **kwargs: 0,
+    max_memory_allocated=lambda *args, **kwargs: 0,
+    memory_reserved=lambda *args, **kwargs: 0,
+    max_memory_reserved=lambda *args, **kwargs: 0,
+    reset_peak_memory_stats=lambda *args, **kwargs: None,
+    is_available=lambda: False,
+    nvtx=types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None),
+)
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """``torch`` as seen by a patched megatron.core module."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = CPU_CUDA
+        for name in _FACTORY_FUNCTIONS:
+            setattr(self, name, _redirect_device(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+CPU_TORCH = _CpuTorchProxy()
+
+
+def redirect_megatron_core_devices() -> list[str]:
+    """Point the ``torch`` global of every loaded ``megatron.core`` module at :data:`CPU_TORCH`.
+
+    Must run after the modules are imported (see compat.apply_cpu_shims, which imports the
+    training path first). Returns the names of the modules patched.
+    """
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core") or module is None:
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = CPU_TORCH
+            patched.append(name)
+    return patched
+
+
+def _tensor_cuda_on_cpu(self: torch.Tensor, device=None, non_blocking: bool = False, **kwargs):
+    return self
+
+
+def keep_tensors_on_cpu() -> None:
+    """Make ``Tensor.cuda()`` a no-op; refuses to run where CUDA exists."""
+    if torch.cuda.is_available():
+        raise RuntimeError("keep_tensors_on_cpu is a CPU-only shim but CUDA is available")
+    torch.Tensor.cuda = _tensor_cuda_on_cpu

@@ -1,0 +1,92 @@
+"""Datasets and iterators: megatron.core GPTDataset (indexed .bin/.idx) or MockGPTDataset,
+read in Megatron's sample order from a resumable position."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Iterator, Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+
+
+def dataset_sample_counts(args: argparse.Namespace) -> list[int]:
+    """Samples needed from the train, validation and test splits over the whole run."""
+    train = args.train_iters * args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1
+    valid = evaluations * args.eval_iters * args.global_batch_size
+    test = args.eval_iters * args.global_batch_size
+    return [train, valid, test]
+
+
+def build_datasets(args: argparse.Namespace, tokenizer) -> list[Optional[torch.utils.data.Dataset]]:
+    """Build [train, valid, test] datasets on every rank (rank 0 first, which fills the cache)."""
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None if args.mock_data else get_blend_from_list(args.data_path),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,
+    )
+    dataset_class = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(
+        dataset_class, dataset_sample_counts(args), lambda: True, config
+    ).build()
+
+
+class MicroBatchSampler(torch.utils.data.Sampler):
+    """Sample indices of this data-parallel rank's micro-batches, starting after
+    ``consumed_samples`` so a resumed run reads exactly what the uninterrupted run would.
+
+    A global batch step of ``micro_batch_size * dp_size`` samples is laid out rank-major: rank
+    r reads samples [step_start + r*mbs, step_start + (r+1)*mbs).
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.step = micro_batch_size * dp_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self.consumed_samples
+        while start + self.step <= self.total_samples:
+            first = start + self.dp_rank * self.micro_batch_size
+            yield list(range(first, first + self.micro_batch_size))
+            start += self.step
+
+    def __len__(self) -> int:
+        return max(0, (self.total_samples - self.consumed_samples) // self.step)
+
+
+def _cycle(loader: torch.utils.data.DataLoader) -> Iterator[dict]:
+    while True:
+        yield from loader
+
+
+def build_data_iterator(dataset, consumed_samples: int, args: argparse.Namespace,
+                        cyclic: bool = False) -> Optional[Iterator[dict]]:
+    """A micro-batch iterator over ``dataset`` for this rank, or None if there is no dataset."""
+    if dataset is None or len(dataset) == 0:
+        return None
+    sampler = MicroBatchSampler(
+        total_samples=len(dataset),
+        consumed_samples=consumed_samples % len(dataset) if cyclic else consumed_samples,
+        micro_batch_size=args.micro_batch_size,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=args.num_workers, pin_memory=False
+    )
+    return _cycle(loader) if cyclic else iter(loader)

@@ -1,0 +1,84 @@
+"""Process setup: torch.distributed (nccl on CUDA, gloo on CPU), megatron.core parallel_state,
+seeds and determinism. CPU shims (megatron.training.compat) are applied only without CUDA."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# Megatron-LM offsets each pipeline stage's seed so that stages draw different weights.
+PIPELINE_SEED_STRIDE = 100
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    """Join the process group described by torchrun's RANK/WORLD_SIZE/LOCAL_RANK.
+
+    A plain ``python pretrain_gpt.py`` (no torchrun) runs as a world of one on a free
+    loopback port.
+    """
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_free_loopback_port())
+    if args.distributed_backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=args.distributed_backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=args.distributed_timeout_minutes),
+    )
+    args.rank = rank
+
+
+def set_seeds(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and the model-parallel CUDA/CPU RNG tracker)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + PIPELINE_SEED_STRIDE * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_megatron(args: argparse.Namespace) -> None:
+    """Everything before the model is built. ``args`` must already be validated."""
+    if not torch.cuda.is_available():
+        from megatron.training.compat import apply_cpu_shims
+
+        apply_cpu_shims()
+    else:
+        from megatron.training.compat import check_megatron_core_version
+
+        check_megatron_core_version()
+    if args.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+    initialize_distributed(args)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+    set_seeds(args.seed)

@@ -1,0 +1,316 @@
+"""Offline tokenizers that megatron-core's GPTDataset accepts.
+
+Three tokenizers cover the CPU workflows of this fork without downloading anything:
+
+* ``BytesTokenizer``: UTF-8 bytes 0..255 plus one end-of-document id (256).
+* ``BPETokenizer``: a byte-level BPE model stored as a local HF ``tokenizers`` JSON file, which
+  must contain the special token ``<|endoftext|>`` (used as end of document).
+  ``train_bpe_tokenizer`` writes such a file.
+* ``NullTokenizer``: for ``--mock-data`` and pre-tokenized text; its "text" is whitespace-separated
+  integer ids.
+
+Each tokenizer exposes ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]``,
+``detokenize(ids) -> str`` and ``unique_identifiers`` (an OrderedDict that GPTDataset folds into the
+hash naming its cached index files, so two different tokenizers never share a cache entry).
+
+``build_tokenizer`` maps the command-line flags (--tokenizer-type, --tokenizer-model,
+--vocab-size) to a tokenizer; its errors are one-line ``ValueError`` messages naming the flag.
+"""
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+
+EOD_TOKEN = "<|endoftext|>"
+"""Text of the end-of-document token (the name GPT-2 uses)."""
+
+TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer")
+"""Values accepted by --tokenizer-type."""
+
+
+class _OfflineTokenizer(MegatronLegacyTokenizer):
+    """Common base: fills ``unique_identifiers`` the way megatron-core's tokenizers do.
+
+    MegatronLegacyTokenizer.__init__ is deliberately not called: it only sets the same two
+    attributes and logs a deprecation warning meant for Megatron-LM's own legacy tokenizers, which
+    would be noise on every run here.
+    """
+
+    def __init__(self, tokenizer_paths: list[str], **options: Any) -> None:
+        self.unique_identifiers = OrderedDict()
+        self.unique_identifiers["class"] = type(self).__name__
+        self.unique_identifiers["tokenizer_path"] = list(tokenizer_paths)
+        for name, value in options.items():
+            self.unique_identifiers[name] = str(value)
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+
+    def _check_ids(self, ids: Iterable[int]) -> list[int]:
+        """Return ``ids`` as a list of Python ints, or raise ValueError for one out of range."""
+        id_list = [int(token_id) for token_id in ids]
+        for token_id in id_list:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"token id {token_id} is outside the {type(self).__name__} vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        return id_list
+
+
+class BytesTokenizer(_OfflineTokenizer):
+    """Byte-level tokenizer: ids 0..255 are UTF-8 bytes, id 256 is end of document.
+
+    ``vocab`` keys are the bytes decoded as Latin-1 (one distinct character per byte) plus
+    ``<|endoftext|>``. ``detokenize`` decodes invalid UTF-8 with U+FFFD replacement characters and
+    renders the EOD id as ``<|endoftext|>``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self._vocab = {bytes([byte]).decode("latin-1"): byte for byte in range(256)}
+        self._vocab[EOD_TOKEN] = 256
+        self._inv_vocab = {token_id: token for token, token_id in self._vocab.items()}
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Map from token text to id."""
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        """Map from id to token text."""
+        return self._inv_vocab
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids: 256 bytes plus EOD."""
+        return 257
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id (256)."""
+        return 256
+
+    def tokenize(self, text: str) -> list[int]:
+        """Return the UTF-8 bytes of ``text`` as ids."""
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Decode ids back to text; EOD ids become ``<|endoftext|>``."""
+        pieces = []
+        pending_bytes = bytearray()
+        for token_id in self._check_ids(ids):
+            if token_id == self.eod:
+                pieces.append(pending_bytes.decode("utf-8", errors="replace"))
+                pieces.append(EOD_TOKEN)
+                pending_bytes.clear()
+            else:
+                pending_bytes.append(token_id)
+        pieces.append(pending_bytes.decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+
+class BPETokenizer(_OfflineTokenizer):
+    """A HF ``tokenizers`` JSON file (e.g. from ``train_bpe_tokenizer``) read from local disk.
+
+    The file must define the special token ``<|endoftext|>``; its id is ``eod``. ``vocab_size``
+    includes added special tokens. The file's SHA-256 is part of ``unique_identifiers`` so that a
+    retrained tokenizer at the same path does not reuse stale dataset caches.
+    """
+
+    def __init__(self, tokenizer_model: str) -> None:
+        from tokenizers import Tokenizer
+
+        model_path = Path(tokenizer_model)
+        if not model_path.is_file():
+            raise ValueError(f"--tokenizer-model '{tokenizer_model}' does not exist")
+        try:
+            self._tokenizer = Tokenizer.from_file(str(model_path))
+        except Exception as error:  # tokenizers raises a plain Exception for unreadable files
+            reason = " ".join(str(error).split())
+            raise ValueError(
+                f"--tokenizer-model '{tokenizer_model}' is not a tokenizers JSON file ({reason})"
+            ) from error
+        eod_id = self._tokenizer.token_to_id(EOD_TOKEN)
+        if eod_id is None:
+            raise ValueError(
+                f"--tokenizer-model '{tokenizer_model}' has no special token '{EOD_TOKEN}'; "
+                "train it with megatron.training.tokenizer.train_bpe_tokenizer or add that token"
+            )
+        self._eod = eod_id
+        file_digest = hashlib.sha256(model_path.read_bytes()).hexdigest()
+        super().__init__([str(model_path)], sha256=file_digest)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Map from token text to id, special tokens included."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        """Map from id to token text, special tokens included."""
+        return {token_id: token for token, token_id in self.vocab.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        """Id of ``<|endoftext|>``."""
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode ``text``; a literal ``<|endoftext|>`` in it becomes the EOD id."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Decode ids back to text; EOD ids become ``<|endoftext|>``."""
+        return self._tokenizer.decode(self._check_ids(ids), skip_special_tokens=False)
+
+
+class NullTokenizer(_OfflineTokenizer):
+    """Identity tokenizer for --mock-data and pre-tokenized text.
+
+    Text is whitespace-separated integer ids in [0, vocab_size). The EOD id is
+    ``vocab_size - 1``, the last id of the given vocabulary (upstream Megatron-LM instead appends an
+    extra id after the given size; here --vocab-size is the exact size of the embedding table).
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 2:
+            raise ValueError(
+                f"--vocab-size must be at least 2 with --tokenizer-type NullTokenizer "
+                f"(one id is EOD), got {vocab_size}"
+            )
+        super().__init__([], vocab_size=vocab_size)
+        self._vocab_size = vocab_size
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Map from the decimal text of each id to the id."""
+        return {str(token_id): token_id for token_id in range(self._vocab_size)}
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        """Map from each id to its decimal text."""
+        return {token_id: str(token_id) for token_id in range(self._vocab_size)}
+
+    @property
+    def vocab_size(self) -> int:
+        """The --vocab-size given, EOD included."""
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id: ``vocab_size - 1``."""
+        return self._vocab_size - 1
+
+    def tokenize(self, text: str) -> list[int]:
+        """Parse whitespace-separated integer ids; raise ValueError for other words or bad ids."""
+        try:
+            ids = [int(word) for word in text.split()]
+        except ValueError as error:
+            raise ValueError(f"NullTokenizer text must be integer ids: {error}") from error
+        return self._check_ids(ids)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Join ids with single spaces."""
+        return " ".join(str(token_id) for token_id in self._check_ids(ids))
+
+
+def build_tokenizer(
+    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
+) -> BytesTokenizer | BPETokenizer | NullTokenizer:
+    """Build the tokenizer named by --tokenizer-type.
+
+    ``tokenizer_model`` (a tokenizer JSON path) is required by and only used for BPETokenizer;
+    ``vocab_size`` is required by and only used for NullTokenizer. Raises ValueError with a
+    one-line message naming the offending flag.
+    """
+    if tokenizer_type == "BytesTokenizer":
+        return BytesTokenizer()
+    if tokenizer_type == "BPETokenizer":
+        if tokenizer_model is None:
+            raise ValueError("--tokenizer-model is required with --tokenizer-type BPETokenizer")
+        return BPETokenizer(tokenizer_model)
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
+        return NullTokenizer(vocab_size)
+    raise ValueError(
+        f"--tokenizer-type '{tokenizer_type}' is not supported; "
+        f"use one of {', '.join(TOKENIZER_TYPES)}"
+    )
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_path: str) -> BPETokenizer:
+    """Train a byte-level BPE tokenizer on ``texts`` and write it to ``output_path`` (JSON).
+
+    ``vocab_size`` counts every id: the 256 byte symbols, ``<|endoftext|>`` and the learned merges,
+    so it must be at least 257; a small corpus may yield fewer merges than asked for. The file is
+    written to a temporary name and renamed, so ``output_path`` is either the old file or the
+    complete new one. Returns the tokenizer loaded from the written file.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
+    minimum_size = len(byte_alphabet) + 1
+    if vocab_size < minimum_size:
+        raise ValueError(
+            f"--vocab-size must be at least {minimum_size} for a byte-level BPE tokenizer "
+            f"(256 bytes + {EOD_TOKEN}), got {vocab_size}"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    # add_prefix_space=False keeps detokenize(tokenize(text)) == text exactly.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],
+        # Seeding all 256 byte symbols means any text can be encoded, even bytes unseen in training.
+        initial_alphabet=byte_alphabet,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+
+    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+    # Same directory as the target so os.replace is an atomic rename; the pid keeps concurrent
+    # writers apart.
+    temp_path = f"{output_path}.{os.getpid()}.tmp"
+    try:
+        tokenizer.save(temp_path)
+        os.replace(temp_path, output_path)
+    except BaseException:
+        if os.path.exists(temp_path):
+            os.unlink(temp_path)
+        raise
+    return BPETokenizer(output_path)
+
+
+def padded_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int
+) -> int:
+    """Round ``vocab_size`` up to a multiple of divisible_by * TP (Megatron's padding rule).
+
+    The embedding table is split row-wise across tensor-parallel ranks, and each shard should keep
+    a GEMM-friendly size, hence the product.
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab size must be positive, got {vocab_size}")
+    if make_vocab_size_divisible_by < 1:
+        raise ValueError(
+            f"--make-vocab-size-divisible-by must be positive, got {make_vocab_size_divisible_by}"
+        )
+    if tensor_model_parallel_size < 1:
+        raise ValueError(
+            f"--tensor-model-parallel-size must be positive, got {tensor_model_parallel_size}"
+        )
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple

@@ -1,0 +1,343 @@
+"""pretrain(): build, resume, train, evaluate, checkpoint. Read it top to bottom.
+
+Parallelism, the pipeline schedule, gradient reduction and the optimizer are megatron.core's;
+this module wires them together the way Megatron-LM's training loop does, with explicit
+arguments instead of global state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron.training import checkpointing, metrics
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.data import build_data_iterator, build_datasets
+from megatron.training.initialize import initialize_megatron
+from megatron.training.signal_handler import DistributedSignalHandler
+from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
+
+ModelProvider = Callable[..., torch.nn.Module]
+ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint must carry besides model and optimizer to resume exactly."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    losses: list = field(default_factory=list)
+
+
+def print_rank_last(message: str) -> None:
+    """Print from the last rank, which holds the loss (last pipeline stage)."""
+    if dist.get_rank() == dist.get_world_size() - 1:
+        print(message, flush=True)
+
+
+def print_rank_0(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def build_model(args: argparse.Namespace, config, model_provider: ModelProvider) -> list:
+    """This stage's model chunk wrapped in megatron.core DDP (a one-element list)."""
+    model = model_provider(
+        config=config,
+        args=args,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if args.fp16 or args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+
+
+def build_optimizer(args: argparse.Namespace, model: list):
+    """megatron.core optimizer (torch AdamW/SGD without apex/TE) and its LR/WD scheduler."""
+    optimizer_config = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=args.params_dtype,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, model)
+    samples = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters * samples,
+        wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=(args.lr_wsd_decay_iters or 0) * samples,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+    return optimizer, scheduler
+
+
+def reduce_losses(loss_dicts: list[dict]) -> dict[str, float]:
+    """Token-weighted mean of each reported loss over micro-batches and data-parallel ranks.
+
+    Each micro-batch reports ``name -> tensor([loss_sum, num_tokens])``.
+    """
+    if not parallel_state.is_pipeline_last_stage():
+        return {}
+    reduced = {}
+    for name in loss_dicts[0] if loss_dicts else ():
+        total = torch.stack([d[name] for d in loss_dicts]).sum(dim=0).double()
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        reduced[name] = (total[0] / total[1].clamp(min=1)).item()
+    return reduced
+
+
+def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer, scheduler,
+               args: argparse.Namespace) -> tuple[dict[str, float], float, bool]:
+    """One global batch: forward/backward over all micro-batches, then the optimizer step.
+
+    Returns (losses, grad norm, skipped) -- skipped is True when fp16 overflowed.
+    """
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss_dicts = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length // args.context_parallel_size,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return reduce_losses(loss_dicts), grad_norm if grad_norm is not None else 0.0, not update_successful
+
+
+def evaluate(forward_step: ForwardStep, data_iterator, model: list,
+             args: argparse.Namespace) -> dict[str, float]:
+    """Mean validation loss over --eval-iters global batches."""
+    for chunk in model:
+        chunk.eval()
+    loss_dicts = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            loss_dicts += get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=args.num_microbatches,
+                seq_length=args.seq_length // args.context_parallel_size,
+                micro_batch_size=args.micro_batch_size,
+                forward_only=True,
+            )
+    for chunk in model:
+        chunk.train()
+    return reduce_losses(loss_dicts)
+
+
+class TrainingLogger:
+    """Formats the per-interval line and writes tensorboard / JSON-lines metrics (last rank)."""
+
+    def __init__(self, args: argparse.Namespace, flops_per_iteration: float, peak_tflops: float):
+        self.args = args
+        self.flops_per_iteration = flops_per_iteration
+        self.peak_tflops = peak_tflops
+        self.is_writer = dist.get_rank() == dist.get_world_size() - 1
+        self.tensorboard = None
+        if self.is_writer and args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+        self.interval_start = time.perf_counter()
+        self.interval_iterations = 0
+
+    def log(self, iteration: int, losses: dict[str, float], lr: float, grad_norm: float,
+            skipped: bool) -> None:
+        self.interval_iterations += 1
+        if iteration % self.args.log_interval != 0:
+            return
+        # Memory is gathered from every rank, so all ranks take part in logging.
+        memory = metrics.max_over_ranks(metrics.memory_report())
+        elapsed = (time.perf_counter() - self.interval_start) / self.interval_iterations
+        self.interval_start = time.perf_counter()
+        self.interval_iterations = 0
+        tokens_per_s = self.args.global_batch_size * self.args.seq_length / elapsed
+        achieved_tflops = self.flops_per_iteration / elapsed / 1e12 / self.args.world_size
+        record = {
+            "iteration": iteration,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "skipped": skipped,
+            "iteration_time_s": elapsed,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": achieved_tflops,
+            "mfu": achieved_tflops / self.peak_tflops,
+            **{name.replace(" ", "_"): value for name, value in losses.items()},
+            **memory,
+        }
+        if not self.is_writer:
+            return
+        memory_text = " | ".join(f"{k.removeprefix('mem_')}: {v:.1f}" for k, v in memory.items())
+        loss_text = " | ".join(f"{name}: {value:.6E}" for name, value in losses.items())
+        print(
+            f" iteration {iteration:8d}/{self.args.train_iters:8d} | {loss_text} | lr: {lr:.4E} "
+            f"| grad norm: {float(grad_norm):.3f} | iter time (s): {elapsed:.3f} "
+            f"| tokens/s: {tokens_per_s:.1f} | TFLOP/s/device: {achieved_tflops:.3f} "
+            f"| MFU: {100 * record['mfu']:.2f}% | {memory_text} (MiB, max over ranks)"
+            + (" | skipped (overflow)" if skipped else ""),
+            flush=True,
+        )
+        self._write(record)
+
+    def log_validation(self, iteration: int, losses: dict[str, float]) -> None:
+        if not self.is_writer or not losses:
+            return
+        text = " | ".join(
+            f"{name} value: {value:.6E} | {name} PPL: {math.exp(min(20.0, value)):.4E}"
+            for name, value in losses.items()
+        )
+        print(f" validation at iteration {iteration} | {text}", flush=True)
+        self._write({"iteration": iteration,
+                     **{f"validation_{k.replace(' ', '_')}": v for k, v in losses.items()}})
+
+    def _write(self, record: dict) -> None:
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "iteration" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, record["iteration"])
+            self.tensorboard.flush()
+        if self.args.log_metrics_jsonl:
+            with open(self.args.log_metrics_jsonl, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+
+def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_step: ForwardStep,
+             extra_initialization: Optional[Callable[[argparse.Namespace], None]] = None) -> TrainState:
+    """Train a GPT model as configured by validated ``args``. Returns the final state."""
+    initialize_megatron(args)
+    if extra_initialization is not None:
+        extra_initialization(args)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    args.padded_vocab_size = padded_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    )
+    config = core_transformer_config_from_args(args)
+    model = build_model(args, config, model_provider)
+    optimizer, scheduler = build_optimizer(args, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync
+    if args.fp16:
+        config.grad_scale_func = optimizer.scale_loss
+
+    state = TrainState()
+    if args.load is not None:
+        state = checkpointing.load_checkpoint(args, model, optimizer, scheduler) or state
+
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    train_iterator = build_data_iterator(train_ds, state.consumed_train_samples, args)
+    valid_iterator = build_data_iterator(valid_ds, state.consumed_valid_samples, args, cyclic=True)
+
+    num_parameters = metrics.count_parameters(args, args.padded_vocab_size)
+    peak_tflops, peak_source = metrics.peak_tflops_per_device(args)
+    flops_per_iteration = metrics.model_flops_per_sample(args, num_parameters) * args.global_batch_size
+    print_rank_0(
+        f"> model: {num_parameters / 1e6:.2f} M parameters | layout TP={args.tensor_model_parallel_size} "
+        f"PP={args.pipeline_model_parallel_size} CP={args.context_parallel_size} "
+        f"DP={args.data_parallel_size} SP={args.sequence_parallel} | micro-batches per step: "
+        f"{args.num_microbatches} | MFU peak {peak_tflops:.3f} TFLOP/s per device ({peak_source})"
+    )
+    logger = TrainingLogger(args, flops_per_iteration, peak_tflops)
+    signal_handler = DistributedSignalHandler(args.exit_signal) if args.exit_signal_handler else None
+
+    for chunk in model:
+        chunk.train()
+    while state.iteration < args.train_iters:
+        losses, grad_norm, skipped = train_step(
+            forward_step, train_iterator, model, optimizer, scheduler, args
+        )
+        state.iteration += 1
+        state.consumed_train_samples += args.global_batch_size
+        if "lm loss" in losses:
+            state.losses.append(losses["lm loss"])
+        logger.log(state.iteration, losses, scheduler.get_lr(optimizer.param_groups[0]),
+                   grad_norm, skipped)
+
+        if args.eval_iters > 0 and valid_iterator is not None and state.iteration % args.eval_interval == 0:
+            logger.log_validation(state.iteration, evaluate(forward_step, valid_iterator, model, args))
+            state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+
+        if signal_handler is not None and signal_handler.any_rank_signalled():
+            checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
+            print_rank_0(f"> {args.exit_signal} received: checkpoint saved at iteration "
+                         f"{state.iteration}, exiting")
+            return state
+        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+            checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
+                checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
+            print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval)")
+            return state
+
+    if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
+        checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
+    return state
+
+
+def run_main(main: Callable[[list[str]], None]) -> None:
+    """Run an entry point's main, turning argument errors into one line on stderr, exit 2."""
+    from megatron.training.arguments import ArgumentValidationError
+
+    try:
+        main(sys.argv[1:])
+    except ArgumentValidationError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,84 @@
+"""Pretrain a GPT model with megatron.core.
+
+    torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 \
+        --micro-batch-size 2 --global-batch-size 8 --lr 3e-4 --train-iters 100 --mock-data \
+        --vocab-size 4096
+
+See README.md for the flags and examples/ for cluster scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+from megatron.training import parse_args, pretrain, run_main
+from megatron.training.layer_specs import gpt_block_spec
+
+
+def model_provider(config: TransformerConfig, args: argparse.Namespace, pre_process: bool = True,
+                   post_process: bool = True) -> GPTModel:
+    """This pipeline stage's GPTModel."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_block_spec(args, config),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+
+
+def get_batch(data_iterator) -> dict:
+    """This rank's slice of the next micro-batch (only the first/last stages read data)."""
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    if not (first or last):
+        return {"tokens": None, "labels": None, "loss_mask": None, "position_ids": None}
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    batch = {
+        "tokens": batch["tokens"].to(device, non_blocking=True),
+        "labels": batch["labels"].to(device, non_blocking=True),
+        "loss_mask": batch["loss_mask"].to(device, non_blocking=True),
+        "position_ids": batch["position_ids"].to(device, non_blocking=True),
+    }
+    return get_batch_on_this_cp_rank(batch)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked token loss sum, token count, and the [sum, count] pair reported as 'lm loss'."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), mask.sum()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model: GPTModel):
+    """One micro-batch forward; megatron.core schedules call this."""
+    batch = get_batch(data_iterator)
+    output_tensor = model(
+        batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
+    )
+    return output_tensor, partial(loss_func, batch["loss_mask"])
+
+
+def main(argv: list[str]) -> None:
+    pretrain(parse_args(argv), model_provider, forward_step)
+
+
+if __name__ == "__main__":
+    run_main(main)
