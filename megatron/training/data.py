@@ -86,7 +86,13 @@ def build_data_iterator(dataset, consumed_samples: int, args: argparse.Namespace
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
     )
+    # A private generator: creating a loader iterator draws a worker seed, and drawing it from
+    # the global generator would shift dropout masks between a resumed and an uninterrupted run.
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=args.num_workers, pin_memory=False
+        dataset,
+        batch_sampler=sampler,
+        num_workers=args.num_workers,
+        pin_memory=False,
+        generator=torch.Generator().manual_seed(args.seed),
     )
     return _cycle(loader) if cyclic else iter(loader)

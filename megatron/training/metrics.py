@@ -48,8 +48,9 @@ def model_flops_per_sample(args: argparse.Namespace, num_parameters: int) -> flo
 
 def measure_cpu_gemm_tflops(size: int = 1024, repeats: int = 4) -> float:
     """Dense fp32 GEMM throughput of this process's CPU threads, in TFLOP/s (measured)."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+    generator = torch.Generator().manual_seed(0)  # leaves the training RNG streams untouched
+    a = torch.randn(size, size, generator=generator)
+    b = torch.randn(size, size, generator=generator)
     torch.mm(a, b)
     start = time.perf_counter()
     for _ in range(repeats):

@@ -273,16 +273,17 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     if args.fp16:
         config.grad_scale_func = optimizer.scale_loss
 
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    num_parameters = metrics.count_parameters(args, args.padded_vocab_size)
+    peak_tflops, peak_source = metrics.peak_tflops_per_device(args)
+
+    # Loaded last, so that no setup step can advance the restored random generators.
     state = TrainState()
     if args.load is not None:
         state = checkpointing.load_checkpoint(args, model, optimizer, scheduler) or state
-
-    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     train_iterator = build_data_iterator(train_ds, state.consumed_train_samples, args)
     valid_iterator = build_data_iterator(valid_ds, state.consumed_valid_samples, args, cyclic=True)
 
-    num_parameters = metrics.count_parameters(args, args.padded_vocab_size)
-    peak_tflops, peak_source = metrics.peak_tflops_per_device(args)
     flops_per_iteration = metrics.model_flops_per_sample(args, num_parameters) * args.global_batch_size
     print_rank_0(
         f"> model: {num_parameters / 1e6:.2f} M parameters | layout TP={args.tensor_model_parallel_size} "

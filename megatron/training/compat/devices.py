@@ -19,6 +19,8 @@ unchanged.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import sys
 import types
 from contextlib import nullcontext
@@ -122,19 +124,43 @@ class _CpuTorchProxy(types.ModuleType):
 CPU_TORCH = _CpuTorchProxy()
 
 
-def redirect_megatron_core_devices() -> list[str]:
-    """Point the ``torch`` global of every loaded ``megatron.core`` module at :data:`CPU_TORCH`.
+def _redirect_module(module: types.ModuleType) -> bool:
+    if getattr(module, "torch", None) is torch:
+        module.torch = CPU_TORCH
+        return True
+    return False
 
-    Must run after the modules are imported (see compat.apply_cpu_shims, which imports the
-    training path first). Returns the names of the modules patched.
-    """
-    patched = []
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("megatron.core") or module is None:
-            continue
-        if getattr(module, "torch", None) is torch:
-            module.torch = CPU_TORCH
-            patched.append(name)
+
+class _RedirectOnImport(importlib.abc.MetaPathFinder):
+    """Applies the redirect to megatron.core modules imported after the shims (for example
+    dist_checkpointing's save strategies, loaded lazily at the first save)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not fullname.startswith("megatron.core."):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        original_exec = spec.loader.exec_module
+
+        def exec_then_redirect(module):
+            original_exec(module)
+            _redirect_module(module)
+
+        spec.loader.exec_module = exec_then_redirect
+        return spec
+
+
+def redirect_megatron_core_devices() -> list[str]:
+    """Point the ``torch`` global of every ``megatron.core`` module, loaded now or later, at
+    :data:`CPU_TORCH`. Returns the names of the modules patched now."""
+    patched = [
+        name
+        for name, module in list(sys.modules.items())
+        if name.startswith("megatron.core") and module is not None and _redirect_module(module)
+    ]
+    if not any(isinstance(finder, _RedirectOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RedirectOnImport())
     return patched
 
 
