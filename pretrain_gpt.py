@@ -1,11 +1,12 @@
 """Pretrain a GPT model with megatron.core.
 
-    torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 \
-        --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 \
-        --micro-batch-size 2 --global-batch-size 8 --lr 3e-4 --train-iters 100 --mock-data \
+    torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 \\
+        --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 \\
+        --micro-batch-size 2 --global-batch-size 8 --lr 3e-4 --train-iters 100 --mock-data \\
         --vocab-size 4096
 
-See README.md for the flags and examples/ for cluster scripts.
+See README.md for the flags and examples/ for cluster scripts. megatron.core is imported only
+after the command line validated (see megatron.training.arguments), hence the local imports.
 """
 
 from __future__ import annotations
@@ -14,18 +15,17 @@ import argparse
 from functools import partial
 
 import torch
-from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron.training import parse_args, pretrain, run_main
-from megatron.training.layer_specs import gpt_block_spec
+from megatron.training.arguments import parse_args, run_main
 
 
-def model_provider(config: TransformerConfig, args: argparse.Namespace, pre_process: bool = True,
-                   post_process: bool = True) -> GPTModel:
+def model_provider(config, args: argparse.Namespace, pre_process: bool = True,
+                   post_process: bool = True):
     """This pipeline stage's GPTModel."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron.training.layer_specs import gpt_block_spec
+
     return GPTModel(
         config=config,
         transformer_layer_spec=gpt_block_spec(args, config),
@@ -43,16 +43,17 @@ def model_provider(config: TransformerConfig, args: argparse.Namespace, pre_proc
 
 def get_batch(data_iterator) -> dict:
     """This rank's slice of the next micro-batch (only the first/last stages read data)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     if not (first or last):
         return {"tokens": None, "labels": None, "loss_mask": None, "position_ids": None}
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     batch = {
-        "tokens": batch["tokens"].to(device, non_blocking=True),
-        "labels": batch["labels"].to(device, non_blocking=True),
-        "loss_mask": batch["loss_mask"].to(device, non_blocking=True),
-        "position_ids": batch["position_ids"].to(device, non_blocking=True),
+        key: batch[key].to(device, non_blocking=True)
+        for key in ("tokens", "labels", "loss_mask", "position_ids")
     }
     return get_batch_on_this_cp_rank(batch)
 
@@ -67,7 +68,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model: GPTModel):
+def forward_step(data_iterator, model):
     """One micro-batch forward; megatron.core schedules call this."""
     batch = get_batch(data_iterator)
     output_tensor = model(
@@ -77,7 +78,10 @@ def forward_step(data_iterator, model: GPTModel):
 
 
 def main(argv: list[str]) -> None:
-    pretrain(parse_args(argv), model_provider, forward_step)
+    args = parse_args(argv)
+    from megatron.training.training import pretrain
+
+    pretrain(args, model_provider, forward_step)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Megatron-MEMO's training half of the ``megatron`` namespace (megatron.core comes from the
-megatron-core wheel; there is deliberately no megatron/__init__.py)."""
+megatron-core wheel; there is deliberately no megatron/__init__.py).
 
-from megatron.training.arguments import parse_args
-from megatron.training.training import pretrain, run_main
-
-__all__ = ["parse_args", "pretrain", "run_main"]
+Entry points import megatron.training.arguments first and the training stack (megatron.core,
+several seconds to import) only after the command line validated, so a bad launch fails fast.
+"""

@@ -1,14 +1,17 @@
 """Megatron-style command line: ``_add_*_args`` groups with Megatron-LM's flag names and
 semantics, cross-flag validation, and the translation to megatron.core config dataclasses.
 
-Validation runs before torch.distributed is initialised and before any model is built, so a
-bad launch fails in about a second with one line naming the flag at fault and the fix.
+Validation runs before torch.distributed is initialised, before megatron.core is imported and
+before any model is built, so a bad launch fails within seconds with one line naming the flag
+at fault and the fix.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -293,6 +296,30 @@ def parse_args(
     return args
 
 
+def silence_expected_cpu_warnings() -> None:
+    """Hide megatron.core's import-time notices that Apex/Transformer Engine are missing:
+    on a CPU machine that is the expected state, and they would bury real errors."""
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+
+
+def run_main(main: Callable[[list[str]], None], argv: Optional[Sequence[str]] = None) -> None:
+    """Run an entry point's ``main(argv)``; an ArgumentValidationError becomes one line on
+    stderr (rank 0 only) and exit status 2."""
+    if not torch.cuda.is_available():
+        silence_expected_cpu_warnings()
+    try:
+        main(list(sys.argv[1:] if argv is None else argv))
+    except ArgumentValidationError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ArgumentValidationError(message)
@@ -531,7 +558,7 @@ def _validate_data(args: argparse.Namespace) -> None:
                  "--tokenizer-model FILE.json is required with --tokenizer-type BPETokenizer")
         _require(Path(args.tokenizer_model).is_file(),
                  f"--tokenizer-model {args.tokenizer_model} does not exist; train one with "
-                 "tools/preprocess_data.py or fix the path")
+                 "tools/prepare_demo_data.py (or train_bpe_tokenizer) or fix the path")
     if args.data_path:
         for prefix in _data_path_prefixes(args.data_path):
             for suffix in (".bin", ".idx"):

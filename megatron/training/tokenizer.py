@@ -27,11 +27,10 @@ from typing import Any
 
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
+from megatron.training.arguments import TOKENIZER_TYPES
+
 EOD_TOKEN = "<|endoftext|>"
 """Text of the end-of-document token (the name GPT-2 uses)."""
-
-TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer")
-"""Values accepted by --tokenizer-type."""
 
 
 class _OfflineTokenizer(MegatronLegacyTokenizer):

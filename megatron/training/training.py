@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -327,18 +325,3 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
         checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
     return state
-
-
-def run_main(main: Callable[[list[str]], None]) -> None:
-    """Run an entry point's main, turning argument errors into one line on stderr, exit 2."""
-    from megatron.training.arguments import ArgumentValidationError
-
-    try:
-        main(sys.argv[1:])
-    except ArgumentValidationError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

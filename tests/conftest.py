@@ -1,0 +1,72 @@
+"""Shared test helpers: launching pretrain_gpt.py under torchrun on loopback and reading the
+metrics it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+# A model small enough for 2-4 CPU processes to run 20 iterations in ~10-25 s.
+TINY_GPT_ARGS = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--train-iters", "20", "--mock-data", "--vocab-size", "512",
+    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_torchrun(nproc: int, args: list[str], timeout: float = 300,
+                 check: bool = True) -> subprocess.CompletedProcess:
+    """Run pretrain_gpt.py under torchrun (standalone rendezvous on a free loopback port)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"), *args,
+    ]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+                            text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"torchrun exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
+            f"stderr:\n{result.stderr[-6000:]}"
+        )
+    return result
+
+
+def read_losses(metrics_path: Path) -> dict[int, float]:
+    """iteration -> training lm loss from a --log-metrics-jsonl file."""
+    losses = {}
+    for line in metrics_path.read_text().splitlines():
+        record = json.loads(line)
+        if "lm_loss" in record:
+            losses[record["iteration"]] = record["lm_loss"]
+    return losses
+
+
+def read_records(metrics_path: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics_path.read_text().splitlines()]

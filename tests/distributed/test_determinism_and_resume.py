@@ -1,0 +1,87 @@
+"""Must-shows 2-4 of the trainer issue: --deterministic-mode gives bitwise-identical losses,
+save at 10 + resume reproduces iterations 11..20 exactly (dropout on, so RNG state is restored
+too), and SIGTERM saves a checkpoint, exits 0, and the run resumes from it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO_ROOT, TINY_GPT_ARGS, read_losses, run_torchrun, subprocess_env
+
+pytestmark = pytest.mark.distributed
+
+DROPOUT_TP2_ARGS = TINY_GPT_ARGS + ["--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--tensor-model-parallel-size", "2",
+     "--deterministic-mode", "--eval-interval", "5", "--eval-iters", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory) -> dict[int, float]:
+    metrics = tmp_path_factory.mktemp("full") / "metrics.jsonl"
+    run_torchrun(2, DROPOUT_TP2_ARGS + ["--log-metrics-jsonl", str(metrics)])
+    return read_losses(metrics)
+
+
+def test_deterministic_mode_is_bitwise_reproducible(uninterrupted_losses, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    run_torchrun(2, DROPOUT_TP2_ARGS + ["--log-metrics-jsonl", str(metrics)])
+    assert read_losses(metrics) == uninterrupted_losses
+
+
+def test_resume_reproduces_uninterrupted_losses(uninterrupted_losses, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    run_torchrun(2, DROPOUT_TP2_ARGS + ["--save", str(checkpoints), "--save-interval", "10",
+                                        "--exit-interval", "10", "--log-metrics-jsonl", str(first)])
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text() == "10"
+    assert not list(checkpoints.glob("*.partial"))
+    result = run_torchrun(2, DROPOUT_TP2_ARGS + [
+        "--save", str(checkpoints), "--load", str(checkpoints), "--log-metrics-jsonl", str(second),
+        "--tensorboard-dir", str(tmp_path / "tensorboard")])
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    log_line = next(line for line in result.stdout.splitlines() if "iteration       11/" in line)
+    for field in ("lm loss:", "lr:", "tokens/s:", "MFU:", "rss_mib:"):
+        assert field in log_line, log_line
+    resumed = read_losses(second)
+    assert sorted(resumed) == list(range(11, 21))
+    for iteration in range(11, 21):
+        assert resumed[iteration] == uninterrupted_losses[iteration], iteration
+    assert read_losses(first) == {i: uninterrupted_losses[i] for i in range(1, 11)}
+
+
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    log_path = tmp_path / "run.log"
+    args = TINY_GPT_ARGS + ["--tensor-model-parallel-size", "2", "--train-iters", "400",
+                            "--save", str(checkpoints), "--exit-signal-handler"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(REPO_ROOT / "pretrain_gpt.py"), *args]
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=subprocess_env(), stdout=log,
+                                    stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while "iteration        8/" not in log_path.read_text():
+            assert launcher.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "training never reached iteration 8"
+            time.sleep(0.1)
+        # SLURM delivers SIGTERM to the training processes; torchrun's children are those.
+        workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                 text=True).stdout.split()
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(int(pid), signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    output = log_path.read_text()
+    assert "SIGTERM received: checkpoint saved" in output
+    saved = int((checkpoints / "latest_checkpointed_iteration.txt").read_text())
+    assert 8 <= saved < 400
+    metrics = tmp_path / "resumed.jsonl"
+    run_torchrun(2, TINY_GPT_ARGS + ["--tensor-model-parallel-size", "2", "--train-iters",
+                                     str(saved + 3), "--load", str(checkpoints),
+                                     "--log-metrics-jsonl", str(metrics)])
+    assert sorted(read_losses(metrics)) == [saved + 1, saved + 2, saved + 3]

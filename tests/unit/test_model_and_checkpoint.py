@@ -1,0 +1,137 @@
+"""In-process (world of one, gloo) checks of the pieces behind the trainer: the parameter
+count used for MFU, the SDPA/CP attention shim against megatron.core's own attention, the
+resumable sampler, and checkpoint atomicity when a save dies half way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.training import metrics
+from megatron.training.arguments import core_transformer_config_from_args, parse_args
+from megatron.training.data import MicroBatchSampler
+from tests.conftest import TINY_GPT_ARGS
+
+VARIANTS = {
+    "learned_gelu_bias": [],
+    "rope_swiglu_rmsnorm_gqa": ["--position-embedding-type", "rope", "--swiglu",
+                                "--normalization", "RMSNorm", "--group-query-attention",
+                                "--num-query-groups", "2"],
+    "untied_no_bias": ["--untie-embeddings-and-output-weights", "--disable-bias-linear"],
+}
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    """A one-process megatron world; torn down after the module."""
+    from megatron.core import parallel_state
+
+    from megatron.training.initialize import initialize_megatron
+
+    args = parse_args(TINY_GPT_ARGS, world_size=1, cuda_available=False)
+    initialize_megatron(args)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def build_args(extra: list[str]):
+    from megatron.training.tokenizer import padded_vocab_size
+
+    args = parse_args(TINY_GPT_ARGS + extra, world_size=1, cuda_available=False)
+    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, 1)
+    return args
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parameter_count_matches_built_model(megatron_world, variant):
+    import pretrain_gpt
+
+    args = build_args(VARIANTS[variant])
+    model = pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
+    assert metrics.count_parameters(args, args.padded_vocab_size) == sum(
+        p.numel() for p in model.parameters()
+    )
+
+
+def test_model_flops_formula():
+    args = build_args([])
+    flops = metrics.model_flops_per_sample(args, num_parameters=1000)
+    assert flops == 6 * 64 * 1000 + 6 * 4 * 64 * 64**2
+
+
+def test_sdpa_attention_matches_megatron_dot_product_attention(megatron_world):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron.training.compat.attention import SDPACoreAttention
+
+    config = core_transformer_config_from_args(build_args([]))
+    kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                  attention_type="self", attention_dropout=0.0)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(16, 2, 4, 16, generator=generator) for _ in range(3))
+    reference = DotProductAttention(**kwargs)(q, k, v, attention_mask=None)
+    ours = SDPACoreAttention(**kwargs)(q, k, v, attention_mask=None)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_load_balanced_positions_cover_the_sequence_once():
+    from megatron.training.compat.attention import load_balanced_positions
+
+    cp = 3
+    positions = torch.cat([load_balanced_positions(8, rank, cp) for rank in range(cp)])
+    assert sorted(positions.tolist()) == list(range(24))
+    assert load_balanced_positions(8, 0, cp).tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
+
+
+def test_sampler_resumes_where_it_stopped():
+    full = list(MicroBatchSampler(64, 0, micro_batch_size=2, dp_rank=1, dp_size=2))
+    resumed = list(MicroBatchSampler(64, 24, micro_batch_size=2, dp_rank=1, dp_size=2))
+    assert resumed == full[6:]
+    assert full[0] == [2, 3]
+
+
+def test_crash_during_save_keeps_previous_checkpoint(megatron_world, tmp_path, monkeypatch):
+    from megatron.core import dist_checkpointing
+
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron.training import checkpointing
+    from megatron.training.data import build_data_iterator, build_datasets
+    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.training import TrainState, build_model, build_optimizer, train_step
+    import pretrain_gpt
+
+    args = build_args(["--save", str(tmp_path), "--load", str(tmp_path)])
+    config = core_transformer_config_from_args(args)
+    model = build_model(args, config, pretrain_gpt.model_provider)
+    optimizer, scheduler = build_optimizer(args, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    train_dataset = build_datasets(args, build_tokenizer("NullTokenizer", None, args.vocab_size))[0]
+    train_step(pretrain_gpt.forward_step, build_data_iterator(train_dataset, 0, args), model,
+               optimizer, scheduler, args)  # gives the optimizer state to save
+    checkpointing.save_checkpoint(args, TrainState(iteration=1, consumed_train_samples=8),
+                                  model, optimizer, scheduler)
+
+    def die_half_way(state_dict, directory, *args, **kwargs):
+        (tmp_path / "iter_0000002.partial" / "shard_written_before_crash").write_text("x")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dist_checkpointing, "save", die_half_way)
+    with pytest.raises(OSError):
+        checkpointing.save_checkpoint(args, TrainState(iteration=2), model, optimizer, scheduler)
+    monkeypatch.undo()
+    assert checkpointing.read_latest_iteration(tmp_path) == 1
+    assert not (tmp_path / "iter_0000002").exists()
+    state = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+    assert (state.iteration, state.consumed_train_samples) == (1, 8)
+
+
+def test_corrupt_tracker_file_is_a_clear_error(tmp_path):
+    from megatron.training import checkpointing
+
+    (tmp_path / checkpointing.TRACKER_FILENAME).write_text("release")
+    with pytest.raises(ValueError, match="--load"):
+        checkpointing.read_latest_iteration(tmp_path)
