@@ -13,7 +13,8 @@
 #   3. The demo checks itself (the last logged loss must be below the first) and plots
 #      runs/demo/loss.png with tools/plot_loss.py.
 #
-# Environment knobs: DEMO_TRAIN_ITERS (default 120), DEMO_MASTER_PORT (default: a free port).
+# Environment knobs: DEMO_TRAIN_ITERS (default 120), DEMO_RUN_DIR (default runs/demo; deleted
+# and recreated), DEMO_MASTER_PORT (default: a free port).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,8 +29,13 @@ fi
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # One intra-op thread per rank: the 2 ranks share the 2 cores of a small machine.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Quiet two library notices that say nothing about this run: torch's deprecation of the
+# collectives megatron-core calls, and megatron-core's CUDA stream advice for sequence
+# parallelism (the variable has no effect on CPU).
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::FutureWarning:torch.distributed.c10d_logger}"
+export CUDA_DEVICE_MAX_CONNECTIONS=1
 
-RUN_DIR=runs/demo
+RUN_DIR="${DEMO_RUN_DIR:-runs/demo}"
 METRICS="$RUN_DIR/metrics.jsonl"
 TRAIN_ITERS="${DEMO_TRAIN_ITERS:-120}"
 START_SECONDS=$SECONDS
@@ -75,6 +81,7 @@ LOGGING_ARGS=(
 
 rm -rf "$RUN_DIR"
 mkdir -p "$RUN_DIR"
+RUN_DIR_ABS="$(cd "$RUN_DIR" && pwd)"
 : >"$METRICS"
 
 echo "== 2/3 training: torchrun, 2 CPU ranks, TP=2 + sequence parallel, $TRAIN_ITERS iterations"
@@ -114,6 +121,6 @@ PY
 
 "$PYTHON" tools/plot_loss.py "$METRICS" -o "$RUN_DIR/loss.png" \
     --labels "GPT 4x256, TP=2 + SP (CPU)" --title "make demo: GPT pretraining on CPU"
-echo "loss curve: $REPO_ROOT/$RUN_DIR/loss.png"
-echo "checkpoint: $REPO_ROOT/$RUN_DIR/checkpoints | log: $REPO_ROOT/$RUN_DIR/train.log"
+echo "loss curve: $RUN_DIR_ABS/loss.png"
+echo "checkpoint: $RUN_DIR_ABS/checkpoints | log: $RUN_DIR_ABS/train.log"
 echo "demo finished in $((SECONDS - START_SECONDS)) s"

@@ -115,7 +115,7 @@ fi
 
 mkdir -p "$CHECKPOINT_DIR" "$TENSORBOARD_DIR"
 cd "$MEMO_ROOT"
-echo "GPT-$MEMO_MODEL: $NNODES node(s) x $GPUS_PER_NODE GPUs, SEQ_LENGTH=$SEQ_LENGTH," \
+echo "GPT-${MEMO_MODEL^^}: $NNODES node(s) x $GPUS_PER_NODE GPUs, SEQ_LENGTH=$SEQ_LENGTH," \
     "rendezvous $MASTER_ADDR:$MASTER_PORT, checkpoints in $CHECKPOINT_DIR" \
     "(restart ${SLURM_RESTART_COUNT:-0})"
 

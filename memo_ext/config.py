@@ -1,0 +1,232 @@
+"""Configuration dataclasses for the MEMO mechanisms; the ``--memo-*`` flags are generated from them.
+
+One definition per flag: each dataclass field carries its flag name and help text in its
+``metadata`` (see :func:`memo_field`). :func:`add_config_arguments` turns a dataclass into an
+argparse group, :func:`config_from_args` turns the parsed namespace back into the dataclass, and
+each config's ``validate()`` raises :class:`MemoConfigError` with a one-line message naming the
+flag at fault and the fix.
+
+Naming rule (checked when the group is generated, so a typo fails at startup, not in a run):
+a field ``<name>`` is stored on the argparse namespace as ``memo_<name>`` and its flag is
+``--memo-<name with '_' replaced by '-'>``. Example: ``OffloadConfig.host_memory_gb`` <->
+``args.memo_host_memory_gb`` <-> ``--memo-host-memory-gb``. Field names must therefore be unique
+across all config dataclasses that share one parser (argparse rejects a duplicate flag).
+
+Units: ``GB`` here is 10**9 bytes and ``GB/s`` is 10**9 bytes per second (the PCIe convention).
+
+Nothing here imports megatron.training (the trainer imports memo_ext, never the reverse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Optional, TypeVar, Union
+
+#: Bytes in one GB as used by the ``--memo-*-gb`` / ``--memo-*-gbps`` flags.
+BYTES_PER_GB = 10**9
+
+#: Prefix of every generated namespace attribute (``args.memo_<field>``).
+ARG_PREFIX = "memo_"
+
+ConfigT = TypeVar("ConfigT")
+
+
+class MemoConfigError(ValueError):
+    """A ``--memo-*`` flag value or combination that cannot run.
+
+    The message is one line naming the flag at fault and what to do.
+    """
+
+
+def memo_field(default: Any, *, flag: str, help: str, **argparse_kwargs: Any) -> Any:
+    """A dataclass field carrying its command-line flag.
+
+    Args:
+        default: the field's default (also the flag's default).
+        flag: the flag, ``--memo-<field-name-with-hyphens>`` (checked by
+            :func:`add_config_arguments`).
+        help: the flag's help text (the field's documentation; state units).
+        **argparse_kwargs: extra ``add_argument`` keywords (``choices``, ``metavar``, ...).
+    """
+    metadata = {"flag": flag, "help": help, "argparse": dict(argparse_kwargs)}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def arg_dest(field_name: str) -> str:
+    """Namespace attribute of a config field: ``memo_<field_name>``."""
+    return ARG_PREFIX + field_name
+
+
+def arg_flag(field_name: str) -> str:
+    """Command-line flag of a config field: ``--memo-<field-name-with-hyphens>``."""
+    return "--" + arg_dest(field_name).replace("_", "-")
+
+
+def _scalar_type(annotation: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of a field annotation such as ``float | None``."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) != 1:
+            raise TypeError(f"unsupported config field type {annotation!r}: one type or Optional")
+        return members[0], True
+    return annotation, False
+
+
+def _config_fields(config_cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    if not dataclasses.is_dataclass(config_cls):
+        raise TypeError(f"{config_cls!r} is not a dataclass")
+    hints = typing.get_type_hints(config_cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(config_cls) if f.init]
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser, config_cls: type, title: str
+) -> argparse._ArgumentGroup:
+    """Add one argument group to ``parser`` generated from ``config_cls``'s fields.
+
+    Each field must be declared with :func:`memo_field`. ``bool`` fields (default False)
+    become ``store_true`` flags; ``int``/``float``/``str`` fields (optionally ``| None``) take
+    one value of that type; ``typing.Literal[...]`` fields become ``choices``. The flag's
+    default is the field's default, so an unset flag round-trips to the dataclass default.
+
+    Returns the group. Raises TypeError if a field has no flag metadata, its flag breaks the
+    naming rule (module docstring), or its type is unsupported.
+    """
+    group = parser.add_argument_group(title=title, description=(config_cls.__doc__ or "").strip()
+                                      .split("\n\n")[0] or None)
+    for field, annotation in _config_fields(config_cls):
+        meta = field.metadata
+        if "flag" not in meta or "help" not in meta:
+            raise TypeError(f"{config_cls.__name__}.{field.name} has no flag/help metadata; "
+                            "declare it with memo_field(...)")
+        flag = meta["flag"]
+        if flag != arg_flag(field.name):
+            raise TypeError(f"{config_cls.__name__}.{field.name}: flag {flag!r} breaks the naming "
+                            f"rule; use {arg_flag(field.name)!r}")
+        kwargs: dict[str, Any] = {"dest": arg_dest(field.name), "default": field.default,
+                                  "help": meta["help"]}
+        scalar, _optional = _scalar_type(annotation)
+        if scalar is bool:
+            if field.default is not False:
+                raise TypeError(f"{config_cls.__name__}.{field.name}: bool flags must default "
+                                "to False (store_true)")
+            kwargs["action"] = "store_true"
+        elif typing.get_origin(scalar) is typing.Literal:
+            choices = typing.get_args(scalar)
+            kwargs["type"] = type(choices[0])
+            kwargs["choices"] = choices
+        elif scalar in (int, float, str):
+            kwargs["type"] = scalar
+        else:
+            raise TypeError(f"{config_cls.__name__}.{field.name}: unsupported type {annotation!r}")
+        kwargs.update(meta.get("argparse", {}))
+        group.add_argument(flag, **kwargs)
+    return group
+
+
+def config_from_args(config_cls: type[ConfigT], args: argparse.Namespace) -> ConfigT:
+    """Build ``config_cls`` from a parsed namespace (attribute ``memo_<field>`` per field).
+
+    An attribute missing from the namespace (its group was never added, e.g. a namespace built
+    by hand in a test) takes the field's default. Does not validate: call ``.validate()``.
+    """
+    values = {}
+    for field, _annotation in _config_fields(config_cls):
+        values[field.name] = getattr(args, arg_dest(field.name), field.default)
+    return config_cls(**values)
+
+
+def _fmt(value: Any) -> str:
+    """A flag value as the user typed it (strings as given, numbers in ``%g`` form)."""
+    return value if isinstance(value, str) else f"{value:g}"
+
+
+@dataclass
+class OffloadConfig:
+    """MEMO token-wise activation swapping + recomputation (``--memo-offload`` and friends).
+
+    Field help texts are the flag documentation; see memo.md "Choosing alpha (LP)".
+    """
+
+    offload: bool = memo_field(
+        False, flag="--memo-offload",
+        help="Route every TransformerLayer's skeletal activations through MEMO's token-wise "
+             "swap + recompute: the layer input and attention output are offloaded whole, the "
+             "first alpha*s tokens of the other saved tensors go to host memory and the rest "
+             "are recomputed before the layer's backward. The last two layers of each pipeline "
+             "stage are never offloaded.")
+    alpha: str = memo_field(
+        "auto", flag="--memo-alpha", metavar="{auto,ALPHA}",
+        help="'auto' or a float in [0, 1]: fraction of tokens of the alpha-split tensors that is "
+             "offloaded to host memory; the rest is recomputed. 'auto' solves MEMO's LP (largest "
+             "alpha whose copies hide under one layer's forward and whose slots fit host "
+             "memory).")
+    host_memory_gb: Optional[float] = memo_field(
+        None, flag="--memo-host-memory-gb", metavar="GB",
+        help="Host memory for offloaded activations per rank, in GB (1e9 bytes). Default: "
+             "available host memory at startup / ranks on this node.")
+    pcie_gbps: Optional[float] = memo_field(
+        None, flag="--memo-pcie-gbps", metavar="GB/S",
+        help="Device->host copy bandwidth per rank, in GB/s (1e9 bytes/s). Default: measured "
+             "at startup with all ranks of the node copying at once.")
+
+    @property
+    def fixed_alpha(self) -> float | None:
+        """The user-given alpha as a float in [0, 1], or None for ``auto`` (solve the LP).
+
+        Raises MemoConfigError if alpha is neither ``auto`` nor a number (call validate()).
+        """
+        if isinstance(self.alpha, str) and self.alpha.strip().lower() == "auto":
+            return None
+        try:
+            return float(self.alpha)
+        except (TypeError, ValueError):
+            raise MemoConfigError(f"--memo-alpha {self.alpha!r} is not a number; use auto "
+                                  "or a value in [0, 1]") from None
+
+    @property
+    def host_memory_bytes(self) -> int | None:
+        """``--memo-host-memory-gb`` in bytes, or None when not given (use the default)."""
+        return None if self.host_memory_gb is None else int(self.host_memory_gb * BYTES_PER_GB)
+
+    @property
+    def pcie_bytes_per_s(self) -> float | None:
+        """``--memo-pcie-gbps`` in bytes/s, or None when not given (measure at startup)."""
+        return None if self.pcie_gbps is None else self.pcie_gbps * BYTES_PER_GB
+
+    def validate(self) -> None:
+        """Raise MemoConfigError (one line: the flag and the fix) on any unusable value.
+
+        Value checks come first; then flags that only matter with ``--memo-offload`` are
+        rejected without it. "Given" means "differs from the field default" (alpha: not
+        ``auto``; the others: not None), so an explicit ``--memo-alpha auto`` without
+        ``--memo-offload`` is accepted.
+        """
+        alpha = self.fixed_alpha  # raises for a non-number
+        if alpha is not None and not 0.0 <= alpha <= 1.0:  # also rejects nan
+            raise MemoConfigError(f"--memo-alpha {_fmt(self.alpha)} is outside [0, 1]; use auto "
+                                  "or a value in [0, 1]")
+        if self.host_memory_gb is not None and not (
+            self.host_memory_gb > 0 and math.isfinite(self.host_memory_gb)
+        ):
+            raise MemoConfigError(f"--memo-host-memory-gb {_fmt(self.host_memory_gb)} must be a "
+                                  "positive number of GB; give the host memory per rank or drop "
+                                  "the flag to use available memory / local ranks")
+        if self.pcie_gbps is not None and not (self.pcie_gbps > 0 and math.isfinite(self.pcie_gbps)):
+            raise MemoConfigError(f"--memo-pcie-gbps {_fmt(self.pcie_gbps)} must be a positive "
+                                  "number of GB/s; give the device->host bandwidth per rank or "
+                                  "drop the flag to measure it at startup")
+        if not self.offload:
+            given = {"alpha": alpha is not None, "host_memory_gb": self.host_memory_gb is not None,
+                     "pcie_gbps": self.pcie_gbps is not None}
+            for name, value_given in given.items():
+                value = getattr(self, name)
+                if value_given:
+                    raise MemoConfigError(f"{arg_flag(name)} {_fmt(value)} has no effect without "
+                                          "--memo-offload; add --memo-offload or drop it")

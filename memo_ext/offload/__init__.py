@@ -1,0 +1,155 @@
+"""MEMO token-wise activation swapping + recomputation.
+
+Public entry point: :class:`MemoOffload`. The trainer builds one per process from an
+:class:`memo_ext.config.OffloadConfig`, asks it for the layer spec, and calls
+:meth:`MemoOffload.after_iteration` after each training iteration (with ``--memo-alpha auto``
+the first iteration runs at alpha = 0 and measures what the LP needs).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from memo_ext.config import MemoConfigError, OffloadConfig
+from memo_ext.device import CopyEngine
+from memo_ext.offload.alpha import (
+    AlphaDecision,
+    AlphaInputs,
+    format_alpha_log,
+    host_memory_shortfall,
+    offloaded_layers,
+    solve_alpha,
+)
+from memo_ext.offload.layer import LAYERS_KEPT_ON_DEVICE, MemoTransformerLayer
+from memo_ext.offload.manager import OffloadManager
+
+__all__ = ["ActivationShape", "MemoOffload", "MemoTransformerLayer"]
+
+BYTES_PER_GB = 1e9
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """Per-rank shape of one layer's activations for one micro-batch.
+
+    ``sequence_tokens`` is the sequence after context-parallel splitting; the layer input is
+    further split over TP under sequence parallelism, the attention output is head-sharded.
+    """
+
+    sequence_tokens: int
+    micro_batch_size: int
+    hidden_size: int
+    tensor_parallel_size: int
+    sequence_parallel: bool
+    element_bytes: int
+
+    @property
+    def input_bytes(self) -> int:
+        tokens = self.sequence_tokens // (self.tensor_parallel_size if self.sequence_parallel else 1)
+        return tokens * self.micro_batch_size * self.hidden_size * self.element_bytes
+
+    @property
+    def attention_output_bytes(self) -> int:
+        """The out-projection input (offloaded whole) plus the core attention's own saved copy
+        of its output, which our layer cannot share (see README, MEMO section)."""
+        one = (self.sequence_tokens * self.micro_batch_size * self.hidden_size
+               // self.tensor_parallel_size * self.element_bytes)
+        return 2 * one
+
+
+class MemoOffload:
+    """MEMO for one model chunk: layer spec, offload manager, alpha."""
+
+    def __init__(self, config: OffloadConfig, engine: CopyEngine, layers_per_stage: int,
+                 microbatches_in_flight: int, shape: ActivationShape,
+                 host_memory_bytes: int, bandwidth_bytes_per_s: float,
+                 on_host_allocate: Optional[Callable[[torch.Tensor], None]] = None,
+                 log: Callable[[str], None] = print):
+        config.validate()
+        if layers_per_stage <= LAYERS_KEPT_ON_DEVICE:
+            raise MemoConfigError(
+                f"--memo-offload needs more than {LAYERS_KEPT_ON_DEVICE} layers per pipeline stage "
+                f"(the last {LAYERS_KEPT_ON_DEVICE} stay on device), this stage has "
+                f"{layers_per_stage}; raise --num-layers or lower --pipeline-model-parallel-size"
+            )
+        self.config = config
+        self.layers_per_stage = layers_per_stage
+        self.microbatches_in_flight = microbatches_in_flight
+        self.shape = shape
+        self.host_memory_bytes = host_memory_bytes
+        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
+        self.pinned_rounding = engine.device.type == "cuda"
+        self.log = log
+        self.decision: Optional[AlphaDecision] = None
+        self._check_host_memory_at_alpha_zero()
+        fixed = config.fixed_alpha
+        self.manager = OffloadManager(engine, 0.0 if fixed is None else fixed, on_host_allocate)
+        self._forward_seconds: list[float] = []
+
+    def _inputs(self, other_bytes: int, layer_forward_s: float) -> AlphaInputs:
+        return AlphaInputs(
+            input_bytes=self.shape.input_bytes,
+            attention_output_bytes=self.shape.attention_output_bytes,
+            other_bytes=other_bytes,
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            layer_forward_s=layer_forward_s,
+            host_memory_bytes=self.host_memory_bytes,
+            offloaded_layers=offloaded_layers(self.layers_per_stage),
+            microbatches_in_flight=self.microbatches_in_flight,
+            pinned_rounding=self.pinned_rounding,
+        )
+
+    def _check_host_memory_at_alpha_zero(self) -> None:
+        missing = host_memory_shortfall(self._inputs(other_bytes=0, layer_forward_s=0.0))
+        if missing:
+            raise MemoConfigError(
+                f"--memo-offload: host memory is {missing / BYTES_PER_GB:.2f} GB short even at "
+                f"alpha=0 ({self.host_memory_bytes / BYTES_PER_GB:.2f} GB per rank available); "
+                "raise --memo-host-memory-gb, add nodes, or shorten --seq-length"
+            )
+
+    def layer_spec(self, base: ModuleSpec) -> ModuleSpec:
+        """``base`` (a megatron.core GPT layer spec) with MEMO's layer class."""
+        return ModuleSpec(
+            module=MemoTransformerLayer,
+            params={**(base.params or {}), "memo": self},
+            submodules=base.submodules,
+        )
+
+    @property
+    def alpha(self) -> float:
+        return self.manager.alpha
+
+    @contextmanager
+    def layer_timer(self):
+        """Times an offloaded layer's forward while --memo-alpha auto is still measuring
+        (device-synchronised on CUDA, so the time is compute, not launch)."""
+        measuring = self.config.fixed_alpha is None and self.decision is None
+        if measuring and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if measuring:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._forward_seconds.append(time.perf_counter() - start)
+
+    def after_iteration(self) -> None:
+        """With --memo-alpha auto, solve the LP once the first iteration has measured it."""
+        if self.config.fixed_alpha is not None or self.decision is not None:
+            return
+        counts = self.manager.layer_forwards
+        if not counts or not self._forward_seconds:
+            return
+        other_bytes = self.manager.saved_bytes["recomputed"] // counts
+        layer_forward_s = sorted(self._forward_seconds)[len(self._forward_seconds) // 2]
+        inputs = self._inputs(other_bytes, layer_forward_s)
+        self.decision = solve_alpha(inputs)
+        self.manager.set_alpha(self.decision.alpha)
+        self.log(f"> MEMO alpha: {format_alpha_log(inputs, self.decision)}")

@@ -1,0 +1,165 @@
+"""MemoTransformerLayer: megatron.core's TransformerLayer with MEMO's token-wise swap and
+recompute in training forward.
+
+The layer is built from the same submodules as megatron.core's GPT layer spec (norms, QKV and
+output projections, core attention, MLP, bias-dropout-add); only the forward is reorganised.
+Every operation before and after core attention is position-wise, so the layer runs them
+separately on the *kept* tokens (their saved activations go to host memory through the
+rounding buffer) and on the *dropped* tokens (a drop region: what it saves is discarded and
+recomputed from the offloaded layer input and attention output before backward). Core
+attention runs once over all tokens and is never recomputed. See memo_ext/offload/manager.py
+for where each saved tensor goes.
+
+Under sequence parallelism each part's column-parallel projections all-gather only that part's
+tokens, so the token-wise recompute gathers exactly the tokens it needs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    get_transformer_layer_offset,
+)
+
+from memo_ext.config import MemoConfigError
+from memo_ext.offload.tokens import TokenSplit
+
+if TYPE_CHECKING:
+    from memo_ext.offload import MemoOffload
+
+# The last layers of a pipeline stage start their backward right after their forward: nothing
+# to gain from moving their activations (MEMO keeps two).
+LAYERS_KEPT_ON_DEVICE = 2
+
+
+class MemoTransformerLayer(TransformerLayer):
+    """TransformerLayer whose training forward routes saved activations through MEMO."""
+
+    def __init__(self, config, submodules, layer_number: int = 1,
+                 hidden_dropout: Optional[float] = None, pg_collection=None,
+                 vp_stage: Optional[int] = None, memo: Optional["MemoOffload"] = None):
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
+                         vp_stage=vp_stage)
+        if memo is None:
+            raise ValueError("MemoTransformerLayer needs the MemoOffload runtime (spec params)")
+        self._check_supported()
+        self.memo = memo
+        stage_offset = get_transformer_layer_offset(config, vp_stage)
+        self.stage_layer_index = self.layer_number - 1 - stage_offset
+        self.offloaded = self.stage_layer_index < memo.layers_per_stage - LAYERS_KEPT_ON_DEVICE
+
+    def _check_supported(self) -> None:
+        problems = []
+        if not isinstance(self.self_attention, SelfAttention):
+            problems.append(f"self-attention {type(self.self_attention).__name__}")
+        if not isinstance(self.cross_attention, IdentityOp):
+            problems.append("cross-attention")
+        if not isinstance(self.mlp, MLP):
+            problems.append(f"MLP {type(self.mlp).__name__} (MoE is not supported)")
+        if self.config.recompute_granularity is not None:
+            problems.append(f"--recompute-granularity {self.config.recompute_granularity}")
+        if problems:
+            raise MemoConfigError(
+                "--memo-offload supports dense GPT layers (SelfAttention + MLP) without Megatron "
+                f"recompute; this model has {', '.join(problems)}: drop --memo-offload or those "
+                "options"
+            )
+
+    def forward(self, *args, **kwargs):
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        use_memo = (
+            self.training
+            and torch.is_grad_enabled()
+            and kwargs.get("packed_seq_params") is None
+            and kwargs.get("inference_context") is None
+        )
+        if not use_memo:
+            return super().forward(*args, **kwargs)
+        is_first = self.stage_layer_index == 0
+        if not self.offloaded:
+            output, context = super().forward(*args, **kwargs)
+            self.memo.manager.skip_layer(is_first, output)
+            return output, context
+        attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        output = self._memo_forward(hidden_states, attention_mask, kwargs.get("rotary_pos_emb"),
+                                    is_first)
+        return output, None
+
+    # The two position-wise halves of the layer, run on a subset of tokens.
+    def _attention_inputs(self, hidden_states, rotary_freqs):
+        normed = self.input_layernorm(hidden_states)
+        query, key, value = self.self_attention.get_query_key_value_tensors(normed, None)
+        if rotary_freqs is not None:
+            query = apply_rotary_pos_emb(query, rotary_freqs, config=self.config)
+            key = apply_rotary_pos_emb(key, rotary_freqs, config=self.config)
+        return query, key, value
+
+    def _attention_output_and_mlp(self, attention_output, residual):
+        projected = self.self_attention.linear_proj(attention_output)
+        with self.bias_dropout_add_exec_handler():
+            hidden = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+                projected, residual, self.hidden_dropout
+            )
+        mlp_output = self.mlp(self.pre_mlp_layernorm(hidden))
+        with self.bias_dropout_add_exec_handler():
+            return self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
+                mlp_output, hidden, self.hidden_dropout
+            )
+
+    def _memo_forward(self, hidden_states, attention_mask, rotary_pos_emb, is_first):
+        manager = self.memo.manager
+        chunks = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        split = TokenSplit.from_alpha(manager.alpha, hidden_states.size(0), chunks)
+        record = manager.begin_layer(self.stage_layer_index, is_first, list(self.parameters()))
+        kept_rows = chunks * split.kept
+        with self.memo.layer_timer(), manager.hooks(record):
+            manager.register_whole(record, hidden_states)
+            input_kept, input_dropped = hidden_states[: split.kept], hidden_states[split.kept :]
+            freqs = {part: None for part in ("kept", "dropped")}
+            if rotary_pos_emb is not None:
+                freqs = {part: rotary_pos_emb[split.natural_indices(part).to(rotary_pos_emb.device)]
+                         for part in freqs}
+
+            qkv_kept = self._attention_inputs(input_kept, freqs["kept"]) if split.kept else None
+            region_a, qkv_dropped = None, None
+            if split.dropped:
+                region_a, qkv_dropped = manager.run_drop_region(
+                    record, self._attention_inputs, [input_dropped, freqs["dropped"]],
+                    small_inputs=[False, True],
+                )
+            merged = []
+            for index in range(3):
+                kept = qkv_kept[index] if qkv_kept else None
+                dropped = qkv_dropped[index] if qkv_dropped else None
+                tensor = split.merge(kept, dropped)
+                manager.register_merged(record, tensor, split, kept, region_a, index)
+                merged.append(tensor)
+
+            core_output = self.self_attention.core_attention(
+                *merged, attention_mask, attn_mask_type=self.self_attention.attn_mask_type
+            )
+            attention_output = split.split(core_output)
+            del core_output
+            manager.register_whole(record, attention_output)
+
+            outputs = []
+            if split.kept:
+                outputs.append(self._attention_output_and_mlp(
+                    attention_output[:kept_rows], input_kept))
+            if split.dropped:
+                _, output_dropped = manager.run_drop_region(
+                    record, self._attention_output_and_mlp,
+                    [attention_output[kept_rows:], input_dropped], small_inputs=[False, False],
+                )
+                outputs.append(output_dropped)
+            output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        manager.end_layer(record, hidden_states, output)
+        return output

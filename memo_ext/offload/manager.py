@@ -1,0 +1,472 @@
+"""Where every saved-for-backward tensor of a MEMO layer goes, and how it comes back.
+
+A MEMO layer runs its forward under ``torch.autograd.graph.saved_tensors_hooks`` bound to an
+:class:`OffloadManager`. Each tensor autograd wants to keep is classified when it is saved:
+
+- a parameter (or a view of one): kept by reference, nothing to move;
+- saved inside a *drop region* (the position-wise part of the layer run on the dropped
+  tokens): discarded; the region is recomputed from its inputs right before the layer's
+  backward needs it, like non-reentrant checkpointing, but with the inputs themselves read
+  back from host memory instead of pinned on the device;
+- a view of a registered tensor (the layer input and the attention output, offloaded whole;
+  the merged q/k/v, rebuilt from their offloaded kept part and recomputed dropped part):
+  stored as a view description;
+- anything else (the kept tokens' activations, attention statistics): copied into the layer's
+  *rounding buffer*.
+
+Rounding buffers: two device buffers, layer i writes buffer i % 2. When a layer's forward ends
+its buffer is copied to a host slot (one fixed slot per layer and micro-batch in flight) on the
+copy engine's D2H queue; the next layer with the same parity waits for that copy before it
+overwrites the buffer. In backward, when layer i+1's backward starts, layer i's host slot is
+prefetched into buffer i % 2 on the H2D queue; layer i's first unpack waits for it. Device
+memory for activations therefore stays at two layers' worth however deep the model is.
+
+Everything here is written against :class:`memo_ext.device.CopyEngine`, so the same protocol
+runs on CUDA streams and on the CPU copy worker used in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from memo_ext.device import CopyEngine, CopyEvent
+from memo_ext.offload.tokens import TokenSplit
+
+# Offsets inside a rounding buffer are rounded up to this many bytes so that every restored
+# tensor is as aligned as a fresh allocation would be for vectorised kernels.
+BUFFER_ALIGNMENT_BYTES = 256
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + BUFFER_ALIGNMENT_BYTES - 1) // BUFFER_ALIGNMENT_BYTES * BUFFER_ALIGNMENT_BYTES
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class RoundingBuffer:
+    """One of the two device buffers; grows (first iteration only) to the largest layer."""
+
+    def __init__(self, engine: CopyEngine):
+        self.engine = engine
+        self.tensor: Optional[torch.Tensor] = None
+        self.last_event: Optional[CopyEvent] = None
+        self.owner: Optional["LayerRecord"] = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.tensor is None else self.tensor.numel()
+
+    def ensure_capacity(self, nbytes: int, keep_bytes: int = 0) -> None:
+        """Grow to at least ``nbytes``, preserving the first ``keep_bytes``."""
+        if nbytes <= self.capacity:
+            return
+        grown = self.engine.alloc_device(max(nbytes, 2 * self.capacity))
+        if keep_bytes:
+            grown[:keep_bytes].copy_(self.tensor[:keep_bytes])
+        self.tensor = grown
+
+
+class HostSlotPool:
+    """Fixed host slots per layer; a layer needs one per micro-batch in flight."""
+
+    def __init__(self, engine: CopyEngine, on_allocate: Optional[Callable[[torch.Tensor], None]]):
+        self.engine = engine
+        self.on_allocate = on_allocate
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.allocated_bytes = 0
+
+    def acquire(self, layer: int, nbytes: int) -> torch.Tensor:
+        free = self.free.setdefault(layer, [])
+        for index, slot in enumerate(free):
+            if slot.numel() >= nbytes:
+                return free.pop(index)
+        slot = self.engine.alloc_host(nbytes)
+        self.allocated_bytes += slot.numel()
+        if self.on_allocate is not None:
+            self.on_allocate(slot)
+        return slot
+
+    def release(self, layer: int, slot: torch.Tensor) -> None:
+        self.free.setdefault(layer, []).append(slot)
+
+    def reset(self) -> None:
+        """Drop every slot (after alpha changed, slot sizes change)."""
+        self.free.clear()
+        self.allocated_bytes = 0
+
+
+@dataclass
+class _BufferSlice:
+    """A saved tensor copied into its layer's rounding buffer (restored contiguous)."""
+
+    record: "LayerRecord"
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def value(self) -> torch.Tensor:
+        buffer = self.record.resident_buffer()
+        return buffer[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass
+class _ViewOf:
+    """A saved tensor that is a view of a registered tensor."""
+
+    entry: "_Registered"
+    size: tuple
+    stride: tuple
+    relative_offset: int
+
+    def value(self) -> torch.Tensor:
+        base = self.entry.value()
+        return base.as_strided(self.size, self.stride, base.storage_offset() + self.relative_offset)
+
+
+@dataclass
+class _RecomputedSaved:
+    region: "DropRegion"
+    index: int
+
+    def value(self) -> torch.Tensor:
+        return self.region.saved(self.index)
+
+
+class _Registered:
+    """A tensor whose views are saved by reference to it."""
+
+    base_offset: int
+    dtype: torch.dtype
+
+    def value(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _WholeTensor(_Registered):
+    """Offloaded whole: the layer input and the attention output."""
+
+    def __init__(self, stored: _BufferSlice, base: torch.Tensor):
+        self.stored = stored
+        self.base_offset = base.storage_offset()
+        self.dtype = base.dtype
+
+    def value(self) -> torch.Tensor:
+        return self.stored.value()
+
+
+class _MergedTensor(_Registered):
+    """q, k or v: kept tokens offloaded, dropped tokens recomputed, merged on demand."""
+
+    def __init__(self, merged: torch.Tensor, split: TokenSplit, kept: Optional[_BufferSlice],
+                 region: Optional["DropRegion"], output_index: int):
+        self.split = split
+        self.kept = kept
+        self.region = region
+        self.output_index = output_index
+        self.base_offset = merged.storage_offset()
+        self.dtype = merged.dtype
+        self.cached: Optional[torch.Tensor] = None
+
+    def value(self) -> torch.Tensor:
+        if self.cached is None:
+            kept = self.kept.value() if self.kept is not None else None
+            dropped = self.region.output(self.output_index) if self.region is not None else None
+            self.cached = self.split.merge(kept, dropped)
+        return self.cached
+
+
+@dataclass
+class _RngSnapshot:
+    cpu: torch.Tensor
+    tracker: dict
+    cuda: Optional[torch.Tensor]
+
+    @classmethod
+    def take(cls) -> "_RngSnapshot":
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        return cls(
+            cpu=torch.get_rng_state(),
+            tracker=get_cuda_rng_tracker().get_states(),
+            cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        )
+
+    def restore(self) -> None:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        torch.set_rng_state(self.cpu)
+        get_cuda_rng_tracker().set_states(self.tracker)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+
+
+class DropRegion:
+    """The position-wise part of a layer run on the dropped tokens; recomputed on demand."""
+
+    def __init__(self, function: Callable, inputs: Sequence, input_requires_grad: Sequence[bool]):
+        self.function = function
+        self.inputs = list(inputs)  # _ViewOf descriptions or small device tensors
+        self.input_requires_grad = list(input_requires_grad)
+        self.rng = _RngSnapshot.take()
+        self.saved_count = 0
+        self.recomputed_saved: Optional[list] = None
+        self.recomputed_outputs: Optional[tuple] = None
+
+    def _recompute(self) -> None:
+        inputs = [
+            (ref.value() if isinstance(ref, _ViewOf) else ref).detach().requires_grad_(needs_grad)
+            for ref, needs_grad in zip(self.inputs, self.input_requires_grad)
+        ]
+        recorded: list = []
+        current_rng = _RngSnapshot.take()
+        self.rng.restore()
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                lambda tensor: recorded.append(tensor) or len(recorded) - 1,
+                lambda index: recorded[index],
+            ):
+                outputs = self.function(*inputs)
+        finally:
+            current_rng.restore()
+        if len(recorded) != self.saved_count:
+            raise RuntimeError(
+                f"MEMO recompute saved {len(recorded)} tensors where the forward saved "
+                f"{self.saved_count}: the layer's forward is not deterministic in what it saves"
+            )
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        self.recomputed_saved = recorded
+        self.recomputed_outputs = tuple(o.detach() for o in outputs)
+
+    def saved(self, index: int) -> torch.Tensor:
+        if self.recomputed_saved is None:
+            self._recompute()
+        return self.recomputed_saved[index]
+
+    def output(self, index: int) -> torch.Tensor:
+        if self.recomputed_outputs is None:
+            self._recompute()
+        return self.recomputed_outputs[index]
+
+    def release(self) -> None:
+        self.recomputed_saved = None
+        self.recomputed_outputs = None
+
+
+@dataclass
+class LayerRecord:
+    """One offloaded layer's forward for one micro-batch."""
+
+    manager: "OffloadManager"
+    layer: int
+    buffer: RoundingBuffer
+    used_bytes: int = 0
+    host_slot: Optional[torch.Tensor] = None
+    offload_event: Optional[CopyEvent] = None
+    prefetch_event: Optional[CopyEvent] = None
+    resident: bool = True
+    previous: Optional["LayerRecord"] = None
+    registered: dict = field(default_factory=dict)
+    regions: list = field(default_factory=list)
+    current_region: Optional[DropRegion] = None
+
+    def store(self, tensor: torch.Tensor) -> _BufferSlice:
+        """Copy ``tensor`` into this layer's rounding buffer (forward)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = self.used_bytes
+        self.buffer.ensure_capacity(offset + nbytes, keep_bytes=offset)
+        destination = self.buffer.tensor[offset : offset + nbytes]
+        destination.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self.used_bytes = offset + _align(nbytes)
+        return _BufferSlice(self, offset, nbytes, tensor.dtype, tensor.shape)
+
+    def resident_buffer(self) -> torch.Tensor:
+        """The rounding buffer holding this layer's data, prefetching it first if needed."""
+        if not self.resident:
+            self.manager.prefetch(self)
+        if self.prefetch_event is not None:
+            self.manager.engine.wait(self.prefetch_event)
+            self.prefetch_event = None
+        return self.buffer.tensor
+
+
+class OffloadManager:
+    """Saved-tensor routing, rounding buffers and host slots of one model chunk."""
+
+    def __init__(self, engine: CopyEngine, alpha: float,
+                 on_host_allocate: Optional[Callable[[torch.Tensor], None]] = None):
+        self.engine = engine
+        self.alpha = alpha
+        self.buffers = (RoundingBuffer(engine), RoundingBuffer(engine))
+        self.host_slots = HostSlotPool(engine, on_host_allocate)
+        self.parameter_storages: set[int] = set()
+        self.active: Optional[LayerRecord] = None
+        self.last_record: Optional[LayerRecord] = None
+        self.saved_bytes = {"offloaded": 0, "recomputed": 0}
+        self.layer_forwards = 0
+
+    def set_alpha(self, alpha: float) -> None:
+        """Use ``alpha`` from the next layer forward on (between iterations only)."""
+        self.alpha = alpha
+        self.host_slots.reset()
+
+    # ---------------------------------------------------------------- forward
+    def begin_layer(self, layer: int, is_first_of_chunk: bool,
+                    parameters: Sequence[torch.Tensor]) -> LayerRecord:
+        """Start an offloaded layer's forward: take its rounding buffer (wait for the D2H of
+        the layer that used it last) and open a record."""
+        self.parameter_storages.update(_storage_key(p) for p in parameters)
+        buffer = self.buffers[layer % 2]
+        self.engine.wait(buffer.last_event)
+        record = LayerRecord(self, layer, buffer)
+        self.layer_forwards += 1
+        record.previous = None if is_first_of_chunk else self.last_record
+        buffer.owner = record
+        self.active = record
+        return record
+
+    def skip_layer(self, is_first_of_chunk: bool, layer_output: torch.Tensor) -> None:
+        """A layer kept on device (the last two). Its backward start is the moment to bring
+        back the last offloaded layer of the chunk, so that copy overlaps compute too."""
+        if is_first_of_chunk:
+            self.last_record = None
+        tail = self.last_record
+        if tail is not None and layer_output.requires_grad:
+            layer_output.register_hook(lambda grad: self._prefetch_if_evicted(tail))
+
+    def end_layer(self, record: LayerRecord, layer_input: torch.Tensor,
+                  layer_output: torch.Tensor) -> None:
+        """Finish a layer's forward: start the D2H of its buffer, hook its backward."""
+        self.active = None
+        self.last_record = record
+        if record.used_bytes:
+            record.host_slot = self.host_slots.acquire(record.layer, record.used_bytes)
+            record.offload_event = self.engine.offload(
+                record.host_slot[: record.used_bytes], record.buffer.tensor[: record.used_bytes]
+            )
+            record.buffer.last_event = record.offload_event
+        if layer_output.requires_grad:
+            layer_output.register_hook(lambda grad: self._on_backward_start(record))
+        if layer_input.requires_grad:
+            layer_input.register_hook(lambda grad: self._on_backward_end(record))
+
+    def hooks(self, record: LayerRecord):
+        """The saved_tensors_hooks context for ``record``'s forward."""
+        return torch.autograd.graph.saved_tensors_hooks(
+            lambda tensor: self._pack(record, tensor), lambda handle: self._unpack(handle)
+        )
+
+    def run_drop_region(self, record: LayerRecord, function: Callable,
+                        inputs: Sequence[torch.Tensor], small_inputs: Sequence[bool]):
+        """``function(*inputs)`` with everything it saves dropped. Inputs flagged small are
+        kept by reference; the others must be views of registered tensors."""
+        descriptions = [
+            tensor if small else self._describe_view(record, tensor)
+            for tensor, small in zip(inputs, small_inputs)
+        ]
+        region = DropRegion(function, descriptions, [t.requires_grad for t in inputs])
+        record.regions.append(region)
+        record.current_region = region
+        try:
+            outputs = function(*inputs)
+        finally:
+            record.current_region = None
+        return region, outputs
+
+    def register_whole(self, record: LayerRecord, tensor: torch.Tensor) -> None:
+        """Offload ``tensor`` whole now; saved views of it refer to the copy."""
+        if not tensor.is_contiguous():
+            raise ValueError("MEMO registers only contiguous tensors")
+        record.registered[_storage_key(tensor)] = _WholeTensor(record.store(tensor), tensor)
+        self.saved_bytes["offloaded"] += tensor.numel() * tensor.element_size()
+
+    def register_merged(self, record: LayerRecord, merged: torch.Tensor, split: TokenSplit,
+                        kept: Optional[torch.Tensor], region: Optional[DropRegion],
+                        output_index: int) -> None:
+        """``merged`` = split.merge(kept, region output): store only the kept part."""
+        stored = record.store(kept) if kept is not None and kept.numel() else None
+        record.registered[_storage_key(merged)] = _MergedTensor(
+            merged, split, stored, region, output_index
+        )
+        if stored is not None:
+            self.saved_bytes["offloaded"] += stored.nbytes
+        if region is not None:
+            dropped = merged.numel() * merged.element_size() - (stored.nbytes if stored else 0)
+            self.saved_bytes["recomputed"] += dropped
+
+    def _describe_view(self, record: LayerRecord, tensor: torch.Tensor) -> _ViewOf:
+        entry = record.registered.get(_storage_key(tensor))
+        if entry is None or entry.dtype != tensor.dtype:
+            raise ValueError("a drop region input must be a view of a registered tensor")
+        return _ViewOf(entry, tuple(tensor.size()), tuple(tensor.stride()),
+                       tensor.storage_offset() - entry.base_offset)
+
+    def _pack(self, record: LayerRecord, tensor: torch.Tensor):
+        if record.current_region is not None:
+            region = record.current_region
+            region.saved_count += 1
+            self.saved_bytes["recomputed"] += tensor.numel() * tensor.element_size()
+            return _RecomputedSaved(region, region.saved_count - 1)
+        key = _storage_key(tensor)
+        if key in self.parameter_storages or tensor.numel() == 0:
+            return tensor
+        entry = record.registered.get(key)
+        if entry is not None and entry.dtype == tensor.dtype:
+            return self._describe_view(record, tensor)
+        self.saved_bytes["offloaded"] += tensor.numel() * tensor.element_size()
+        return record.store(tensor.contiguous())
+
+    @staticmethod
+    def _unpack(handle):
+        if isinstance(handle, torch.Tensor):
+            return handle
+        return handle.value()
+
+    # --------------------------------------------------------------- backward
+    def prefetch(self, record: LayerRecord) -> None:
+        """Start the H2D copy of ``record``'s host slot into its rounding buffer."""
+        if record.resident:
+            return
+        buffer = record.buffer
+        # The buffer's previous D2H (possibly of another micro-batch's forward) and this
+        # record's own D2H must be complete, and so must compute that last read the buffer.
+        self.engine.wait(buffer.last_event)
+        self.engine.wait(record.offload_event)
+        buffer.ensure_capacity(record.used_bytes)
+        record.prefetch_event = self.engine.prefetch(
+            buffer.tensor[: record.used_bytes], record.host_slot[: record.used_bytes],
+            after=self.engine.record_compute(),
+        )
+        buffer.last_event = record.prefetch_event
+        buffer.owner = record
+        record.resident = True
+
+    def _prefetch_if_evicted(self, record: LayerRecord) -> None:
+        """Prefetch ``record`` unless its buffer still holds its data (nobody took it since)."""
+        if record.used_bytes and record.buffer.owner is not record:
+            record.resident = False
+            self.prefetch(record)
+
+    def _on_backward_start(self, record: LayerRecord) -> None:
+        if record.buffer.owner is not record:
+            record.resident = False
+        if record.previous is not None:
+            self._prefetch_if_evicted(record.previous)
+
+    def _on_backward_end(self, record: LayerRecord) -> None:
+        for region in record.regions:
+            region.release()
+        for entry in record.registered.values():
+            if isinstance(entry, _MergedTensor):
+                entry.cached = None
+        if record.host_slot is not None:
+            for event in (record.offload_event, record.prefetch_event):
+                if event is not None:
+                    event.synchronize()
+            self.host_slots.release(record.layer, record.host_slot)
+            record.host_slot = None

@@ -1,0 +1,69 @@
+"""Which tokens of a layer are offloaded and which are recomputed.
+
+A layer on a rank sees ``local_tokens`` tokens (the sequence after CP splitting, and after SP
+splitting where a tensor is sequence-parallel). Tensors inside attention (q, k, v and the
+attention output) hold ``chunks * local_tokens`` tokens: under sequence parallelism the linear
+layers all-gather the ``chunks`` = TP ranks' slices, rank-major. MEMO splits every chunk the
+same way: its first ``kept`` tokens are offloaded (the alpha part), the rest are dropped and
+recomputed.
+
+Running the position-wise parts of a layer separately on the kept and on the dropped tokens
+gives tensors in *split order* -- all chunks' kept tokens, then all chunks' dropped tokens --
+while attention needs *natural order* (chunk by chunk). The two index maps here convert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """The alpha split of one layer's tokens on one rank."""
+
+    local_tokens: int
+    kept: int
+    chunks: int
+
+    @classmethod
+    def from_alpha(cls, alpha: float, local_tokens: int, chunks: int) -> "TokenSplit":
+        """``kept = round(alpha * local_tokens)`` tokens of each chunk are offloaded."""
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        return cls(local_tokens, int(round(alpha * local_tokens)), chunks)
+
+    @property
+    def dropped(self) -> int:
+        return self.local_tokens - self.kept
+
+    def natural_indices(self, part: str) -> torch.Tensor:
+        """Natural-order token indices (0 .. chunks*local_tokens) of the 'kept' or 'dropped'
+        part, in split order. Used to slice rotary embeddings."""
+        start, stop = (0, self.kept) if part == "kept" else (self.kept, self.local_tokens)
+        offsets = torch.arange(self.chunks) * self.local_tokens
+        return (offsets[:, None] + torch.arange(start, stop)[None, :]).reshape(-1)
+
+    def merge(self, kept: torch.Tensor | None, dropped: torch.Tensor | None) -> torch.Tensor:
+        """Split-order parts ([chunks*kept, ...], [chunks*dropped, ...]) -> natural order.
+
+        Always a new contiguous tensor: callers key saved tensors by storage, and q/k/v parts
+        may be views of one shared QKV projection output.
+        """
+        parts = [p for p in (kept, dropped) if p is not None and p.size(0) > 0]
+        if len(parts) == 1:
+            return parts[0].clone(memory_format=torch.contiguous_format)
+        rest = parts[0].shape[1:]
+        chunked = [p.reshape(self.chunks, -1, *rest) for p in parts]
+        return torch.cat(chunked, dim=1).reshape(self.chunks * self.local_tokens, *rest)
+
+    def split(self, natural: torch.Tensor) -> torch.Tensor:
+        """Natural order -> split order (a new contiguous tensor of the same shape)."""
+        if self.chunks == 1:
+            return natural.contiguous()
+        rest = natural.shape[1:]
+        chunked = natural.reshape(self.chunks, self.local_tokens, *rest)
+        return torch.cat(
+            [chunked[:, : self.kept].reshape(-1, *rest), chunked[:, self.kept :].reshape(-1, *rest)]
+        )

@@ -1,0 +1,198 @@
+"""MEMO's alpha LP: closed form vs HiGHS, pinned power-of-two rounding, shortfall, 1F1B k."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from memo_ext.offload.alpha import (
+    AlphaInputs,
+    default_host_memory_bytes,
+    format_alpha_log,
+    host_memory_shortfall,
+    microbatches_in_flight,
+    next_pow2,
+    offloaded_layers,
+    prev_pow2,
+    solve_alpha,
+    solve_alpha_lp,
+)
+
+MB = 10**6
+GB = 10**9
+
+
+def _inputs(**overrides) -> AlphaInputs:
+    """7B-like layer on TP=8 at 128K tokens: S_in = S_attn = b*s*h*2/8 bytes, S_oth = 12x that."""
+    unit = 128 * 1024 * 4096 * 2 // 8
+    values = dict(input_bytes=unit, attention_output_bytes=unit, other_bytes=12 * unit,
+                  bandwidth_bytes_per_s=12 * GB, layer_forward_s=0.5, host_memory_bytes=200 * GB,
+                  offloaded_layers=30, microbatches_in_flight=1, pinned_rounding=False)
+    values.update(overrides)
+    return AlphaInputs(**values)
+
+
+def test_pow2_helpers():
+    assert [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == \
+        [0, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+    assert [prev_pow2(n) for n in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == \
+        [0, 1, 2, 2, 4, 4, 512, 1024, 1024]
+
+
+def test_closed_form_matches_highs_on_random_inputs():
+    rng = random.Random(1234)
+    checked = {"bandwidth": 0, "host_memory": 0, "none": 0}
+    for _ in range(120):
+        inputs = AlphaInputs(
+            input_bytes=rng.randint(10 * MB, 2 * GB),
+            attention_output_bytes=rng.randint(10 * MB, 2 * GB),
+            other_bytes=rng.randint(50 * MB, 20 * GB),
+            bandwidth_bytes_per_s=rng.uniform(2, 30) * GB,
+            layer_forward_s=rng.uniform(0.01, 2.0),
+            host_memory_bytes=rng.randint(1 * GB, 2000 * GB),
+            offloaded_layers=rng.randint(0, 80),
+            microbatches_in_flight=rng.randint(1, 8),
+            pinned_rounding=False,
+        )
+        decision = solve_alpha(inputs)
+        assert solve_alpha_lp(inputs) == pytest.approx(decision.alpha, abs=1e-6)
+        assert 0.0 <= decision.alpha <= 1.0
+        if decision.fits_host_memory:
+            assert inputs.fits_host(decision.alpha)
+        checked[decision.limited_by] += 1
+    assert all(count > 0 for count in checked.values()), checked
+
+
+def test_bandwidth_bound_case():
+    inputs = _inputs(layer_forward_s=0.05, host_memory_bytes=10**13)
+    decision = solve_alpha(inputs)
+    expected = (12 * GB * 0.05 - inputs.whole_bytes) / inputs.other_bytes
+    assert decision.limited_by == "bandwidth"
+    assert decision.alpha == pytest.approx(expected, rel=1e-12)
+    assert 0 < decision.alpha < 1
+    assert decision.host_memory_bound > decision.bandwidth_bound
+    assert decision.host_bytes_needed == 30 * inputs.slot_bytes(decision.alpha)
+
+
+def test_memory_bound_case():
+    inputs = _inputs(layer_forward_s=10.0, host_memory_bytes=40 * GB)
+    decision = solve_alpha(inputs)
+    expected = (40 * GB // 30 - inputs.whole_bytes) / inputs.other_bytes
+    assert decision.limited_by == "host_memory"
+    assert decision.alpha == pytest.approx(expected, rel=1e-9)
+    assert 0 < decision.alpha < 1
+    assert decision.host_bytes_needed <= 40 * GB
+    assert decision.host_bytes_missing_at_alpha0 == 0
+
+
+def test_alpha_is_clipped_to_unit_interval():
+    high = solve_alpha(_inputs(layer_forward_s=100.0, host_memory_bytes=10**14))
+    assert high.alpha == 1.0 and high.limited_by == "none"
+    assert high.bandwidth_bound > 1 and high.host_memory_bound > 1
+    low = solve_alpha(_inputs(layer_forward_s=1e-4))
+    assert low.alpha == 0.0 and low.limited_by == "bandwidth" and low.bandwidth_bound < 0
+    assert solve_alpha_lp(_inputs(layer_forward_s=1e-4)) == 0.0
+
+
+def test_no_offloaded_layers_means_no_host_constraint():
+    decision = solve_alpha(_inputs(offloaded_layers=0, host_memory_bytes=0, layer_forward_s=100.0))
+    assert decision.alpha == 1.0 and decision.host_bytes_needed == 0
+    assert decision.host_bytes_missing_at_alpha0 == 0
+    assert offloaded_layers(2) == 0 and offloaded_layers(1) == 0 and offloaded_layers(32) == 30
+
+
+def test_zero_other_bytes():
+    fits = solve_alpha(_inputs(other_bytes=0, layer_forward_s=100.0))
+    assert fits.alpha == 1.0
+    short = solve_alpha(_inputs(other_bytes=0, host_memory_bytes=1 * GB))
+    assert short.alpha == 0.0 and short.limited_by == "host_memory"
+    assert short.host_bytes_missing_at_alpha0 > 0
+
+
+def test_pinned_rounding_is_respected_exactly():
+    rng = random.Random(7)
+    for _ in range(300):
+        inputs = AlphaInputs(
+            input_bytes=rng.randint(0, 5 * MB), attention_output_bytes=rng.randint(0, 5 * MB),
+            other_bytes=rng.randint(1, 60 * MB), bandwidth_bytes_per_s=1e12, layer_forward_s=1.0,
+            host_memory_bytes=rng.randint(1, 4 * GB), offloaded_layers=rng.randint(1, 40),
+            microbatches_in_flight=rng.randint(1, 4), pinned_rounding=True)
+        decision = solve_alpha(inputs)
+        if not decision.fits_host_memory:
+            assert decision.alpha == 0.0
+            continue
+        slot = inputs.slot_bytes(decision.alpha)
+        assert inputs.host_slots * next_pow2(slot) <= inputs.host_memory_bytes
+        assert decision.host_bytes_needed == inputs.host_slots * next_pow2(slot)
+        if decision.alpha < 1.0:
+            # Maximal: one more byte of offloaded data would need the next power of two.
+            assert inputs.host_slots * next_pow2(slot + 1) > inputs.host_memory_bytes
+
+
+def test_rounding_lowers_alpha_versus_plain_count():
+    # Per-slot budget 1.5 GB: plain count allows slots up to 1.5 GB, pinned rounding only 2**30.
+    plain = _inputs(host_memory_bytes=30 * 1500 * MB, layer_forward_s=100.0)
+    rounded = dataclasses.replace(plain, pinned_rounding=True)
+    a_plain, a_rounded = solve_alpha(plain).alpha, solve_alpha(rounded).alpha
+    assert a_rounded < a_plain
+    assert rounded.slot_bytes(a_rounded) <= 2**30 < rounded.slot_bytes(a_rounded) + 2
+    assert solve_alpha(rounded).limited_by == "host_memory"
+
+
+def test_shortfall_at_alpha0():
+    inputs = _inputs(host_memory_bytes=1 * GB)
+    need0 = 30 * inputs.whole_bytes
+    assert host_memory_shortfall(inputs) == need0 - 1 * GB
+    decision = solve_alpha(inputs)
+    assert decision.alpha == 0.0 and not decision.fits_host_memory
+    assert decision.limited_by == "host_memory"
+    assert decision.host_bytes_missing_at_alpha0 == need0 - 1 * GB
+    assert "fall back to recomputation" in format_alpha_log(inputs, decision)
+    rounded = dataclasses.replace(inputs, pinned_rounding=True)
+    assert host_memory_shortfall(rounded) == 30 * next_pow2(inputs.whole_bytes) - 1 * GB
+    assert host_memory_shortfall(_inputs()) == 0
+
+
+def test_microbatches_in_flight():
+    assert microbatches_in_flight(0, 1, 8) == 1
+    assert [microbatches_in_flight(p, 4, 8) for p in range(4)] == [4, 3, 2, 1]
+    assert [microbatches_in_flight(p, 4, 2) for p in range(4)] == [2, 2, 2, 1]
+    for bad in ((4, 4, 8), (-1, 4, 8), (0, 0, 8), (0, 4, 0)):
+        with pytest.raises(ValueError):
+            microbatches_in_flight(*bad)
+
+
+def test_microbatches_multiply_host_need():
+    one = solve_alpha(_inputs(host_memory_bytes=40 * GB, layer_forward_s=10.0))
+    four = solve_alpha(_inputs(host_memory_bytes=40 * GB, layer_forward_s=10.0,
+                               microbatches_in_flight=4))
+    assert four.alpha < one.alpha
+
+
+def test_invalid_inputs():
+    with pytest.raises(ValueError, match="offloaded_layers"):
+        _inputs(offloaded_layers=-1)
+    with pytest.raises(ValueError, match="bandwidth"):
+        _inputs(bandwidth_bytes_per_s=0)
+    with pytest.raises(ValueError, match="microbatches_in_flight"):
+        _inputs(microbatches_in_flight=0)
+
+
+def test_format_alpha_log_is_one_line_with_all_inputs():
+    inputs = _inputs(layer_forward_s=0.05)
+    line = format_alpha_log(inputs, solve_alpha(inputs))
+    assert "\n" not in line
+    for fragment in ("alpha=", "limited by bandwidth", "S_in 0.134 GB", "S_oth 1.611 GB",
+                     "B 12.00 GB/s", "T_layer 50.00 ms", "host 200.000 GB", "30 layers",
+                     "1 micro-batches", "rounding off"):
+        assert fragment in line, (fragment, line)
+
+
+def test_default_host_memory_bytes():
+    one = default_host_memory_bytes(1)
+    assert one > 0
+    assert default_host_memory_bytes(8) <= one // 8 + one // 100  # available memory drifts
+    with pytest.raises(ValueError):
+        default_host_memory_bytes(0)

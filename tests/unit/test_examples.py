@@ -1,0 +1,325 @@
+"""Tests for examples/ (model configs, SLURM scripts, CPU quick start) and tools/plot_loss.py.
+
+The model configs are sourced in bash and their flags validated by
+megatron.training.arguments.parse_args for the GPU count of the matching sbatch script, so every
+flag exists and every documented layout fits. The sbatch scripts are run with MEMO_DRY_RUN=1
+(they print the srun command instead of running it), and once against a fake srun/scontrol to
+check the preemption path: SIGUSR1 -> SIGTERM to the ranks -> requeue.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.training.arguments import parse_args
+from megatron.training.metrics import count_parameters
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO_ROOT / "examples"
+CONFIGS = EXAMPLES / "configs"
+SLURM = EXAMPLES / "slurm"
+
+# MEMO Table 2: layers, hidden, FFN hidden, heads; nominal size in billions.
+TABLE_2 = {
+    "7b": (32, 4096, 16384, 32, 7),
+    "13b": (40, 5120, 20480, 40, 13),
+    "30b": (48, 7168, 28672, 56, 30),
+    "65b": (80, 8192, 32768, 64, 65),
+}
+GPUS_PER_NODE = 8
+GPT2_VOCAB = 50257
+GPT2_VOCAB_PADDED_TP8 = 51200  # next multiple of 128 x TP=8
+ARRAYS = ("MODEL_ARGS", "PARALLEL_ARGS", "TRAINING_ARGS")
+SHELL_SCRIPTS = sorted([*EXAMPLES.rglob("*.sh"), *EXAMPLES.rglob("*.sbatch")])
+
+_plot_spec = importlib.util.spec_from_file_location("plot_loss", REPO_ROOT / "tools" / "plot_loss.py")
+plot_loss = importlib.util.module_from_spec(_plot_spec)
+sys.modules["plot_loss"] = plot_loss  # dataclasses look their module up there
+_plot_spec.loader.exec_module(plot_loss)
+
+
+def _clean_env(**overrides: str) -> dict[str, str]:
+    """The environment minus anything the scripts read, plus ``overrides``."""
+    read_by_scripts = re.compile(
+        r"(SLURM_.*|MEMO_.*|SEQ_LENGTH|TP_SIZE|PP_SIZE|CP_SIZE|DATA_PATH|TOKENIZER_MODEL|RUN_DIR|"
+        r"CHECKPOINT_DIR|TENSORBOARD_DIR|EXTRA_ARGS|MASTER_ADDR|MASTER_PORT|GPUS_PER_NODE)"
+    )
+    env = {key: value for key, value in os.environ.items() if not read_by_scripts.fullmatch(key)}
+    env.update(overrides)
+    return env
+
+
+def source_config(model: str, **env: str) -> dict[str, list[str]]:
+    """MODEL_ARGS, PARALLEL_ARGS and TRAINING_ARGS after sourcing examples/configs/gpt_<model>.sh."""
+    script = (
+        'source "$1" || exit 1\n'
+        f"for name in {' '.join(ARRAYS)}; do\n"
+        '    declare -n array="$name"\n'
+        '    printf "%s\\0" "$name" "${#array[@]}" "${array[@]}"\n'
+        "    unset -n array\n"
+        "done\n"
+    )
+    result = subprocess.run(
+        ["bash", "-c", script, "bash", str(CONFIGS / f"gpt_{model}.sh")],
+        capture_output=True, text=True, env=_clean_env(**env), check=True, timeout=30,
+    )
+    fields = result.stdout.split("\0")[:-1]
+    arrays = {}
+    while fields:
+        name, count, fields = fields[0], int(fields[1]), fields[2:]
+        arrays[name], fields = fields[:count], fields[count:]
+    assert set(arrays) == set(ARRAYS), result.stderr
+    return arrays
+
+
+def sbatch_nodes(model: str) -> int:
+    """The #SBATCH --nodes of examples/slurm/pretrain_gpt_<model>.sbatch."""
+    text = (SLURM / f"pretrain_gpt_{model}.sbatch").read_text()
+    return int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.MULTILINE).group(1))
+
+
+def documented_layouts(model: str) -> list[tuple[int, int, int]]:
+    """(SEQ_LENGTH, CP_SIZE, nodes) rows of the long-sequence table in the config's comments."""
+    text = (CONFIGS / f"gpt_{model}.sh").read_text()
+    rows = re.findall(r"SEQ_LENGTH=(\d+)\s+CP_SIZE=(\d+)\s+sbatch --nodes=(\d+)", text)
+    return [tuple(int(value) for value in row) for row in rows]
+
+
+def validate(arrays: dict[str, list[str]], world_size: int, *extra: str):
+    argv = [*arrays["MODEL_ARGS"], *arrays["PARALLEL_ARGS"], *arrays["TRAINING_ARGS"],
+            "--mock-data", "--vocab-size", str(GPT2_VOCAB), "--train-iters", "10", *extra]
+    return parse_args(argv, world_size=world_size, cuda_available=True)
+
+
+@pytest.mark.parametrize("model", sorted(TABLE_2))
+def test_config_matches_table_2_and_validates_on_its_nodes(model):
+    layers, hidden, ffn, heads, billions = TABLE_2[model]
+    world_size = sbatch_nodes(model) * GPUS_PER_NODE
+    args = validate(source_config(model), world_size)
+
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads) == (
+        layers, hidden, ffn, heads)
+    assert args.position_embedding_type == "rope"
+    assert args.normalization == "LayerNorm" and not args.swiglu
+    assert args.untie_embeddings_and_output_weights
+    parameters = count_parameters(args, GPT2_VOCAB_PADDED_TP8)
+    assert 0.95 * billions < parameters / 1e9 < 1.1 * billions
+    # Long-context layout: TP=8 + SP inside a node, every GPU model-parallel (no DP replicas).
+    assert args.tensor_model_parallel_size == GPUS_PER_NODE and args.sequence_parallel
+    assert (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+            * args.context_parallel_size) == world_size
+    assert args.data_parallel_size == 1
+    assert args.recompute_granularity == "full"
+    # MEMO's training setup.
+    assert args.seq_length == 131072
+    assert (args.micro_batch_size, args.global_batch_size) == (1, 16)
+    assert args.bf16 and args.params_dtype == torch.bfloat16
+    assert (args.lr, args.min_lr, args.lr_decay_style) == (3e-4, 3e-5, "cosine")
+    assert (args.clip_grad, args.weight_decay) == (1.0, 0.1)
+
+
+@pytest.mark.parametrize("model", sorted(TABLE_2))
+def test_documented_long_sequence_layouts_validate(model):
+    layouts = documented_layouts(model)
+    assert layouts, f"gpt_{model}.sh documents no SEQ_LENGTH/CP_SIZE/nodes rows"
+    for seq_length, cp_size, nodes in layouts:
+        arrays = source_config(model, SEQ_LENGTH=str(seq_length), CP_SIZE=str(cp_size))
+        args = validate(arrays, nodes * GPUS_PER_NODE)
+        assert (args.seq_length, args.context_parallel_size) == (seq_length, cp_size)
+        assert args.data_parallel_size == 1, (seq_length, cp_size, nodes)
+
+
+def test_config_rejects_a_layout_that_does_not_fit():
+    from megatron.training.arguments import ArgumentValidationError
+
+    with pytest.raises(ArgumentValidationError, match="world size 8 is not divisible"):
+        validate(source_config("13b"), world_size=8)
+
+
+def _dry_run(model: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SLURM / f"pretrain_gpt_{model}.sbatch")],
+        capture_output=True, text=True, timeout=30, cwd=tmp_path,
+        env=_clean_env(**{"MEMO_ROOT": str(REPO_ROOT), "MEMO_DRY_RUN": "1", **env}),
+    )
+
+
+@pytest.fixture
+def fake_data(tmp_path):
+    """Empty stand-ins for an indexed dataset and a tokenizer (parse_args checks they exist)."""
+    prefix = tmp_path / "corpus_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).touch()
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.touch()
+    return {"DATA_PATH": str(prefix), "TOKENIZER_MODEL": str(tokenizer),
+            "RUN_DIR": str(tmp_path / "run")}
+
+
+@pytest.mark.parametrize("model", sorted(TABLE_2))
+def test_sbatch_launch_command_validates(model, tmp_path, fake_data):
+    nodes = sbatch_nodes(model)
+    header = (SLURM / f"pretrain_gpt_{model}.sbatch").read_text()
+    for directive in ("--ntasks-per-node=1", f"--gpus-per-node={GPUS_PER_NODE}", "--exclusive",
+                      "--requeue", "--signal=B:USR1@300", "--cpus-per-task=", "--time="):
+        assert f"#SBATCH {directive}" in header
+
+    result = _dry_run(model, tmp_path, SLURM_NNODES=str(nodes), SLURM_JOB_ID="4242", **fake_data)
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout)
+    script = command.index(str(REPO_ROOT / "pretrain_gpt.py"))
+    launcher = command[:script]
+    assert launcher[0] == "srun" and "torchrun" in launcher
+    launcher_text = " ".join(launcher)
+    for expected in (f"--nnodes {nodes}", f"--nproc-per-node {GPUS_PER_NODE}",
+                     "--rdzv-backend c10d", "--rdzv-id 4242", "--ntasks-per-node 1"):
+        assert expected in launcher_text
+
+    args = parse_args(command[script + 1:], world_size=nodes * GPUS_PER_NODE, cuda_available=True)
+    run_dir = Path(fake_data["RUN_DIR"])
+    assert args.save == args.load == str(run_dir / "checkpoints")
+    assert args.exit_signal_handler and args.exit_signal == "SIGTERM"
+    assert args.tensorboard_dir == str(run_dir / "tensorboard")
+    assert args.data_path == [fake_data["DATA_PATH"]]
+    assert args.tokenizer_type == "BPETokenizer"
+    assert args.tokenizer_model == fake_data["TOKENIZER_MODEL"]
+
+
+def test_sbatch_without_data_path_fails_with_a_clear_message(tmp_path):
+    result = _dry_run("7b", tmp_path, TOKENIZER_MODEL="tokenizer.json")
+    assert result.returncode == 1
+    assert "DATA_PATH is not set" in result.stderr
+
+
+def test_sbatch_without_repository_root_fails_with_a_clear_message(tmp_path):
+    result = _dry_run("7b", tmp_path, MEMO_ROOT=str(tmp_path))
+    assert result.returncode == 1
+    assert "submit from the repository root or export MEMO_ROOT" in result.stderr
+
+
+FAKE_SRUN = """#!/bin/bash
+trap 'echo terminated >> "$FAKE_LOG"; exit 0' TERM
+echo started >> "$FAKE_LOG"
+while true; do sleep 0.05; done
+"""
+FAKE_SCONTROL = """#!/bin/bash
+if [[ "$1" == show ]]; then echo node001; else echo "scontrol $*" >> "$FAKE_LOG"; fi
+"""
+
+
+def test_time_limit_signal_checkpoints_and_requeues(tmp_path, fake_data):
+    """SIGUSR1 to the batch shell (--signal=B:USR1@300) -> SIGTERM to srun -> requeue."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "fake.log"
+    env = _clean_env(MEMO_ROOT=str(REPO_ROOT), SLURM_JOB_ID="99", SLURM_NNODES="1",
+                     SLURM_JOB_NODELIST="node001", FAKE_LOG=str(log),
+                     PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **fake_data)
+    batch = subprocess.Popen(["bash", str(SLURM / "pretrain_gpt_7b.sbatch")], env=env,
+                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (log.exists() and "started" in log.read_text()):
+            assert batch.poll() is None, batch.communicate()
+            assert time.monotonic() < deadline, "fake srun never started"
+            time.sleep(0.05)
+        batch.send_signal(signal.SIGUSR1)
+        stdout, stderr = batch.communicate(timeout=20)
+    finally:
+        if batch.poll() is None:
+            batch.kill()
+    assert batch.returncode == 0, stderr
+    assert log.read_text().split("\n") == ["started", "terminated", "scontrol requeue 99", ""]
+    assert "requeueing job 99" in stderr
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda path: path.name)
+def test_shell_script_syntax(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_example_script_is_covered():
+    names = {path.name for path in SHELL_SCRIPTS}
+    assert {"cpu_quickstart.sh", "launch_common.sh", "gpt_common.sh"} <= names
+    assert {f"pretrain_gpt_{model}.sbatch" for model in TABLE_2} <= names
+    assert {f"gpt_{model}.sh" for model in TABLE_2} <= names
+
+
+def _write_metrics(path: Path, losses: dict[int, float], validation: dict[int, float]) -> Path:
+    records = [{"iteration": it, "lm_loss": loss, "lr": 1e-3, "tokens_per_s": 1000.0}
+               for it, loss in losses.items()]
+    records += [{"iteration": it, "validation_lm_loss": loss} for it, loss in validation.items()]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def test_plot_loss_writes_png(tmp_path):
+    first = _write_metrics(tmp_path / "a.jsonl", {10: 8.3, 20: 6.5, 30: 5.2}, {20: 6.4, 30: 5.3})
+    second = _write_metrics(tmp_path / "b.jsonl", {10: 8.1, 20: 7.0}, {})
+    output = tmp_path / "plots" / "loss.png"
+    assert plot_loss.main([str(first), str(second), "-o", str(output), "--labels", "a", "b"]) == 0
+    data = output.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def test_plot_loss_reads_train_and_validation_points(tmp_path):
+    path = _write_metrics(tmp_path / "m.jsonl", {10: 8.0, 20: 6.0}, {20: 6.5})
+    with path.open("a") as handle:
+        handle.write("not json\n")
+    curves = plot_loss.read_loss_curves(path)
+    assert curves.train == [(10, 8.0), (20, 6.0)]
+    assert curves.validation == [(20, 6.5)]
+
+
+@pytest.mark.parametrize("content", [None, "", "{\"iteration\": 1, \"lr\": 0.1}\n"],
+                         ids=["missing", "empty", "no-loss"])
+def test_plot_loss_bad_file_exits_2(tmp_path, content):
+    path = tmp_path / "metrics.jsonl"
+    if content is not None:
+        path.write_text(content)
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "plot_loss.py"), str(path), "-o",
+         str(tmp_path / "out.png")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and str(path) in result.stderr
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_plot_loss_label_count_must_match(tmp_path):
+    path = _write_metrics(tmp_path / "m.jsonl", {10: 8.0}, {})
+    with pytest.raises(SystemExit) as excinfo:
+        plot_loss.main([str(path), "-o", str(tmp_path / "x.png"), "--labels", "a", "b"])
+    assert excinfo.value.code == 2
+
+
+@pytest.mark.slow
+def test_cpu_quickstart_runs_and_checks_itself(tmp_path):
+    """`make demo` end to end, shortened to 20 iterations (about a minute on 2 cores)."""
+    run_dir = tmp_path / "demo"
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "cpu_quickstart.sh")], cwd=REPO_ROOT, capture_output=True,
+        text=True, timeout=600, env=_clean_env(DEMO_TRAIN_ITERS="20", DEMO_RUN_DIR=str(run_dir)),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"loss curve: {run_dir}/loss.png" in result.stdout
+    assert (run_dir / "loss.png").stat().st_size > 1000
+    assert len(plot_loss.read_loss_curves(run_dir / "metrics.jsonl").train) == 2
