@@ -98,8 +98,8 @@ def add_config_arguments(
     Returns the group. Raises TypeError if a field has no flag metadata, its flag breaks the
     naming rule (module docstring), or its type is unsupported.
     """
-    group = parser.add_argument_group(title=title, description=(config_cls.__doc__ or "").strip()
-                                      .split("\n\n")[0] or None)
+    summary = (config_cls.__doc__ or "").strip().split("\n\n")[0]
+    group = parser.add_argument_group(title=title, description=summary or None)
     for field, annotation in _config_fields(config_cls):
         meta = field.metadata
         if "flag" not in meta or "help" not in meta:
@@ -109,8 +109,9 @@ def add_config_arguments(
         if flag != arg_flag(field.name):
             raise TypeError(f"{config_cls.__name__}.{field.name}: flag {flag!r} breaks the naming "
                             f"rule; use {arg_flag(field.name)!r}")
+        # argparse %-formats help strings: escape a literal '%'.
         kwargs: dict[str, Any] = {"dest": arg_dest(field.name), "default": field.default,
-                                  "help": meta["help"]}
+                                  "help": meta["help"].replace("%", "%%")}
         scalar, _optional = _scalar_type(annotation)
         if scalar is bool:
             if field.default is not False:
@@ -149,7 +150,7 @@ def _fmt(value: Any) -> str:
 
 @dataclass
 class OffloadConfig:
-    """MEMO token-wise activation swapping + recomputation (``--memo-offload`` and friends).
+    """MEMO token-wise activation swapping + recomputation of skeletal activations.
 
     Field help texts are the flag documentation; see memo.md "Choosing alpha (LP)".
     """

@@ -15,18 +15,23 @@
 #   CHECKPOINT_DIR   [$RUN_DIR/checkpoints] --save and --load (resumes from the latest iteration)
 #   TENSORBOARD_DIR  [$RUN_DIR/tensorboard]
 #   TRAIN_ITERS [1000]  SAVE_INTERVAL [100]  EVAL_INTERVAL [100]  EVAL_ITERS [5]
-#   LOG_INTERVAL [1]  SPLIT [969,30,1]  GPUS_PER_NODE [8]  MASTER_PORT [from the job id]
+#   LOG_INTERVAL [1]  GPUS_PER_NODE [8]  MASTER_PORT [from the job id]
+#   SPLIT            [969,30,1] train,valid,test weights; each weighted split must receive at
+#                    least one document (use e.g. 95,5,0 for a corpus of a few hundred)
+#   TORCHRUN         [torchrun] the launcher on the compute nodes, e.g. $MEMO_ROOT/.venv/bin/torchrun
 #   EXTRA_ARGS       more pretrain_gpt.py flags, word-split, e.g. "--peak-tflops 312"
 #   SEQ_LENGTH, TP_SIZE, PP_SIZE, CP_SIZE   see examples/configs/gpt_common.sh
 #   MEMO_DRY_RUN=1   print the srun command line (shell-quoted) instead of running it
 #
 # Preemption and time limits: the sbatch scripts ask Slurm for SIGUSR1 to this batch shell
-# 300 s before the time limit (--signal=B:USR1@300). The trap below forwards SIGTERM to the
+# 900 s before the time limit (--signal=B:USR1@900). The trap below forwards SIGTERM to the
 # training processes, whose --exit-signal-handler saves a checkpoint at the end of the current
 # iteration and exits 0; the job then requeues itself and resumes from that checkpoint. A
 # SIGTERM to the batch shell (scancel, or Slurm preemption, which requeues by itself with
 # --requeue) is forwarded the same way, without a requeue. torchrun waits up to
-# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds for its workers after forwarding the signal.
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds for its workers after forwarding the signal, then
+# kills them. The 900 s must cover the rest of one iteration (minutes at 128K tokens with a
+# global batch of 16) plus one checkpoint save: raise both for longer sequences or slow storage.
 
 set -euo pipefail
 
@@ -72,20 +77,20 @@ export MASTER_ADDR MASTER_PORT
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
-# InfiniBand: keep it on; NCCL_IB_HCA / NCCL_SOCKET_IFNAME are cluster specific (set them in
-# your environment if NCCL picks the wrong devices).
+# InfiniBand on, with a longer transport timeout for large CP/PP messages. NCCL_IB_HCA,
+# NCCL_SOCKET_IFNAME and (RoCE only) NCCL_IB_GID_INDEX are cluster specific: export them
+# before sbatch if NCCL picks the wrong devices.
 export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-0}"
 export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
-export NCCL_IB_GID_INDEX="${NCCL_IB_GID_INDEX:-3}"
 # Split the task's CPUs between the ranks of a node.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(((${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} + GPUS_PER_NODE - 1) / GPUS_PER_NODE))}"
 # Since Slurm 22.05 srun no longer inherits --cpus-per-task from sbatch.
 if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
     export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 fi
-# Leave torchrun's workers time to write the preemption checkpoint (the signal comes 300 s
-# before the time limit).
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-270}"
+# Leave torchrun's workers time to finish the iteration and write the checkpoint (its default
+# is 30 s); below the 900 s of --signal=B:USR1@900 so Slurm's own kill does not come first.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-840}"
 
 read -r -a MEMO_EXTRA_ARGS <<<"${EXTRA_ARGS:-}"
 PRETRAIN_ARGS=(
@@ -102,7 +107,7 @@ PRETRAIN_ARGS=(
 )
 LAUNCH_COMMAND=(
     srun --kill-on-bad-exit=1 --nodes "$NNODES" --ntasks-per-node 1
-    torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
+    "${TORCHRUN:-torchrun}" --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$JOB_ID"
     "$MEMO_ROOT/pretrain_gpt.py" "${PRETRAIN_ARGS[@]}"
 )
@@ -115,6 +120,8 @@ fi
 
 mkdir -p "$CHECKPOINT_DIR" "$TENSORBOARD_DIR"
 cd "$MEMO_ROOT"
+# megatron.training is imported from the checkout (also without `pip install -e .`).
+export PYTHONPATH="$MEMO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 echo "GPT-${MEMO_MODEL^^}: $NNODES node(s) x $GPUS_PER_NODE GPUs, SEQ_LENGTH=$SEQ_LENGTH," \
     "rendezvous $MASTER_ADDR:$MASTER_PORT, checkpoints in $CHECKPOINT_DIR" \
     "(restart ${SLURM_RESTART_COUNT:-0})"

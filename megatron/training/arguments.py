@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from memo_ext.config import MemoConfigError, OffloadConfig, add_config_arguments, config_from_args
+
 TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
@@ -254,6 +256,11 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_memo_args(parser: argparse.ArgumentParser) -> None:
+    """--memo-* flags, generated from memo_ext's config dataclasses (one definition per flag)."""
+    add_config_arguments(parser, OffloadConfig, title="MEMO activation offloading")
+
+
 ArgsProvider = Callable[[argparse.ArgumentParser], None]
 
 
@@ -274,6 +281,7 @@ def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.
         _add_validation_args,
         _add_data_args,
         _add_logging_args,
+        _add_memo_args,
         *extra_args_providers,
     ):
         add_group(parser)
@@ -309,7 +317,7 @@ def run_main(main: Callable[[list[str]], None], argv: Optional[Sequence[str]] = 
         silence_expected_cpu_warnings()
     try:
         main(list(sys.argv[1:] if argv is None else argv))
-    except ArgumentValidationError as error:
+    except (ArgumentValidationError, MemoConfigError) as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -595,6 +603,28 @@ def _validate_logging(args: argparse.Namespace) -> None:
         _require(args.peak_tflops > 0, f"--peak-tflops must be positive, got {args.peak_tflops}")
 
 
+def _validate_memo(args: argparse.Namespace) -> None:
+    offload = config_from_args(OffloadConfig, args)
+    try:
+        offload.validate()
+    except MemoConfigError as error:
+        raise ArgumentValidationError(str(error)) from None
+    if not offload.offload:
+        return
+    _require(
+        args.recompute_granularity is None,
+        f"--memo-offload replaces Megatron recompute; drop --recompute-granularity "
+        f"{args.recompute_granularity}",
+    )
+    layers_per_stage = args.num_layers // args.pipeline_model_parallel_size
+    _require(
+        layers_per_stage > 2,
+        f"--memo-offload keeps the last 2 layers of each pipeline stage on device, so it needs "
+        f"more than 2 layers per stage (this run has {layers_per_stage}); raise --num-layers or "
+        "lower --pipeline-model-parallel-size",
+    )
+
+
 def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
     """Check cross-flag constraints and fill derived values (in place).
 
@@ -610,6 +640,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_checkpointing(args)
     _validate_data(args)
     _validate_logging(args)
+    _validate_memo(args)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     _require(

@@ -27,6 +27,7 @@ from megatron.training import checkpointing, metrics
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import initialize_megatron
+from megatron.training.memo import build_memo_offload
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
 
@@ -55,13 +56,15 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def build_model(args: argparse.Namespace, config, model_provider: ModelProvider) -> list:
+def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
+                memo=None) -> list:
     """This stage's model chunk wrapped in megatron.core DDP (a one-element list)."""
     model = model_provider(
         config=config,
         args=args,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
+        memo=memo,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -264,7 +267,8 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     config = core_transformer_config_from_args(args)
-    model = build_model(args, config, model_provider)
+    memo = build_memo_offload(args, log=print_rank_0)
+    model = build_model(args, config, model_provider, memo)
     optimizer, scheduler = build_optimizer(args, model)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
@@ -300,6 +304,8 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
         )
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
+        if memo is not None:
+            memo.after_iteration()
         if "lm loss" in losses:
             state.losses.append(losses["lm loss"])
         logger.log(state.iteration, losses, scheduler.get_lr(optimizer.param_groups[0]),

@@ -70,7 +70,8 @@ class MemoOffload:
                  microbatches_in_flight: int, shape: ActivationShape,
                  host_memory_bytes: int, bandwidth_bytes_per_s: float,
                  on_host_allocate: Optional[Callable[[torch.Tensor], None]] = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print,
+                 agree_on_alpha: Callable[[float], float] = lambda alpha: alpha):
         config.validate()
         if layers_per_stage <= LAYERS_KEPT_ON_DEVICE:
             raise MemoConfigError(
@@ -86,6 +87,9 @@ class MemoOffload:
         self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
         self.pinned_rounding = engine.device.type == "cuda"
         self.log = log
+        # Ranks measure slightly different layer times; TP/SP collectives in the token-split
+        # forward need every rank to use the same alpha (the trainer passes an all-reduce MIN).
+        self.agree_on_alpha = agree_on_alpha
         self.decision: Optional[AlphaDecision] = None
         self._check_host_memory_at_alpha_zero()
         fixed = config.fixed_alpha
@@ -151,5 +155,6 @@ class MemoOffload:
         layer_forward_s = sorted(self._forward_seconds)[len(self._forward_seconds) // 2]
         inputs = self._inputs(other_bytes, layer_forward_s)
         self.decision = solve_alpha(inputs)
-        self.manager.set_alpha(self.decision.alpha)
-        self.log(f"> MEMO alpha: {format_alpha_log(inputs, self.decision)}")
+        self.manager.set_alpha(self.agree_on_alpha(self.decision.alpha))
+        self.log(f"> MEMO alpha: {format_alpha_log(inputs, self.decision)}; "
+                 f"alpha used by all ranks: {self.alpha:.4f}")

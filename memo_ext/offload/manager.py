@@ -220,7 +220,8 @@ class DropRegion:
 
     def _recompute(self) -> None:
         inputs = [
-            (ref.value() if isinstance(ref, _ViewOf) else ref).detach().requires_grad_(needs_grad)
+            None if ref is None
+            else (ref.value() if isinstance(ref, _ViewOf) else ref).detach().requires_grad_(needs_grad)
             for ref, needs_grad in zip(self.inputs, self.input_requires_grad)
         ]
         recorded: list = []
@@ -363,13 +364,14 @@ class OffloadManager:
 
     def run_drop_region(self, record: LayerRecord, function: Callable,
                         inputs: Sequence[torch.Tensor], small_inputs: Sequence[bool]):
-        """``function(*inputs)`` with everything it saves dropped. Inputs flagged small are
-        kept by reference; the others must be views of registered tensors."""
+        """``function(*inputs)`` with everything it saves dropped. Inputs flagged small (or
+        None) are kept by reference; the others must be views of registered tensors."""
         descriptions = [
             tensor if small else self._describe_view(record, tensor)
             for tensor, small in zip(inputs, small_inputs)
         ]
-        region = DropRegion(function, descriptions, [t.requires_grad for t in inputs])
+        region = DropRegion(function, descriptions,
+                            [t is not None and t.requires_grad for t in inputs])
         record.regions.append(region)
         record.current_region = region
         try:

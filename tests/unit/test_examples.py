@@ -54,7 +54,7 @@ def _clean_env(**overrides: str) -> dict[str, str]:
     """The environment minus anything the scripts read, plus ``overrides``."""
     read_by_scripts = re.compile(
         r"(SLURM_.*|MEMO_.*|SEQ_LENGTH|TP_SIZE|PP_SIZE|CP_SIZE|DATA_PATH|TOKENIZER_MODEL|RUN_DIR|"
-        r"CHECKPOINT_DIR|TENSORBOARD_DIR|EXTRA_ARGS|MASTER_ADDR|MASTER_PORT|GPUS_PER_NODE)"
+        r"CHECKPOINT_DIR|TENSORBOARD_DIR|EXTRA_ARGS|MASTER_ADDR|MASTER_PORT|GPUS_PER_NODE|TORCHRUN)"
     )
     env = {key: value for key, value in os.environ.items() if not read_by_scripts.fullmatch(key)}
     env.update(overrides)
@@ -173,7 +173,7 @@ def test_sbatch_launch_command_validates(model, tmp_path, fake_data):
     nodes = sbatch_nodes(model)
     header = (SLURM / f"pretrain_gpt_{model}.sbatch").read_text()
     for directive in ("--ntasks-per-node=1", f"--gpus-per-node={GPUS_PER_NODE}", "--exclusive",
-                      "--requeue", "--signal=B:USR1@300", "--cpus-per-task=", "--time="):
+                      "--requeue", "--signal=B:USR1@900", "--cpus-per-task=", "--time="):
         assert f"#SBATCH {directive}" in header
 
     result = _dry_run(model, tmp_path, SLURM_NNODES=str(nodes), SLURM_JOB_ID="4242", **fake_data)
@@ -220,7 +220,7 @@ if [[ "$1" == show ]]; then echo node001; else echo "scontrol $*" >> "$FAKE_LOG"
 
 
 def test_time_limit_signal_checkpoints_and_requeues(tmp_path, fake_data):
-    """SIGUSR1 to the batch shell (--signal=B:USR1@300) -> SIGTERM to srun -> requeue."""
+    """SIGUSR1 to the batch shell (--signal=B:USR1@900) -> SIGTERM to srun -> requeue."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):

@@ -1,0 +1,65 @@
+"""Builds MEMO's runtime for the trainer from the --memo-* flags (memo_ext.offload's entry
+point and config dataclass are all the trainer knows of it)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from memo_ext.config import OffloadConfig, config_from_args
+from memo_ext.device import CopyEngine, measure_offload_bandwidth
+from memo_ext.offload import ActivationShape, MemoOffload
+from memo_ext.offload.alpha import default_host_memory_bytes, microbatches_in_flight
+
+BYTES_PER_GB = 1e9
+
+
+def _all_ranks_minimum(value: float) -> float:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return tensor.item()
+
+
+def build_memo_offload(args: argparse.Namespace, log) -> Optional[MemoOffload]:
+    """MEMO's runtime for this rank, or None without --memo-offload. Collective (measures the
+    node's D2H bandwidth with every rank copying at once unless --memo-pcie-gbps is given)."""
+    config = config_from_args(OffloadConfig, args)
+    if not config.offload:
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    engine = CopyEngine(device)
+    bandwidth = config.pcie_bytes_per_s
+    bandwidth_source = "--memo-pcie-gbps"
+    if bandwidth is None:
+        bandwidth = _all_ranks_minimum(measure_offload_bandwidth(engine, barrier=dist.barrier))
+        bandwidth_source = "measured, all ranks copying at once"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    host_memory = config.host_memory_bytes or default_host_memory_bytes(local_ranks)
+    shape = ActivationShape(
+        sequence_tokens=args.seq_length // args.context_parallel_size,
+        micro_batch_size=args.micro_batch_size,
+        hidden_size=args.hidden_size,
+        tensor_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        element_bytes=torch.tensor([], dtype=args.params_dtype).element_size(),
+    )
+    in_flight = microbatches_in_flight(
+        parallel_state.get_pipeline_model_parallel_rank(),
+        args.pipeline_model_parallel_size,
+        args.num_microbatches,
+    )
+    memo = MemoOffload(
+        config, engine, layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
+        microbatches_in_flight=in_flight, shape=shape, host_memory_bytes=host_memory,
+        bandwidth_bytes_per_s=bandwidth, log=log, agree_on_alpha=_all_ranks_minimum,
+    )
+    log(f"> MEMO offload: alpha {config.alpha} | D2H bandwidth {bandwidth / BYTES_PER_GB:.2f} GB/s "
+        f"per rank ({bandwidth_source}) | host memory {host_memory / BYTES_PER_GB:.2f} GB per rank "
+        f"| {in_flight} micro-batch(es) in flight on this stage")
+    return memo
