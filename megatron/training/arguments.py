@@ -568,7 +568,7 @@ def _validate_data(args: argparse.Namespace) -> None:
                  f"--tokenizer-model {args.tokenizer_model} does not exist; train one with "
                  "tools/prepare_demo_data.py (or train_bpe_tokenizer) or fix the path")
     if args.data_path:
-        for prefix in _data_path_prefixes(args.data_path):
+        for prefix in data_path_prefixes(args.data_path):
             for suffix in (".bin", ".idx"):
                 _require(
                     Path(prefix + suffix).is_file(),
@@ -584,7 +584,7 @@ def _validate_data(args: argparse.Namespace) -> None:
     _require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
 
 
-def _data_path_prefixes(data_path: list[str]) -> list[str]:
+def data_path_prefixes(data_path: list[str]) -> list[str]:
     """Prefixes from '--data-path A B' or the weighted form '--data-path 0.3 A 0.7 B'."""
     if len(data_path) > 1 and len(data_path) % 2 == 0:
         try:
@@ -695,4 +695,6 @@ def core_transformer_config_from_args(args: argparse.Namespace):
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
         batch_p2p_comm=True,
+        # 0.16.1's default "full" only triggers a deprecation warning; [] means the same.
+        cuda_graph_scope=[],
     )

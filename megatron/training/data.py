@@ -9,21 +9,48 @@ from typing import Iterator, Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
+
+from megatron.training.arguments import ArgumentValidationError, data_path_prefixes
+
+SPLIT_NAMES = ("train", "validation", "test")
 
 
 def dataset_sample_counts(args: argparse.Namespace) -> list[int]:
-    """Samples needed from the train, validation and test splits over the whole run."""
+    """Samples needed from the train, validation and test splits over the whole run (the
+    trainer never evaluates on the test split, so none are drawn from it)."""
     train = args.train_iters * args.global_batch_size
     evaluations = args.train_iters // args.eval_interval + 1
     valid = evaluations * args.eval_iters * args.global_batch_size
-    test = args.eval_iters * args.global_batch_size
-    return [train, valid, test]
+    return [train, valid, 0]
+
+
+def check_splits_have_documents(args: argparse.Namespace) -> None:
+    """Refuse a --split that leaves a needed split of a dataset without documents.
+
+    megatron.core's GPTDataset loops forever when asked for samples from a split with no
+    tokens. The split is cut at round(cumulative weight * documents), as the builder does.
+    """
+    weights = parse_and_normalize_split(args.split)
+    samples = dataset_sample_counts(args)
+    for prefix in data_path_prefixes(args.data_path):
+        documents = IndexedDataset(prefix).sequence_lengths.shape[0]
+        bounds = [int(round(sum(weights[:i]) * documents)) for i in range(len(weights) + 1)]
+        for name, weight, first, last, needed in zip(SPLIT_NAMES, weights, bounds, bounds[1:], samples):
+            if weight > 0 and needed > 0 and last == first:
+                raise ArgumentValidationError(
+                    f"--split {args.split} gives the {name} split of --data-path {prefix} no "
+                    f"documents (it has {documents}); raise that weight or set it to 0"
+                )
 
 
 def build_datasets(args: argparse.Namespace, tokenizer) -> list[Optional[torch.utils.data.Dataset]]:
     """Build [train, valid, test] datasets on every rank (rank 0 first, which fills the cache)."""
+    if not args.mock_data:
+        check_splits_have_documents(args)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,

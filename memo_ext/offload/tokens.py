@@ -14,6 +14,7 @@ while attention needs *natural order* (chunk by chunk). The two index maps here 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +30,11 @@ class TokenSplit:
 
     @classmethod
     def from_alpha(cls, alpha: float, local_tokens: int, chunks: int) -> "TokenSplit":
-        """``kept = round(alpha * local_tokens)`` tokens of each chunk are offloaded."""
+        """``kept = floor(alpha * local_tokens)`` tokens of each chunk are offloaded (floor, so
+        the host slots sized by the alpha LP are never exceeded)."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        return cls(local_tokens, int(round(alpha * local_tokens)), chunks)
+        return cls(local_tokens, math.floor(alpha * local_tokens), chunks)
 
     @property
     def dropped(self) -> int:
