@@ -12,6 +12,7 @@ import copy
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -37,6 +38,7 @@ def transformer_engine_available() -> bool:
 def local_layer_spec(args: argparse.Namespace) -> ModuleSpec:
     """megatron.core's local GPT layer spec with SP-capable norms and SDPA/CP attention."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=args.normalization))
+    spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType[args.attn_mask_type]
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention

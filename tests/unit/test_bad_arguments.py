@@ -65,6 +65,16 @@ BAD_INPUTS = [
      "--seq-length"),
     ("malformed_split", 1, BASE + ["--split", "90,x,5"], "--split"),
     ("nccl_on_cpu", 1, BASE + ["--distributed-backend", "nccl"], "--distributed-backend"),
+    ("memo_alpha_not_a_number", 1, BASE + ["--memo-offload", "--memo-alpha", "abc"], "--memo-alpha"),
+    ("memo_alpha_above_one", 1, BASE + ["--memo-offload", "--memo-alpha", "1.5"], "--memo-alpha"),
+    ("memo_alpha_negative", 1, BASE + ["--memo-offload", "--memo-alpha", "-0.1"], "--memo-alpha"),
+    ("memo_alpha_without_offload", 1, BASE + ["--memo-alpha", "0.5"], "--memo-alpha"),
+    ("memo_host_memory_not_positive", 1,
+     BASE + ["--memo-offload", "--memo-host-memory-gb", "0"], "--memo-host-memory-gb"),
+    ("memo_with_megatron_recompute", 1,
+     BASE + ["--memo-offload", "--recompute-granularity", "selective"], "--memo-offload"),
+    ("memo_two_layers_per_stage", 2,
+     BASE + ["--memo-offload", "--pipeline-model-parallel-size", "2"], "--memo-offload"),
 ]
 
 
@@ -87,6 +97,39 @@ def test_pretrain_gpt_exits_with_one_line(case, world_size, argv, flag):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and flag in lines[0]
     assert result.stdout == ""  # nothing was built: the model summary line never printed
+
+
+def test_host_memory_too_small_for_memo_refuses_to_start():
+    """Known only once the layout is (the per-rank activation shape): refused after process
+    setup, still before the model is built and with the same one-line error."""
+    env = subprocess_env()
+    env["WORLD_SIZE"] = "1"
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *BASE, "--memo-offload",
+         "--memo-host-memory-gb", "0.000001", "--memo-pcie-gbps", "10"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--memo-host-memory-gb" in lines[0] and "GB short" in lines[0]
+
+
+def test_split_without_documents_is_refused(tmp_path):
+    """megatron.core's GPTDataset would loop forever on a split without documents."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(f'{{"text": "document number {i}"}}\n' for i in range(5)))
+    env = subprocess_env()
+    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "preprocess_data.py"), "--input",
+                    str(corpus), "--output-prefix", str(tmp_path / "c"), "--tokenizer-type",
+                    "BytesTokenizer", "--append-eod"], check=True, env=env, capture_output=True)
+    env["WORLD_SIZE"] = "1"
+    argv = without(BASE, "--mock-data", False) + [
+        "--data-path", str(tmp_path / "c_text_document"), "--tokenizer-type", "BytesTokenizer",
+        "--split", "99,1,0", "--eval-iters", "1", "--eval-interval", "5"]
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *argv],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--split" in lines[0] and "validation" in lines[0]
 
 
 def test_valid_command_line_fills_derived_values():

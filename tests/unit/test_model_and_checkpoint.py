@@ -61,14 +61,15 @@ def test_model_flops_formula():
     assert flops == 6 * 64 * 1000 + 6 * 4 * 64 * 64**2
 
 
-def test_sdpa_attention_matches_megatron_dot_product_attention(megatron_world):
+@pytest.mark.parametrize("mask_type", ["causal", "no_mask"])
+def test_sdpa_attention_matches_megatron_dot_product_attention(megatron_world, mask_type):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron.training.compat.attention import SDPACoreAttention
 
     config = core_transformer_config_from_args(build_args([]))
-    kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+    kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType[mask_type],
                   attention_type="self", attention_dropout=0.0)
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(16, 2, 4, 16, generator=generator) for _ in range(3))

@@ -41,7 +41,7 @@ def load_balanced_positions(local_length: int, cp_rank: int, cp_size: int) -> to
 
 
 class SDPACoreAttention(MegatronModule):
-    """Causal self-attention core: [s, b, heads, d] q/k/v -> [s, b, heads*d] context."""
+    """Self-attention core (causal or unmasked): [s, b, heads, d] q/k/v -> [s, b, heads*d]."""
 
     def __init__(
         self,
@@ -55,10 +55,13 @@ class SDPACoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if attn_mask_type != AttnMaskType.causal:
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(
-                f"SDPACoreAttention supports the causal mask only, got {attn_mask_type.name}"
+                f"SDPACoreAttention supports causal and no_mask, got {attn_mask_type.name}"
             )
+        if attn_mask_type != AttnMaskType.causal and config.context_parallel_size > 1:
+            raise ValueError("context parallelism needs the causal mask")
+        self.is_causal = attn_mask_type == AttnMaskType.causal
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         projection_size = config.kv_channels * config.num_attention_heads
         self.hidden_size_per_partition = divide(projection_size, tp_size)
@@ -84,7 +87,7 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention supports neither packed sequences nor bias")
         local_length = query.size(0)
         mask = None
-        is_causal = True
+        is_causal = self.is_causal
         if self.cp_size > 1:
             cp_group = parallel_state.get_context_parallel_group()
             key = tensor_parallel.gather_from_sequence_parallel_region(key, group=cp_group)

@@ -6,10 +6,14 @@ dropout, even with dropout 0) saves and restores the CUDA generator through
 CPU build the first raises and the second silently queues a lazy call that never runs, so the
 tracker would hand out the same state forever. These replacements use the CPU default
 generator, which is where CPU dropout draws from, so forked regions get their own stream
-exactly as on CUDA.
+exactly as on CUDA. Because forked regions now draw from the CPU generator, fork()'s warning
+"CPU RNG state changed within GPU RNG context" (meant to catch CPU draws inside a CUDA-RNG
+region) fires on every dropout; it is filtered out.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from megatron.core.tensor_parallel import random as megatron_random
@@ -25,7 +29,13 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = 
     torch.set_rng_state(new_state)
 
 
+class _DropCpuRngWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
 def use_cpu_generator_in_rng_tracker() -> None:
     """Install the CPU generator accessors into megatron.core.tensor_parallel.random."""
     megatron_random._get_cuda_rng_state = _get_cpu_rng_state
     megatron_random._set_cuda_rng_state = _set_cpu_rng_state
+    logging.getLogger(megatron_random.__name__).addFilter(_DropCpuRngWarning())

@@ -1,0 +1,55 @@
+"""Must-show 1 of the MEMO issue: with --deterministic-mode on CPU, 20 iterations of
+pretrain_gpt.py --memo-offload --memo-alpha A give the losses of the same run without
+--memo-offload to 1e-5 relative, under TP=2+SP, CP=2, and PP=2 with 4 micro-batches in flight
+(MEMO's paper and Megatron's TE offloading both refuse that last case)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+COMMON = TINY_GPT_ARGS + ["--deterministic-mode", "--position-embedding-type", "rope"]
+LAYOUTS = {
+    "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "cp2": ["--context-parallel-size", "2"],
+    # 8 layers: 4 per stage, 2 of them offloaded; global batch 8 / micro batch 2 = 4 in flight.
+    "pp2_4microbatches": ["--pipeline-model-parallel-size", "2", "--num-layers", "8"],
+}
+DEFAULT_ALPHA = "0.25"
+OTHER_ALPHAS = ["0", "0.125", "0.5", "1"]
+
+_baselines: dict[str, dict[int, float]] = {}
+
+
+def baseline(layout: str, tmp_path_factory) -> dict[int, float]:
+    if layout not in _baselines:
+        metrics = tmp_path_factory.mktemp(f"baseline_{layout}") / "metrics.jsonl"
+        run_torchrun(2, COMMON + LAYOUTS[layout] + ["--log-metrics-jsonl", str(metrics)])
+        _baselines[layout] = read_losses(metrics)
+    return _baselines[layout]
+
+
+def check_memo_matches(layout: str, alpha: str, tmp_path, tmp_path_factory) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    result = run_torchrun(2, COMMON + LAYOUTS[layout] + [
+        "--memo-offload", "--memo-alpha", alpha, "--log-metrics-jsonl", str(metrics)])
+    assert "> MEMO offload: alpha" in result.stdout
+    memo_losses, reference = read_losses(metrics), baseline(layout, tmp_path_factory)
+    assert sorted(memo_losses) == sorted(reference) == list(range(1, 21))
+    for iteration, loss in reference.items():
+        assert memo_losses[iteration] == pytest.approx(loss, rel=1e-5), iteration
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_memo_losses_equal_baseline(layout, tmp_path, tmp_path_factory):
+    check_memo_matches(layout, DEFAULT_ALPHA, tmp_path, tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alpha", OTHER_ALPHAS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_memo_losses_equal_baseline_every_alpha(layout, alpha, tmp_path, tmp_path_factory):
+    check_memo_matches(layout, alpha, tmp_path, tmp_path_factory)

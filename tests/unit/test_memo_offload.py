@@ -1,0 +1,170 @@
+"""MEMO token-wise swap + recompute in one process: gradients equal the plain layer's for
+every alpha (fp32, 1e-6), also when copies are slow -- and are wrong when the protocol's
+waits are skipped, which proves the waits are what makes them right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from memo_ext.config import MemoConfigError, OffloadConfig
+from memo_ext.device import CopyEngine
+from memo_ext.offload import ActivationShape, MemoOffload
+from memo_ext.offload.tokens import TokenSplit
+from tests.conftest import TINY_GPT_ARGS
+
+NUM_LAYERS = 6  # 4 offloaded: layers 0 and 2 share a rounding buffer, so prefetch really runs
+SEQ, BATCH, VOCAB = 64, 2, 512
+SHAPE = ActivationShape(SEQ, BATCH, 64, 1, False, 4)
+HOST_BYTES, BANDWIDTH = 10**10, 1e9
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from megatron.core import parallel_state
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import initialize_megatron
+
+    initialize_megatron(parse_args(TINY_GPT_ARGS, world_size=1, cuda_available=False))
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def model_args(extra):
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(TINY_GPT_ARGS + ["--num-layers", str(NUM_LAYERS)] + extra, world_size=1,
+                      cuda_available=False)
+    args.padded_vocab_size = VOCAB
+    return args
+
+
+def build_model(args, memo=None):
+    from megatron.core import tensor_parallel
+
+    from megatron.training.arguments import core_transformer_config_from_args
+    import pretrain_gpt
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return pretrain_gpt.model_provider(core_transformer_config_from_args(args), args, memo=memo)
+
+
+def loss_and_grads(model):
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    positions = torch.arange(SEQ)[None].expand(BATCH, -1)
+    loss = model(tokens, positions, None, labels=labels).sum()
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def worst_relative_gradient_error(grads, reference):
+    return max(
+        ((grads[name] - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item()
+        for name, ref in reference.items()
+    )
+
+
+def memo_run(args, alpha: str, copy_delay_s: float = 0.0):
+    with CopyEngine("cpu", copy_delay_s=copy_delay_s) as engine:
+        memo = MemoOffload(OffloadConfig(offload=True, alpha=alpha), engine, NUM_LAYERS, 1, SHAPE,
+                           HOST_BYTES, BANDWIDTH, log=lambda message: None)
+        return (*loss_and_grads(build_model(args, memo)), memo)
+
+
+MODELS = {
+    "gpt_learned_gelu": [],
+    "llama_like_rope_swiglu_gqa_rmsnorm": [
+        "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
+        "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear"],
+}
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("alpha", ["0", "0.125", "0.25", "0.5", "1"])
+def test_gradients_match_plain_layer(megatron_world, model_name, alpha):
+    args = model_args(MODELS[model_name])
+    reference_loss, reference = loss_and_grads(build_model(args))
+    loss, grads, memo = memo_run(args, alpha)
+    assert loss == pytest.approx(reference_loss, rel=1e-6)
+    assert worst_relative_gradient_error(grads, reference) < 1e-6
+    offloaded, recomputed = memo.manager.saved_bytes["offloaded"], memo.manager.saved_bytes["recomputed"]
+    assert offloaded > 0
+    assert (recomputed == 0) == (alpha == "1")
+
+
+def test_slow_copies_still_exact(megatron_world):
+    args = model_args([])
+    _, reference = loss_and_grads(build_model(args))
+    _, grads, _ = memo_run(args, "0.5", copy_delay_s=0.02)
+    assert worst_relative_gradient_error(grads, reference) < 1e-6
+
+
+def test_skipping_the_waits_corrupts_gradients(megatron_world, monkeypatch):
+    """Negative control: the same slow copies without the protocol's waits read stale
+    buffers (a D2H overtaken by the next layer's writes, a prefetch not yet landed)."""
+    args = model_args([])
+    _, reference = loss_and_grads(build_model(args))
+    monkeypatch.setattr(CopyEngine, "wait", lambda self, event: None)
+    _, grads, _ = memo_run(args, "0.5", copy_delay_s=0.02)
+    monkeypatch.undo()
+    assert worst_relative_gradient_error(grads, reference) > 1e-2
+
+
+def test_auto_alpha_is_solved_after_the_first_iteration(megatron_world):
+    args = model_args([])
+    with CopyEngine("cpu") as engine:
+        memo = MemoOffload(OffloadConfig(offload=True), engine, NUM_LAYERS, 1, SHAPE, HOST_BYTES,
+                           BANDWIDTH, log=lambda message: None)
+        assert memo.alpha == 0.0
+        loss_and_grads(build_model(args, memo))
+        memo.after_iteration()
+        assert memo.decision is not None and memo.alpha == memo.decision.alpha
+        assert 0.0 <= memo.alpha <= 1.0
+
+
+def test_host_memory_too_small_even_at_alpha_zero_is_refused():
+    with CopyEngine("cpu") as engine:
+        with pytest.raises(MemoConfigError, match="--memo-host-memory-gb") as error:
+            MemoOffload(OffloadConfig(offload=True, alpha="0.5", host_memory_gb=1e-6), engine,
+                        NUM_LAYERS, 1, SHAPE, 1000, BANDWIDTH)
+    assert "GB short" in str(error.value)
+
+
+def test_two_layers_per_stage_is_refused():
+    with CopyEngine("cpu") as engine, pytest.raises(MemoConfigError, match="layers per pipeline"):
+        MemoOffload(OffloadConfig(offload=True), engine, 2, 1, SHAPE, HOST_BYTES, BANDWIDTH)
+
+
+@pytest.mark.parametrize("chunks,local_tokens,alpha", [(1, 16, 0.25), (2, 8, 0.5), (4, 6, 0.34)])
+def test_token_split_round_trip(chunks, local_tokens, alpha):
+    split = TokenSplit.from_alpha(alpha, local_tokens, chunks)
+    natural = torch.arange(chunks * local_tokens * 3).reshape(chunks * local_tokens, 3)
+    split_order = split.split(natural)
+    kept_rows = chunks * split.kept
+    assert torch.equal(split.merge(split_order[:kept_rows], split_order[kept_rows:]), natural)
+    indices = torch.cat([split.natural_indices("kept"), split.natural_indices("dropped")])
+    assert torch.equal(natural[indices], split_order)
+
+
+def test_unsupported_layer_is_refused(megatron_world):
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.layer_specs import local_layer_spec
+
+    args = model_args([])
+    with CopyEngine("cpu") as engine:
+        memo = MemoOffload(OffloadConfig(offload=True), engine, NUM_LAYERS, 1, SHAPE, HOST_BYTES,
+                           BANDWIDTH, log=lambda message: None)
+        base = local_layer_spec(args)  # a private copy of megatron.core's spec
+        base.submodules.mlp = IdentityOp
+        spec = memo.layer_spec(base)
+        with pytest.raises(MemoConfigError, match="--memo-offload supports dense GPT layers"):
+            build_module(spec, config=core_transformer_config_from_args(args), layer_number=1)
