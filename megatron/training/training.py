@@ -134,6 +134,21 @@ def reduce_losses(loss_dicts: list[dict]) -> dict[str, float]:
     return reduced
 
 
+def run_schedule(forward_step: ForwardStep, data_iterator, model: list,
+                 args: argparse.Namespace, forward_only: bool) -> list[dict]:
+    """One global batch through megatron.core's schedule (1F1B with PP); per-micro-batch
+    loss reports on the last stage."""
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length // args.context_parallel_size,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
 def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer, scheduler,
                args: argparse.Namespace) -> tuple[dict[str, float], float, bool]:
     """One global batch: forward/backward over all micro-batches, then the optimizer step.
@@ -143,15 +158,7 @@ def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer,
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    loss_dicts = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=args.num_microbatches,
-        seq_length=args.seq_length // args.context_parallel_size,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=False,
-    )
+    loss_dicts = run_schedule(forward_step, data_iterator, model, args, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
@@ -166,15 +173,7 @@ def evaluate(forward_step: ForwardStep, data_iterator, model: list,
     loss_dicts = []
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            loss_dicts += get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=data_iterator,
-                model=model,
-                num_microbatches=args.num_microbatches,
-                seq_length=args.seq_length // args.context_parallel_size,
-                micro_batch_size=args.micro_batch_size,
-                forward_only=True,
-            )
+            loss_dicts += run_schedule(forward_step, data_iterator, model, args, forward_only=True)
     for chunk in model:
         chunk.train()
     return reduce_losses(loss_dicts)

@@ -96,10 +96,17 @@ class MemoOffload:
         self.manager = OffloadManager(engine, 0.0 if fixed is None else fixed, on_host_allocate)
         self._forward_seconds: list[float] = []
 
-    def _inputs(self, other_bytes: int, layer_forward_s: float) -> AlphaInputs:
+    def _inputs(self, other_bytes: int, layer_forward_s: float,
+                whole_bytes: Optional[int] = None) -> AlphaInputs:
+        """LP inputs; ``whole_bytes`` (measured bytes offloaded per layer at alpha 0) replaces
+        the analytic S_in + S_attn when known, since it also counts attention statistics and,
+        under CP, the gathered K/V the core attention saves."""
+        attention_output_bytes = self.shape.attention_output_bytes
+        if whole_bytes is not None:
+            attention_output_bytes = max(0, whole_bytes - self.shape.input_bytes)
         return AlphaInputs(
             input_bytes=self.shape.input_bytes,
-            attention_output_bytes=self.shape.attention_output_bytes,
+            attention_output_bytes=attention_output_bytes,
             other_bytes=other_bytes,
             bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
             layer_forward_s=layer_forward_s,
@@ -153,7 +160,8 @@ class MemoOffload:
             return
         other_bytes = self.manager.saved_bytes["recomputed"] // counts
         layer_forward_s = sorted(self._forward_seconds)[len(self._forward_seconds) // 2]
-        inputs = self._inputs(other_bytes, layer_forward_s)
+        whole_bytes = self.manager.largest_layer_bytes
+        inputs = self._inputs(other_bytes, layer_forward_s, whole_bytes)
         self.decision = solve_alpha(inputs)
         self.manager.set_alpha(self.agree_on_alpha(self.decision.alpha))
         self.log(f"> MEMO alpha: {format_alpha_log(inputs, self.decision)}; "

@@ -310,6 +310,7 @@ class OffloadManager:
         self.last_record: Optional[LayerRecord] = None
         self.saved_bytes = {"offloaded": 0, "recomputed": 0}
         self.layer_forwards = 0
+        self.largest_layer_bytes = 0
 
     def set_alpha(self, alpha: float) -> None:
         """Use ``alpha`` from the next layer forward on (between iterations only)."""
@@ -345,6 +346,7 @@ class OffloadManager:
         """Finish a layer's forward: start the D2H of its buffer, hook its backward."""
         self.active = None
         self.last_record = record
+        self.largest_layer_bytes = max(self.largest_layer_bytes, record.used_bytes)
         if record.used_bytes:
             record.host_slot = self.host_slots.acquire(record.layer, record.used_bytes)
             record.offload_event = self.engine.offload(
