@@ -29,6 +29,7 @@ buffers and reinterpret them with ``Tensor.view(dtype)``); all times are seconds
 """
 from __future__ import annotations
 
+import abc
 import math
 import os
 import threading
@@ -61,16 +62,16 @@ PREFETCH = "prefetch"  # host -> device (H2D)
 
 # --------------------------------------------------------------------------------------- events
 
-class CopyEvent:
+class CopyEvent(abc.ABC):
     """Completion of one asynchronous copy (or of compute issued up to some point)."""
 
+    @abc.abstractmethod
     def query(self) -> bool:
         """True once the copy has finished (successfully or not); never blocks."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def synchronize(self) -> None:
         """Block the calling thread until the copy finished; re-raise the copy's error, if any."""
-        raise NotImplementedError
 
 
 class _DoneEvent(CopyEvent):

@@ -27,6 +27,7 @@ runs on CUDA streams and on the CPU copy worker used in tests.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -138,14 +139,15 @@ class _RecomputedSaved:
         return self.region.saved(self.index)
 
 
-class _Registered:
+class _Registered(abc.ABC):
     """A tensor whose views are saved by reference to it."""
 
     base_offset: int
     dtype: torch.dtype
 
+    @abc.abstractmethod
     def value(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The tensor's contents, restored (backward)."""
 
 
 class _WholeTensor(_Registered):
