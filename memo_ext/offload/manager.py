@@ -243,7 +243,12 @@ class DropRegion:
                 f"{self.saved_count}: the layer's forward is not deterministic in what it saves"
             )
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        self.recomputed_saved = recorded
+        # Keep values only. The recompute's own graph refers back to ``recorded`` through the
+        # hook closure; emptying the list breaks that cycle so the graph and everything it
+        # holds is freed by reference counting as soon as this layer's backward is done,
+        # instead of waiting for Python's cycle collector.
+        self.recomputed_saved = [tensor.detach() for tensor in recorded]
+        recorded.clear()
         self.recomputed_outputs = tuple(o.detach() for o in outputs)
 
     def saved(self, index: int) -> torch.Tensor:
