@@ -1,7 +1,33 @@
-"""Allocator tooling: read real PyTorch CUDA memory snapshots and summarize them per device.
+"""Allocator tooling: read real PyTorch CUDA memory snapshots, summarize them per device, and
+replay traces through allocator models (PyTorch caching, expandable segments, GMLake stitching,
+planned arena).
 
-Entry point: ``summarize_snapshot(load_snapshot(path))`` (see memo_ext.alloc.snapshot).
+Entry points: ``summarize_snapshot(load_snapshot(path))`` (memo_ext.alloc.snapshot);
+``replay(trace, policy, capacity_bytes)`` and ``compare_recorded(snapshot)``
+(memo_ext.alloc.models, rules in docs/allocator_models.md).
 """
+from memo_ext.alloc.models import (
+    POLICIES,
+    ArenaPlan,
+    DecisionMismatch,
+    InitialState,
+    OomInfo,
+    PlanError,
+    RecordedComparison,
+    ReplayResult,
+    Trace,
+    TraceError,
+    best_fit_plan,
+    compare_recorded,
+    infer_capacity,
+    load_plan,
+    load_trace,
+    reconstruct_initial_state,
+    replay,
+    replay_policies,
+    save_trace,
+    snapshot_trace,
+)
 from memo_ext.alloc.snapshot import (
     DeviceSummary,
     OomEvent,
@@ -10,4 +36,10 @@ from memo_ext.alloc.snapshot import (
     summarize_snapshot,
 )
 
-__all__ = ["DeviceSummary", "OomEvent", "SnapshotError", "load_snapshot", "summarize_snapshot"]
+__all__ = [
+    "POLICIES", "ArenaPlan", "DecisionMismatch", "DeviceSummary", "InitialState", "OomEvent",
+    "OomInfo", "PlanError", "RecordedComparison", "ReplayResult", "SnapshotError", "Trace",
+    "TraceError", "best_fit_plan", "compare_recorded", "infer_capacity", "load_plan",
+    "load_snapshot", "load_trace", "reconstruct_initial_state", "replay", "replay_policies",
+    "save_trace", "snapshot_trace", "summarize_snapshot",
+]

@@ -299,3 +299,51 @@ def test_report_rejected_pickle_exits_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "refused pickled global" in proc.stderr
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- truncated and odd files
+
+
+@pytest.mark.parametrize("cut", ["half", "two-bytes", "empty"])
+def test_truncated_files_give_one_line_errors(tmp_path, cut):
+    good = pickle.dumps(_hand_made(trace_size_of_b=2000))
+    data = {"half": good[: len(good) // 2], "two-bytes": good[:2], "empty": b""}[cut]
+    path = tmp_path / "cut.pickle"
+    path.write_bytes(data)
+    with pytest.raises(SnapshotError, match="cut.pickle: not a readable pickle") as info:
+        load_snapshot(path)
+    assert "\n" not in str(info.value)
+    proc = run_report(path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "not a readable pickle" in proc.stderr
+
+
+def test_truncated_real_snapshot_is_refused(tmp_path):
+    data = snapshot_path("hf_deepseek_coder_1p3b_train_step.pickle").read_bytes()
+    path = tmp_path / "deepseek_cut.pickle"
+    path.write_bytes(data[: len(data) // 3])
+    with pytest.raises(SnapshotError, match="deepseek_cut.pickle: not a readable pickle"):
+        load_snapshot(path)
+
+
+@pytest.mark.parametrize("payload", [
+    b"cos\nsystem\n(S'touch PWNED'\ntR.",  # protocol 0: GLOBAL + REDUCE
+    b"(S'touch PWNED'\nios\nsystem\n.",  # protocol 0: INST
+    (b"\x80\x04\x95\x1d\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x8c\x06system\x93\x8c\x0btouch "
+     b"PWNED\x85R."),  # protocol 4: STACK_GLOBAL
+], ids=["GLOBAL", "INST", "STACK_GLOBAL"])
+def test_every_global_opcode_is_refused(tmp_path, monkeypatch, payload):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(payload)
+    with pytest.raises(SnapshotError, match="refused pickled global"):
+        load_snapshot(path)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_garbage_bytes_report_exits_2_with_one_line(tmp_path):
+    path = tmp_path / "noise.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    proc = run_report(path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "noise.bin" in proc.stderr
