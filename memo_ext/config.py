@@ -172,6 +172,12 @@ class OffloadConfig:
         None, flag="--memo-host-memory-gb", metavar="GB",
         help="Host memory for offloaded activations per rank, in GB (1e9 bytes). Default: "
              "available host memory at startup / ranks on this node.")
+    device_memory_gb: Optional[float] = memo_field(
+        None, flag="--memo-device-memory-gb", metavar="GB",
+        help="Device memory MEMO's activations may use per rank, in GB (1e9 bytes): the two "
+             "rounding buffers plus one layer's recompute working set. Adds a device constraint "
+             "to the alpha LP (offloaded tokens need buffer space twice, recomputed ones once, so "
+             "a tight budget lowers alpha). Default: no device constraint (the paper's LP).")
     pcie_gbps: Optional[float] = memo_field(
         None, flag="--memo-pcie-gbps", metavar="GB/S",
         help="Device->host copy bandwidth per rank, in GB/s (1e9 bytes/s). Default: measured "
@@ -197,6 +203,11 @@ class OffloadConfig:
         return None if self.host_memory_gb is None else int(self.host_memory_gb * BYTES_PER_GB)
 
     @property
+    def device_memory_bytes(self) -> int | None:
+        """``--memo-device-memory-gb`` in bytes, or None when not given (no device constraint)."""
+        return None if self.device_memory_gb is None else int(self.device_memory_gb * BYTES_PER_GB)
+
+    @property
     def pcie_bytes_per_s(self) -> float | None:
         """``--memo-pcie-gbps`` in bytes/s, or None when not given (measure at startup)."""
         return None if self.pcie_gbps is None else self.pcie_gbps * BYTES_PER_GB
@@ -219,12 +230,19 @@ class OffloadConfig:
             raise MemoConfigError(f"--memo-host-memory-gb {_fmt(self.host_memory_gb)} must be a "
                                   "positive number of GB; give the host memory per rank or drop "
                                   "the flag to use available memory / local ranks")
+        if self.device_memory_gb is not None and not (
+            self.device_memory_gb > 0 and math.isfinite(self.device_memory_gb)
+        ):
+            raise MemoConfigError(f"--memo-device-memory-gb {_fmt(self.device_memory_gb)} must be "
+                                  "a positive number of GB; give the device budget per rank or "
+                                  "drop the flag")
         if self.pcie_gbps is not None and not (self.pcie_gbps > 0 and math.isfinite(self.pcie_gbps)):
             raise MemoConfigError(f"--memo-pcie-gbps {_fmt(self.pcie_gbps)} must be a positive "
                                   "number of GB/s; give the device->host bandwidth per rank or "
                                   "drop the flag to measure it at startup")
         if not self.offload:
             given = {"alpha": alpha is not None, "host_memory_gb": self.host_memory_gb is not None,
+                     "device_memory_gb": self.device_memory_gb is not None,
                      "pcie_gbps": self.pcie_gbps is not None}
             for name, value_given in given.items():
                 value = getattr(self, name)

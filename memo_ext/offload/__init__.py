@@ -105,13 +105,15 @@ class MemoOffload:
         if whole_bytes is not None:
             attention_output_bytes = max(0, whole_bytes - self.shape.input_bytes)
         return AlphaInputs(
+            device_memory_bytes=self.config.device_memory_bytes,
             input_bytes=self.shape.input_bytes,
             attention_output_bytes=attention_output_bytes,
             other_bytes=other_bytes,
             bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
             layer_forward_s=layer_forward_s,
             host_memory_bytes=self.host_memory_bytes,
-            offloaded_layers=offloaded_layers(self.layers_per_stage),
+            offloaded_layers=(offloaded_layers(self.layers_per_stage)
+                              if self.microbatches_in_flight == 1 else self.layers_per_stage),
             microbatches_in_flight=self.microbatches_in_flight,
             pinned_rounding=self.pinned_rounding,
         )

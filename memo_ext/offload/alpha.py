@@ -36,6 +36,7 @@ offloading; nothing here raises for it.
 from __future__ import annotations
 
 import math
+from typing import Optional
 from dataclasses import dataclass
 
 #: Bytes per GB in logs (10**9, the convention of PCIe GB/s figures).
@@ -44,6 +45,7 @@ _GB = 1e9
 #: Values of :attr:`AlphaDecision.limited_by`.
 LIMITED_BY_BANDWIDTH = "bandwidth"
 LIMITED_BY_HOST_MEMORY = "host_memory"
+LIMITED_BY_DEVICE_MEMORY = "device_memory"
 LIMITED_BY_NOTHING = "none"  # alpha = 1: every token offloaded, both constraints slack
 
 
@@ -78,6 +80,11 @@ class AlphaInputs:
             stage (see :func:`microbatches_in_flight`), >= 1.
         pinned_rounding: count each (layer, micro-batch) slot as ``next_pow2`` of its bytes
             (True for CUDA pinned memory from the CachingHostAllocator).
+        device_memory_bytes: optional device budget for MEMO's activations: the two rounding
+            buffers (2 * (S_in + S_attn + alpha*S_oth)) plus one layer's recompute working set
+            ((1 - alpha) * S_oth). Offloaded tokens cost buffer space twice, recomputed ones
+            once, so this bound caps alpha from above. None: no device constraint (the paper's
+            LP).
     """
 
     input_bytes: int
@@ -89,6 +96,7 @@ class AlphaInputs:
     offloaded_layers: int
     microbatches_in_flight: int
     pinned_rounding: bool
+    device_memory_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("input_bytes", "attention_output_bytes", "other_bytes", "host_memory_bytes",
@@ -157,6 +165,7 @@ class AlphaDecision:
     limited_by: str
     host_bytes_needed: int
     host_bytes_missing_at_alpha0: int
+    device_memory_bound: float = math.inf
 
     @property
     def fits_host_memory(self) -> bool:
@@ -220,6 +229,16 @@ def _host_bound(inputs: AlphaInputs) -> float:
     return _bound(per_slot, inputs)
 
 
+def _device_bound(inputs: AlphaInputs) -> float:
+    """Largest alpha with 2*(W + alpha*S) + (1 - alpha)*S <= M_dev, i.e. (M_dev - 2W - S)/S."""
+    if inputs.device_memory_bytes is None:
+        return math.inf
+    spare = inputs.device_memory_bytes - 2 * inputs.whole_bytes - inputs.other_bytes
+    if inputs.other_bytes == 0:
+        return math.inf if spare >= 0 else -math.inf
+    return spare / inputs.other_bytes
+
+
 def host_memory_shortfall(inputs: AlphaInputs) -> int:
     """Bytes M_host lacks for the arena even at alpha = 0 (0 if it fits)."""
     return max(0, inputs.host_bytes_needed(0.0) - int(inputs.host_memory_bytes))
@@ -234,7 +253,8 @@ def solve_alpha(inputs: AlphaInputs) -> AlphaDecision:
     """
     bandwidth_bound = _bound(inputs.bandwidth_bytes_per_s * inputs.layer_forward_s, inputs)
     host_bound = _host_bound(inputs)
-    alpha = min(1.0, max(0.0, min(bandwidth_bound, host_bound)))
+    device_bound = _device_bound(inputs)
+    alpha = min(1.0, max(0.0, min(bandwidth_bound, host_bound, device_bound)))
     # host_bound = integer / S_oth, so alpha*S_oth exceeds the integer by at most a few ulps.
     for _ in range(64):
         if alpha == 0.0 or inputs.fits_host(alpha):
@@ -245,8 +265,10 @@ def solve_alpha(inputs: AlphaInputs) -> AlphaDecision:
     shortfall = host_memory_shortfall(inputs)
     if alpha >= 1.0:
         limited_by = LIMITED_BY_NOTHING
-    elif shortfall > 0 or host_bound <= bandwidth_bound:  # a host shortfall trumps bandwidth
-        limited_by = LIMITED_BY_HOST_MEMORY
+    elif shortfall > 0 or host_bound <= min(bandwidth_bound, device_bound):
+        limited_by = LIMITED_BY_HOST_MEMORY  # a host shortfall trumps the other bounds
+    elif device_bound < bandwidth_bound:
+        limited_by = LIMITED_BY_DEVICE_MEMORY
     else:
         limited_by = LIMITED_BY_BANDWIDTH
     return AlphaDecision(
@@ -256,6 +278,7 @@ def solve_alpha(inputs: AlphaInputs) -> AlphaDecision:
         limited_by=limited_by,
         host_bytes_needed=inputs.host_bytes_needed(alpha),
         host_bytes_missing_at_alpha0=shortfall,
+        device_memory_bound=device_bound,
     )
 
 
@@ -280,6 +303,9 @@ def solve_alpha_lp(inputs: AlphaInputs) -> float:
     if inputs.host_slots > 0:
         problem += (inputs.host_slots * (whole + other * alpha)
                     <= inputs.host_memory_bytes / scale), "host_memory"
+    if inputs.device_memory_bytes is not None:
+        problem += (2 * whole + other + other * alpha
+                    <= inputs.device_memory_bytes / scale), "device_memory"
     solver = pulp.HiGHS(msg=False)
     if not solver.available():
         solver = pulp.PULP_CBC_CMD(msg=False)
@@ -299,6 +325,8 @@ def format_alpha_log(inputs: AlphaInputs, decision: AlphaDecision) -> str:
         if decision.bandwidth_bound < 0:
             binding += (f" (even alpha=0 copies take {copy_ms_at_0:.2f} ms > layer forward; "
                         "copies will stall compute)")
+    elif decision.limited_by == LIMITED_BY_DEVICE_MEMORY:
+        binding = "limited by device memory (--memo-device-memory-gb)"
     else:
         binding = "limited by host memory"
         if not decision.fits_host_memory:
@@ -306,7 +334,8 @@ def format_alpha_log(inputs: AlphaInputs, decision: AlphaDecision) -> str:
                         "GB: fall back to recomputation, do not offload)")
     return (
         f"MEMO alpha={decision.alpha:.4f} {binding} | bounds: bandwidth {decision.bandwidth_bound:.4g}, "
-        f"host memory {decision.host_memory_bound:.4g} | per layer per micro-batch: "
+        f"host memory {decision.host_memory_bound:.4g}, device memory "
+        f"{decision.device_memory_bound:.4g} | per layer per micro-batch: "
         f"S_in {inputs.input_bytes / _GB:.3f} GB, S_attn {inputs.attention_output_bytes / _GB:.3f} GB, "
         f"S_oth {inputs.other_bytes / _GB:.3f} GB | B {inputs.bandwidth_bytes_per_s / _GB:.2f} GB/s, "
         f"T_layer {inputs.layer_forward_s * 1e3:.2f} ms | host {inputs.host_memory_bytes / _GB:.3f} GB "

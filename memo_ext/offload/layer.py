@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from memo_ext.offload import MemoOffload
 
 # The last layers of a pipeline stage start their backward right after their forward: nothing
-# to gain from moving their activations (MEMO keeps two).
+# to gain from moving their activations. MEMO keeps two, in the two rounding buffers (which is
+# why there are two): with one micro-batch in flight their data never leaves the buffers.
 LAYERS_KEPT_ON_DEVICE = 2
 
 
@@ -54,7 +55,12 @@ class MemoTransformerLayer(TransformerLayer):
         self.memo = memo
         stage_offset = get_transformer_layer_offset(config, vp_stage)
         self.stage_layer_index = self.layer_number - 1 - stage_offset
-        self.offloaded = self.stage_layer_index < memo.layers_per_stage - LAYERS_KEPT_ON_DEVICE
+        # With several micro-batches in flight (1F1B), the next micro-batch's forward reuses
+        # the buffers before this one's backward, so every layer goes to host.
+        self.offloaded = (
+            self.stage_layer_index < memo.layers_per_stage - LAYERS_KEPT_ON_DEVICE
+            or memo.microbatches_in_flight > 1
+        )
 
     def _check_supported(self) -> None:
         problems = []
@@ -84,10 +90,6 @@ class MemoTransformerLayer(TransformerLayer):
         if not use_memo:
             return super().forward(*args, **kwargs)
         is_first = self.stage_layer_index == 0
-        if not self.offloaded:
-            output, context = super().forward(*args, **kwargs)
-            self.memo.manager.skip_layer(is_first, output)
-            return output, context
         attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         output = self._memo_forward(hidden_states, attention_mask, kwargs.get("rotary_pos_emb"),
                                     is_first)
@@ -118,7 +120,8 @@ class MemoTransformerLayer(TransformerLayer):
         manager = self.memo.manager
         chunks = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
         split = TokenSplit.from_alpha(manager.alpha, hidden_states.size(0), chunks)
-        record = manager.begin_layer(self.stage_layer_index, is_first, list(self.parameters()))
+        record = manager.begin_layer(self.stage_layer_index, is_first, list(self.parameters()),
+                                     to_host=self.offloaded)
         kept_rows = chunks * split.kept
         with self.memo.layer_timer(), manager.hooks(record):
             manager.register_whole(record, hidden_states)

@@ -50,7 +50,8 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 class RoundingBuffer:
-    """One of the two device buffers; grows (first iteration only) to the largest layer."""
+    """One of the two device buffers; grows (first iteration only) to exactly the largest
+    layer's bytes, so device memory is what the layers need and nothing more."""
 
     def __init__(self, engine: CopyEngine):
         self.engine = engine
@@ -66,7 +67,7 @@ class RoundingBuffer:
         """Grow to at least ``nbytes``, preserving the first ``keep_bytes``."""
         if nbytes <= self.capacity:
             return
-        grown = self.engine.alloc_device(max(nbytes, 2 * self.capacity))
+        grown = self.engine.alloc_device(nbytes)
         if keep_bytes:
             grown[:keep_bytes].copy_(self.tensor[:keep_bytes])
         self.tensor = grown
@@ -173,14 +174,11 @@ class _MergedTensor(_Registered):
         self.output_index = output_index
         self.base_offset = merged.storage_offset()
         self.dtype = merged.dtype
-        self.cached: Optional[torch.Tensor] = None
 
     def value(self) -> torch.Tensor:
-        if self.cached is None:
-            kept = self.kept.value() if self.kept is not None else None
-            dropped = self.region.output(self.output_index) if self.region is not None else None
-            self.cached = self.split.merge(kept, dropped)
-        return self.cached
+        kept = self.kept.value() if self.kept is not None else None
+        dropped = self.region.output(self.output_index) if self.region is not None else None
+        return self.split.merge(kept, dropped)
 
 
 @dataclass
@@ -252,9 +250,17 @@ class DropRegion:
         self.recomputed_outputs = tuple(o.detach() for o in outputs)
 
     def saved(self, index: int) -> torch.Tensor:
+        """Recomputed saved tensor ``index``, handed over once: autograd unpacks each saved
+        tensor a single time per backward, so dropping our reference here lets the layer's
+        backward free recomputed activations op by op, as it does for ordinary ones."""
         if self.recomputed_saved is None:
             self._recompute()
-        return self.recomputed_saved[index]
+        tensor = self.recomputed_saved[index]
+        if tensor is None:
+            raise RuntimeError("MEMO recomputed tensor unpacked twice (retain_graph is not "
+                               "supported with --memo-offload)")
+        self.recomputed_saved[index] = None
+        return tensor
 
     def output(self, index: int) -> torch.Tensor:
         if self.recomputed_outputs is None:
@@ -273,6 +279,7 @@ class LayerRecord:
     manager: "OffloadManager"
     layer: int
     buffer: RoundingBuffer
+    to_host: bool = True
     used_bytes: int = 0
     host_slot: Optional[torch.Tensor] = None
     offload_event: Optional[CopyEvent] = None
@@ -287,7 +294,7 @@ class LayerRecord:
         """Copy ``tensor`` into this layer's rounding buffer (forward)."""
         nbytes = tensor.numel() * tensor.element_size()
         offset = self.used_bytes
-        self.buffer.ensure_capacity(offset + nbytes, keep_bytes=offset)
+        self.buffer.ensure_capacity(offset + _align(nbytes), keep_bytes=offset)
         destination = self.buffer.tensor[offset : offset + nbytes]
         destination.view(tensor.dtype).view(tensor.shape).copy_(tensor)
         self.used_bytes = offset + _align(nbytes)
@@ -326,27 +333,19 @@ class OffloadManager:
 
     # ---------------------------------------------------------------- forward
     def begin_layer(self, layer: int, is_first_of_chunk: bool,
-                    parameters: Sequence[torch.Tensor]) -> LayerRecord:
-        """Start an offloaded layer's forward: take its rounding buffer (wait for the D2H of
-        the layer that used it last) and open a record."""
+                    parameters: Sequence[torch.Tensor], to_host: bool = True) -> LayerRecord:
+        """Start a layer's forward: take its rounding buffer (wait for the D2H of the layer
+        that used it last) and open a record. ``to_host=False`` (the last two layers with one
+        micro-batch in flight) keeps the layer's data in the buffer until its backward."""
         self.parameter_storages.update(_storage_key(p) for p in parameters)
         buffer = self.buffers[layer % 2]
         self.engine.wait(buffer.last_event)
-        record = LayerRecord(self, layer, buffer)
+        record = LayerRecord(self, layer, buffer, to_host=to_host)
         self.layer_forwards += 1
         record.previous = None if is_first_of_chunk else self.last_record
         buffer.owner = record
         self.active = record
         return record
-
-    def skip_layer(self, is_first_of_chunk: bool, layer_output: torch.Tensor) -> None:
-        """A layer kept on device (the last two). Its backward start is the moment to bring
-        back the last offloaded layer of the chunk, so that copy overlaps compute too."""
-        if is_first_of_chunk:
-            self.last_record = None
-        tail = self.last_record
-        if tail is not None and layer_output.requires_grad:
-            layer_output.register_hook(lambda grad: self._prefetch_if_evicted(tail))
 
     def end_layer(self, record: LayerRecord, layer_input: torch.Tensor,
                   layer_output: torch.Tensor) -> None:
@@ -354,7 +353,7 @@ class OffloadManager:
         self.active = None
         self.last_record = record
         self.largest_layer_bytes = max(self.largest_layer_bytes, record.used_bytes)
-        if record.used_bytes:
+        if record.used_bytes and record.to_host:
             record.host_slot = self.host_slots.acquire(record.layer, record.used_bytes)
             record.offload_event = self.engine.offload(
                 record.host_slot[: record.used_bytes], record.buffer.tensor[: record.used_bytes]
@@ -460,21 +459,23 @@ class OffloadManager:
     def _prefetch_if_evicted(self, record: LayerRecord) -> None:
         """Prefetch ``record`` unless its buffer still holds its data (nobody took it since)."""
         if record.used_bytes and record.buffer.owner is not record:
+            if not record.to_host:
+                raise RuntimeError(
+                    f"MEMO: layer {record.layer}'s rounding buffer was overwritten before its "
+                    "backward but the layer was not offloaded (more micro-batches in flight "
+                    "than declared to MemoOffload)"
+                )
             record.resident = False
             self.prefetch(record)
 
     def _on_backward_start(self, record: LayerRecord) -> None:
-        if record.buffer.owner is not record:
-            record.resident = False
+        self._prefetch_if_evicted(record)
         if record.previous is not None:
             self._prefetch_if_evicted(record.previous)
 
     def _on_backward_end(self, record: LayerRecord) -> None:
         for region in record.regions:
             region.release()
-        for entry in record.registered.values():
-            if isinstance(entry, _MergedTensor):
-                entry.cached = None
         if record.host_slot is not None:
             for event in (record.offload_event, record.prefetch_event):
                 if event is not None:

@@ -196,3 +196,18 @@ def test_default_host_memory_bytes():
     assert default_host_memory_bytes(8) <= one // 8 + one // 100  # available memory drifts
     with pytest.raises(ValueError):
         default_host_memory_bytes(0)
+
+
+def test_device_budget_caps_alpha_and_matches_the_lp():
+    """Offloaded tokens occupy both rounding buffers, recomputed ones only the working set:
+    2*(W + a*S) + (1 - a)*S <= M_dev gives a <= (M_dev - 2W - S)/S."""
+    from memo_ext.offload.alpha import AlphaInputs, solve_alpha, solve_alpha_lp
+
+    inputs = AlphaInputs(input_bytes=100, attention_output_bytes=200, other_bytes=1000,
+                         bandwidth_bytes_per_s=1e12, layer_forward_s=1.0, host_memory_bytes=10**9,
+                         offloaded_layers=4, microbatches_in_flight=1, pinned_rounding=False,
+                         device_memory_bytes=2 * 300 + 1000 + 250)
+    decision = solve_alpha(inputs)
+    assert decision.alpha == pytest.approx(0.25)
+    assert decision.limited_by == "device_memory"
+    assert solve_alpha_lp(inputs) == pytest.approx(0.25, abs=1e-6)

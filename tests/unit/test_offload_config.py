@@ -32,7 +32,7 @@ def test_one_flag_per_field_with_help():
     assert group.title == "MEMO offload"
     by_flag = {a.option_strings[0]: a for a in group._group_actions}
     assert set(by_flag) == {"--memo-offload", "--memo-alpha", "--memo-host-memory-gb",
-                            "--memo-pcie-gbps"}
+                            "--memo-device-memory-gb", "--memo-pcie-gbps"}
     for field in dataclasses.fields(OffloadConfig):
         action = by_flag[field.metadata["flag"]]
         assert action.dest == "memo_" + field.name

@@ -1,0 +1,55 @@
+"""Memory planning inputs: allocation traces of one training iteration.
+
+Public entry points (see memo_ext.planner.trace and docs/tracing.md):
+
+- :class:`AllocationRecorder`: a storage-level dispatch mode that records every device
+  allocation and free with its phase, layer, micro-batch and category.
+- :func:`record_iteration`: one training iteration of a model chunk (persistent state,
+  forward and backward of the micro-batches in flight, gradient sync) under the recorder.
+- :func:`fake_distributed`: a fake process group + megatron parallel state, so one process
+  produces the per-rank trace of any layout; combine with ``FakeTensorMode`` to trace any size
+  without allocating its memory.
+- :class:`FlashCoreAttention`: the core attention used by traced models (a flash kernel as a
+  ``torch.library.custom_op`` whose fake rule allocates exactly what the GPU kernel does).
+- :func:`write_trace` / :func:`read_trace` / :func:`summarize`: the gzipped JSON-lines format.
+- :func:`record_cuda_trace`: the same event format from a real CUDA run
+  (``torch.cuda.memory._record_memory_history`` + memo_ext.alloc's snapshot reader).
+"""
+
+from memo_ext.planner.trace import (
+    CATEGORIES,
+    PHASES,
+    AllocationRecorder,
+    FlashCoreAttention,
+    ProcessConstants,
+    Trace,
+    TraceSummary,
+    communicators_for_layout,
+    fake_distributed,
+    read_trace,
+    record_cuda_trace,
+    record_iteration,
+    skeletal_formula_bytes,
+    summarize,
+    trace_from_snapshot,
+    write_trace,
+)
+
+__all__ = [
+    "CATEGORIES",
+    "PHASES",
+    "AllocationRecorder",
+    "FlashCoreAttention",
+    "ProcessConstants",
+    "Trace",
+    "TraceSummary",
+    "communicators_for_layout",
+    "fake_distributed",
+    "read_trace",
+    "record_cuda_trace",
+    "record_iteration",
+    "skeletal_formula_bytes",
+    "summarize",
+    "trace_from_snapshot",
+    "write_trace",
+]
