@@ -96,10 +96,13 @@ class MemoTransformerLayer(TransformerLayer):
         return output, None
 
     # The two position-wise halves of the layer, run on a subset of tokens.
-    def _attention_inputs(self, hidden_states, rotary_freqs):
+    def _attention_inputs(self, hidden_states, rotary_pos_emb, token_indices):
         normed = self.input_layernorm(hidden_states)
         query, key, value = self.self_attention.get_query_key_value_tensors(normed, None)
-        if rotary_freqs is not None:
+        if rotary_pos_emb is not None:
+            # Sliced here, not by the caller: a drop region then keeps only the shared table
+            # and an index vector, not a per-layer copy of its tokens' frequencies.
+            rotary_freqs = rotary_pos_emb[token_indices]
             query = apply_rotary_pos_emb(query, rotary_freqs, config=self.config)
             key = apply_rotary_pos_emb(key, rotary_freqs, config=self.config)
         return query, key, value
@@ -126,17 +129,16 @@ class MemoTransformerLayer(TransformerLayer):
         with self.memo.layer_timer(), manager.hooks(record):
             manager.register_whole(record, hidden_states)
             input_kept, input_dropped = hidden_states[: split.kept], hidden_states[split.kept :]
-            freqs = {part: None for part in ("kept", "dropped")}
-            if rotary_pos_emb is not None:
-                freqs = {part: rotary_pos_emb[split.natural_indices(part).to(rotary_pos_emb.device)]
-                         for part in freqs}
-
-            qkv_kept = self._attention_inputs(input_kept, freqs["kept"]) if split.kept else None
+            device = hidden_states.device
+            indices = {part: split.natural_indices(part).to(device) for part in ("kept", "dropped")}
+            qkv_kept = (self._attention_inputs(input_kept, rotary_pos_emb, indices["kept"])
+                        if split.kept else None)
             region_a, qkv_dropped = None, None
             if split.dropped:
                 region_a, qkv_dropped = manager.run_drop_region(
-                    record, self._attention_inputs, [input_dropped, freqs["dropped"]],
-                    small_inputs=[False, True],
+                    record, self._attention_inputs,
+                    [input_dropped, rotary_pos_emb, indices["dropped"]],
+                    small_inputs=[False, True, True],
                 )
             merged = []
             for index in range(3):
