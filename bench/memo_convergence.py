@@ -169,10 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
 def display_path(path: Path | str) -> str:
     """``path`` relative to the repository root when it lies inside it (commands run there)."""
     path = Path(path)
-    try:
-        return str(path.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
+    for candidate in (path.absolute(), path.resolve()):
+        try:
+            return str(candidate.relative_to(REPO_ROOT))
+        except ValueError:
+            pass
+    return str(path)
 
 
 def prepare_data() -> list[str]:
