@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -17,31 +16,24 @@ import torch.distributed as dist
 PIPELINE_SEED_STRIDE = 100
 
 
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def initialize_distributed(args: argparse.Namespace) -> None:
     """Join the process group described by torchrun's RANK/WORLD_SIZE/LOCAL_RANK.
 
-    A plain ``python pretrain_gpt.py`` (no torchrun) runs as a world of one on a free
-    loopback port.
+    A plain ``python pretrain_gpt.py`` (no torchrun, no MASTER_ADDR) runs as a world of one on
+    an in-memory store: no port to pick, so no race with other processes for it.
     """
     if dist.is_initialized():
         return
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if "MASTER_ADDR" not in os.environ:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(_free_loopback_port())
     if args.distributed_backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    store = dist.HashStore() if world_size == 1 and "MASTER_ADDR" not in os.environ else None
     dist.init_process_group(
         backend=args.distributed_backend,
         rank=rank,
         world_size=world_size,
+        store=store,
         timeout=timedelta(minutes=args.distributed_timeout_minutes),
     )
     args.rank = rank
