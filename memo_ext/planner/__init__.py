@@ -7,8 +7,10 @@ Public entry points (see memo_ext.planner.trace and docs/tracing.md):
 - :func:`record_iteration`: one training iteration of a model chunk (persistent state,
   forward and backward of the micro-batches in flight, gradient sync) under the recorder.
 - :func:`fake_distributed`: a fake process group + megatron parallel state, so one process
-  produces the per-rank trace of any layout; combine with ``FakeTensorMode`` to trace any size
-  without allocating its memory.
+  produces the per-rank trace of any layout; inside it, :func:`fake_tensors` (FakeTensorMode on
+  the CPU device) traces any size without allocating its memory.
+- :func:`persistent_tensors` / :func:`allocate_optimizer_states`: what a rank holds besides
+  activations (DDP's parameter and gradient buffers, the optimizer's shards).
 - :class:`FlashCoreAttention`: the core attention used by traced models (a flash kernel as a
   ``torch.library.custom_op`` whose fake rule allocates exactly what the GPU kernel does).
 - :func:`write_trace` / :func:`read_trace` / :func:`summarize`: the gzipped JSON-lines format.
@@ -24,13 +26,17 @@ from memo_ext.planner.trace import (
     ProcessConstants,
     Trace,
     TraceSummary,
+    allocate_optimizer_states,
     communicators_for_layout,
     fake_distributed,
+    fake_tensors,
+    persistent_tensors,
     read_trace,
     record_cuda_trace,
     record_iteration,
     skeletal_formula_bytes,
     summarize,
+    tagged_allocations,
     trace_from_snapshot,
     write_trace,
 )
@@ -43,13 +49,17 @@ __all__ = [
     "ProcessConstants",
     "Trace",
     "TraceSummary",
+    "allocate_optimizer_states",
     "communicators_for_layout",
     "fake_distributed",
+    "fake_tensors",
+    "persistent_tensors",
     "read_trace",
     "record_cuda_trace",
     "record_iteration",
     "skeletal_formula_bytes",
     "summarize",
+    "tagged_allocations",
     "trace_from_snapshot",
     "write_trace",
 ]

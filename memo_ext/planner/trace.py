@@ -53,11 +53,13 @@ import os
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.module import MegatronModule
 from torch.overrides import TorchFunctionMode
 
 from memo_ext.telemetry.tracker import DEVICE, HOST, DeviceMemoryTracker
@@ -337,13 +339,7 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _megatron_module_base():
-    from megatron.core.transformer.module import MegatronModule
-
-    return MegatronModule
-
-
-class FlashCoreAttention(_megatron_module_base()):
+class FlashCoreAttention(MegatronModule):
     """Core attention for traced models: [s, b, heads, d] q/k/v -> [s, b, heads*d] through the
     flash custom op. Takes the place of megatron's DotProductAttention (or the CPU SDPA shim) in
     a layer spec, with the same constructor signature. Causal or unmasked self-attention;
@@ -388,7 +384,8 @@ class FlashCoreAttention(_megatron_module_base()):
 # ------------------------------------------------------------------------------ recorder
 
 _TAG = "memo_planner_tag"
-_TLS = threading.local()  # category/name overrides (tagged_allocations), per thread
+# Per thread: tagged_allocations' (category, name) stack and _host_side's depth.
+_TLS = threading.local()
 
 
 @contextlib.contextmanager
@@ -463,7 +460,7 @@ class _GraphTagger(TorchFunctionMode):
     """Tags the autograd node of every op's outputs with the module running it, so the backward
     of that node is attributed to the same module and layer."""
 
-    def __init__(self, recorder: "AllocationRecorder"):
+    def __init__(self, recorder: AllocationRecorder):
         super().__init__()
         self.recorder = recorder
 
@@ -581,9 +578,8 @@ class AllocationRecorder(DeviceMemoryTracker):
         if torch.is_grad_enabled():
             _tag_graph(list(_tensors_in(outputs)), tag)
 
-    def _gradient_hook(self, grad: torch.Tensor):
+    def _gradient_hook(self, grad: torch.Tensor) -> None:
         self.retag(grad, GRADIENT)
-        return None
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -738,7 +734,7 @@ class AllocationRecorder(DeviceMemoryTracker):
             del self.events[since_event:]
             self.events.extend(kept)
 
-    def trace(self, header: Optional[dict] = None) -> "Trace":
+    def trace(self, header: Optional[dict] = None) -> Trace:
         """The recorded events as a :class:`Trace` (dicts; a snapshot)."""
         with self._lock:
             events = [dict(zip(EVENT_FIELDS, e)) for e in self.events]
@@ -765,9 +761,10 @@ class Trace:
 
 def write_trace(trace: Trace, path) -> None:
     """Write ``trace`` as gzipped JSON lines: the header object first (with "format" and
-    "version"), then one event per line. Deterministic (gzip mtime 0)."""
+    "version"), then one event per line. Deterministic bytes (no gzip name or mtime)."""
     header = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **trace.header}
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+    with open(path, "wb") as raw, \
+            gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz:
         gz.write((json.dumps(header, sort_keys=True) + "\n").encode())
         for event in trace.events:
             record = {k: event[k] for k in EVENT_FIELDS}
@@ -811,6 +808,7 @@ class TraceSummary:
     persistent_by_category: dict[str, int]  # init-phase allocations, device+external
     host_peak_bytes: int
     final_live_bytes: int
+    iteration_leftover_bytes: int  # allocated in forward/recompute/backward, alive at the end
     layer_forward_skeletal_bytes: dict[int, int]  # micro-batch 0, alive when backward starts
     layer_forward_peak_bytes: dict[int, int]  # micro-batch 0: max live above the layer's start
 
@@ -870,6 +868,8 @@ def summarize(trace: Trace) -> TraceSummary:
             layer_peak[layer] = max(layer_peak.get(layer, 0), total - layer_start[layer])
     if skeletal_live is None:
         skeletal_live = dict(live)
+    leftover = sum(e["bytes"] for e in live.values()
+                   if e["phase"] in (FORWARD, RECOMPUTE, BACKWARD) and e["pool"] != POOL_HOST)
     skeletal: dict[int, int] = {}
     for event in skeletal_live.values():
         if (event["phase"] == FORWARD and event["layer"] is not None
@@ -880,6 +880,7 @@ def summarize(trace: Trace) -> TraceSummary:
         peak_event=peak_event, peak_allocator_bytes=peak_allocator,
         peak_by_category=peak_by_category, category_peaks=category_peaks,
         persistent_by_category=persistent, host_peak_bytes=host_peak, final_live_bytes=total,
+        iteration_leftover_bytes=leftover,
         layer_forward_skeletal_bytes=dict(sorted(skeletal.items())),
         layer_forward_peak_bytes=dict(sorted(layer_peak.items())))
 
@@ -974,6 +975,8 @@ def _memo_storage_keys_by_identity():
     try:
         from memo_ext.offload import manager
     except ImportError:
+        manager = None
+    if manager is None or not hasattr(manager, "_storage_key"):
         yield
         return
     original = manager._storage_key
@@ -995,6 +998,7 @@ def record_iteration(
     warmup: str = "forward",
     optimizer_states: Optional[Callable[[], list]] = None,
     after_backward: Optional[Callable[[], None]] = None,
+    microbatch_backward_done: Optional[Callable[[int], None]] = None,
     constants: Sequence[tuple[str, int, str]] = (),
     deallocate_pipeline_outputs: bool = False,
     cuda_semantics: bool = True,
@@ -1009,8 +1013,10 @@ def record_iteration(
     whatever the warm-up leaves allocated; then ``microbatches`` forwards (``forward_step(i)``
     returns the loss, a scalar, or on a non-last pipeline stage its output tensor), then their
     backwards in the same order (1F1B's peak on a stage with that many micro-batches in
-    flight); then "optimizer": ``after_backward()`` (e.g. DDP's gradient reduce-scatter). The
-    optimizer step allocates nothing on GPU (fused Adam updates in place) and is not run.
+    flight), each followed by ``microbatch_backward_done(i)`` (e.g. a pipeline stage sending its
+    input gradient and dropping the received input); then "optimizer": ``after_backward()``
+    (e.g. DDP's gradient reduce-scatter). The optimizer step allocates nothing on GPU (fused
+    Adam updates in place) and is not run.
 
     ``warmup`` makes the trace the steady state rather than the first iteration: buffers a
     first iteration creates and keeps (megatron's global all-gather buffer, the RoPE cache,
@@ -1050,14 +1056,16 @@ def record_iteration(
                     with recorder.phase_scope(FORWARD, 0), recorder.tagger:
                         output = forward_step(0)
                     del output
+                    if microbatch_backward_done is not None:
+                        microbatch_backward_done(0)  # the micro-batch is abandoned: done
                 else:
                     _run_iteration(recorder, model, forward_step, microbatches, after_backward,
-                                   deallocate_pipeline_outputs)
+                                   microbatch_backward_done, deallocate_pipeline_outputs)
                 gc.collect()
                 _retag_megatron_workspaces(recorder)
                 recorder.promote_live_to_init(start)
             _run_iteration(recorder, model, forward_step, microbatches, after_backward,
-                           deallocate_pipeline_outputs)
+                           microbatch_backward_done, deallocate_pipeline_outputs)
             with recorder.phase_scope(OPTIMIZER_STEP):
                 gc.collect()
             _retag_megatron_workspaces(recorder)
@@ -1077,7 +1085,8 @@ def _zero_grad_buffers(model: torch.nn.Module) -> None:
 
 
 def _run_iteration(recorder: AllocationRecorder, model, forward_step, microbatches: int,
-                   after_backward, deallocate_pipeline_outputs: bool) -> None:
+                   after_backward, microbatch_backward_done,
+                   deallocate_pipeline_outputs: bool) -> None:
     with recorder.phase_scope(OPTIMIZER_STEP):
         _zero_grad_buffers(model)
     outputs = []
@@ -1100,13 +1109,17 @@ def _run_iteration(recorder: AllocationRecorder, model, forward_step, microbatch
                 # The next stage's input gradient, received into a fresh tensor.
                 grad = torch.ones(shape, dtype=output.dtype, device=output.device)
                 if output.numel() == 1:
-                    from megatron.core.pipeline_parallel.schedules import custom_backward
+                    from megatron.core.pipeline_parallel.schedules import (
+                        custom_backward,
+                    )
 
                     custom_backward(output, grad)
                 else:
                     output.backward(grad)
                 del grad
             del output
+            if microbatch_backward_done is not None:
+                microbatch_backward_done(mb)
     with recorder.phase_scope(OPTIMIZER_STEP):
         if after_backward is not None:
             after_backward()
@@ -1121,9 +1134,8 @@ def fake_distributed(world_size: int, rank: int, tensor_parallel_size: int = 1,
     """A fake process group of ``world_size`` ranks seen from ``rank`` (collectives are no-ops)
     with megatron's parallel state (no gloo groups, which the fake backend cannot create) and
     its model-parallel RNG tracker seeded. Everything is torn down on exit."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from megatron.core import parallel_state, tensor_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("fake_distributed: torch.distributed is already initialised in this "
