@@ -132,8 +132,9 @@ class Sizes:
     capacity_seq: int              # the cap is set so that full recompute just fits this
     search_step: int               # capacity search granularity (tokens)
     search_max: int                # longest sequence the capacity search tries
-    capacity_keys: tuple[str, ...] = ("full", "memo-auto", "memo-auto-dev", "memo-0",
-                                      "memo-1")
+    # (MEMO at alpha 1 needs no row of its own: alpha auto without a device budget solves to 1
+    # here, and its row shows it.)
+    capacity_keys: tuple[str, ...] = ("full", "memo-auto", "memo-auto-dev", "memo-0")
 
 
 FULL = Sizes(hidden=128, heads=4, vocab=256, layers=16, seqs=(1024, 2048, 4096, 8192),
@@ -691,7 +692,7 @@ def provenance() -> str:
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  timeout=30).stdout.strip()
+                                  timeout=30).stdout.rstrip("\n")
         except (OSError, subprocess.SubprocessError):
             return ""
 
@@ -705,8 +706,8 @@ def provenance() -> str:
 
 def write_report(out_dir: Path, sizes: Sizes, argv: list[str], sweep, layers, flat, cap,
                  seconds: float) -> None:
-    command = "PYTHONPATH=. python bench/offload_memory.py " + " ".join(
-        shlex.quote(a) for a in argv)
+    command = " ".join(["PYTHONPATH=. python bench/offload_memory.py",
+                        *(shlex.quote(a) for a in argv)])
     lines = [
         "# MEMO offload memory benchmark", "",
         f"Measured on CPU with DeviceMemoryTracker, {os.cpu_count()} cores "
