@@ -35,7 +35,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def subprocess_env() -> dict:
-    env = dict(os.environ)
+    """The environment for launched processes, without any rendezvous variables this process
+    may carry (they would point a child at a port that is not its own)."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                          "LOCAL_WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
