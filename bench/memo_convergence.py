@@ -306,6 +306,7 @@ def plot(results: list[RunResult], output: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     styles = [
         dict(linestyle="-", marker=None, linewidth=2.6, color="black", alpha=0.45),
@@ -344,16 +345,21 @@ def plot(results: list[RunResult], output: Path, title: str) -> None:
                 label=f"{RELATIVE_TOLERANCE:g} x |baseline| (tolerance)")
     bottom.axhline(DIFF_FLOOR, color="grey", linestyle=":", linewidth=1)
     bottom.set_yscale("log")
-    bottom.set_ylim(DIFF_FLOOR / 3, None)
-    bottom.text(base_iterations[0], DIFF_FLOOR * 1.3, f"exactly 0 (drawn at {DIFF_FLOOR:g})",
-                fontsize=8, color="grey", va="bottom")
+    # Exact zeros sit on the floor; its tick reads "0" instead of the floor value.
+    log_format = matplotlib.ticker.LogFormatterSciNotation()
+    bottom.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda value, pos: "0" if math.isclose(value, DIFF_FLOOR, rel_tol=1e-6)
+        else log_format(value, pos)))
     top.set_title(title)
     top.set_ylabel("LM loss (nats/token)")
-    bottom.set_ylabel("|loss - baseline|")
+    bottom.set_ylabel(f"|loss - baseline|  (exact 0 drawn at {DIFF_FLOOR:g})")
     bottom.set_xlabel("iteration")
-    for axes in (top, bottom):
-        axes.grid(True, alpha=0.3, which="both")
-        axes.legend(fontsize=8)
+    # Room above the tolerance line for the legend, clear of the differences.
+    bottom.set_ylim(DIFF_FLOOR / 3, 1e-1)
+    top.grid(True, alpha=0.3)
+    top.legend(fontsize=8)
+    bottom.grid(True, alpha=0.3, which="both")
+    bottom.legend(fontsize=8, loc="upper center", ncol=3)
     figure.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=120)
