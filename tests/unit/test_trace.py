@@ -356,9 +356,8 @@ def test_gzip_jsonl_round_trip_and_reader_checks(tool, tmp_path):
 
 
 def test_allocator_models_read_the_trace(tool, tmp_path):
-    alloc = pytest.importorskip("memo_ext.alloc")
-    if not hasattr(alloc, "load_trace"):
-        pytest.skip("memo_ext.alloc has no trace loader yet")
+    import memo_ext.alloc as alloc
+
     trace, _ = record(tool, SMALL)
     path = tmp_path / "t.jsonl.gz"
     T.write_trace(trace, path)
