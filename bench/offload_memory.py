@@ -6,8 +6,7 @@
 Everything runs in one process (a gloo world of one, initialised once) on CPU. The "device" is
 the CPU: :class:`memo_ext.telemetry.DeviceMemoryTracker` (a TorchDispatchMode) counts the bytes of
 every storage allocated during one forward + backward, and MEMO's host slots are counted apart as
-host bytes (the bench's :class:`TrackedCopyEngine` allocates them inside
-``tracker.host_allocations()``). Parameters and their gradients (pre-allocated as zeros) are
+host bytes (MEMO allocates them inside ``tracker.host_allocations()``). Parameters and their gradients (pre-allocated as zeros) are
 registered before the iteration, so
 
     activation bytes = peak device bytes - static bytes (parameters + gradients).
@@ -29,12 +28,13 @@ Sections:
 1. sequence sweep at the default depth: measured vs. theory (formulas below, in fp32 bytes);
 2. layer-count check at a fixed sequence: MEMO's device activation bytes must not grow with the
    number of layers (a PASS/FAIL line per MEMO alpha), unlike no/full recompute;
-3. capacity under a simulated device cap (``capacity_bytes``): the longest sequence (bisection
-   over multiples of ``--search-step``) that trains one iteration, for Megatron full recompute vs
-   MEMO with ``--memo-alpha auto`` (iteration 1 at alpha 0 measures, ``after_iteration()``
-   solves the LP, iteration 2 runs at the solved alpha; both must fit), and the ratio. Also
-   MEMO at fixed alpha 0 and 1, and alpha auto with a device budget for the LP
-   (``device_memory_gb`` = cap - parameters/gradients - head) when memo_ext supports one.
+3. capacity under a simulated device cap (``capacity_bytes``), at each depth of
+   ``Sizes.capacity_depths`` (16 and 32 layers, 32 being the 7B/13B depth): the longest sequence
+   (bisection over multiples of ``search_step``) that trains, for Megatron full recompute vs
+   MEMO with ``--memo-alpha auto`` (iterations 1 and 2 at alpha 0 measure, ``after_iteration()``
+   solves the LP with the tracker's headroom as the device row, iteration 3 runs at the solved
+   alpha; all must fit), and the ratio; MEMO at fixed alpha 0 beside them. The cap is set per
+   depth so that full recompute just fits ``capacity_seq`` tokens.
 
 Outputs in ``--output-dir`` (default bench/results): ``offload_memory.md`` (tables, formulas,
 command, machine note), ``offload_memory.json`` (all measurements),
@@ -75,7 +75,6 @@ buffers, is reported apart.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import math
@@ -85,7 +84,7 @@ import shlex
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -125,24 +124,23 @@ class Sizes:
     hidden: int
     heads: int
     vocab: int
-    layers: int                    # depth of the sequence sweep and of the capacity search
+    layers: int                    # depth of the sequence sweep
     seqs: tuple[int, ...]          # sequence sweep
     layer_counts: tuple[int, ...]  # layer-count check
     layer_seq: int                 # sequence of the layer-count check
     capacity_seq: int              # the cap is set so that full recompute just fits this
     search_step: int               # capacity search granularity (tokens)
     search_max: int                # longest sequence the capacity search tries
-    # (MEMO at alpha 1 needs no row of its own: alpha auto without a device budget solves to 1
-    # here, and its row shows it.)
-    capacity_keys: tuple[str, ...] = ("full", "memo-auto", "memo-auto-dev", "memo-0")
+    capacity_depths: tuple[int, ...]  # layer counts of the capacity search
+    capacity_keys: tuple[str, ...] = ("full", "memo-auto", "memo-0")
 
 
 FULL = Sizes(hidden=128, heads=4, vocab=256, layers=16, seqs=(1024, 2048, 4096, 8192),
              layer_counts=(8, 16, 24), layer_seq=1024, capacity_seq=3072, search_step=256,
-             search_max=8192)
+             search_max=8192, capacity_depths=(16, 32))
 QUICK = Sizes(hidden=64, heads=4, vocab=128, layers=8, seqs=(128, 256), layer_counts=(4, 12),
               layer_seq=128, capacity_seq=256, search_step=32, search_max=512,
-              capacity_keys=("full", "memo-auto"))
+              capacity_depths=(8,), capacity_keys=("full", "memo-auto"))
 
 
 @dataclass(frozen=True)
@@ -151,7 +149,6 @@ class Method:
     label: str
     recompute_args: tuple[str, ...] = ()
     alpha: Optional[str] = None  # MEMO alpha ("auto" or a number); None: not MEMO
-    device_budget: bool = False  # MEMO auto: also hand the LP a device budget (if supported)
 
     @property
     def memo(self) -> bool:
@@ -170,9 +167,7 @@ METHODS = (
 )
 METHOD_BY_KEY = {m.key: m for m in METHODS}
 MEMO_AUTO = Method("memo-auto", "MEMO alpha auto", alpha="auto")
-MEMO_AUTO_DEVICE = Method("memo-auto-dev", "MEMO alpha auto + device budget", alpha="auto",
-                          device_budget=True)
-CAPACITY_METHODS = {m.key: m for m in (MEMO_AUTO, MEMO_AUTO_DEVICE)}
+CAPACITY_METHODS = {m.key: m for m in (*METHODS, MEMO_AUTO)}
 LAYER_CHECK_KEYS = ("none", "full", "memo-0", "memo-0.5", "memo-1")
 
 
@@ -205,18 +200,6 @@ def theory_bytes(method: Method, seq: int, layers: int, sizes: Sizes, micro_batc
 
 # ------------------------------------------------------------------------------ measurement
 
-class TrackedCopyEngine(CopyEngine):
-    """A CopyEngine whose host slots are counted as host memory by ``tracker``."""
-
-    tracker: Optional[DeviceMemoryTracker] = None
-
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
-        if self.tracker is None:
-            return super().alloc_host(nbytes)
-        with self.tracker.host_allocations():
-            return super().alloc_host(nbytes)
-
-
 @dataclass
 class Measurement:
     method: str
@@ -247,16 +230,6 @@ class Measurement:
 def _head_elements(sizes: Sizes, seq: int) -> float:
     """H of the theory: final norm input/output + logits and their softmax (micro-batch 1)."""
     return 2 * seq * sizes.hidden + 2 * seq * sizes.vocab
-
-
-def supports_device_budget() -> bool:
-    """Whether this memo_ext's OffloadConfig has a device budget for the alpha LP
-    (``device_memory_gb``, --memo-device-memory-gb)."""
-    import dataclasses
-
-    from memo_ext.config import OffloadConfig
-
-    return "device_memory_gb" in {f.name for f in dataclasses.fields(OffloadConfig)}
 
 
 def _is_simulated_oom(error: BaseException) -> bool:
@@ -294,19 +267,21 @@ class Bench:
         args.padded_vocab_size = self.sizes.vocab
         return args
 
-    def run(self, method: Method, seq: int, layers: int, capacity_bytes: Optional[int] = None,
-            device_budget_bytes: Optional[int] = None) -> Measurement:
+    def run(self, method: Method, seq: int, layers: int,
+            capacity_bytes: Optional[int] = None) -> Measurement:
         """One fresh model; one forward + backward under the tracker, two for MEMO (whose
         rounding buffers and host slots persist across iterations: the first iteration grows
-        them, the second is the steady state; with alpha auto the first measures for the LP).
+        them, the second is the steady state; with alpha auto the first two measure for the LP
+        and a third runs at the solved alpha).
         The peak is taken per iteration (reset in between), the tracker stays on throughout,
-        so MEMO's persistent buffers count in the second iteration too.
-        ``device_budget_bytes``: MEMO's --memo-device-memory-gb (see supports_device_budget)."""
+        so MEMO's persistent buffers count in the second iteration too. MEMO's alpha LP reads
+        the tracker's headroom (capacity - peak) as its device row, as it reads the CUDA
+        allocator's on a GPU."""
         from megatron.core import tensor_parallel
 
         from megatron.training.arguments import core_transformer_config_from_args
         from memo_ext.config import OffloadConfig
-        from memo_ext.offload import ActivationShape, MemoOffload
+        from memo_ext.offload import AUTO_ALPHA_MEASURING_ITERATIONS, ActivationShape, MemoOffload
         import pretrain_gpt
 
         sizes = self.sizes
@@ -316,21 +291,20 @@ class Bench:
         engine = memo = model = None
         alpha_lines: list[str] = []
         start = time.perf_counter()
+        tracker = DeviceMemoryTracker(capacity_bytes=capacity_bytes)
         try:
             if method.memo:
-                engine = TrackedCopyEngine("cpu", copy_delay_s=0.0)
+                engine = CopyEngine("cpu", copy_delay_s=0.0)
                 shape = ActivationShape(sequence_tokens=seq, micro_batch_size=1,
                                         hidden_size=sizes.hidden, tensor_parallel_size=1,
                                         sequence_parallel=False, element_bytes=F32)
-                offload_config = OffloadConfig(offload=True, alpha=method.alpha)
-                if device_budget_bytes is not None:
-                    offload_config = dataclasses.replace(
-                        offload_config, device_memory_gb=max(1, device_budget_bytes) / 1e9)
-                memo = MemoOffload(offload_config, engine,
+                memo = MemoOffload(OffloadConfig(offload=True, alpha=method.alpha), engine,
                                    layers_per_stage=layers, microbatches_in_flight=1, shape=shape,
                                    host_memory_bytes=LP_HOST_MEMORY_BYTES,
                                    bandwidth_bytes_per_s=LP_BANDWIDTH_BYTES_PER_S,
-                                   log=alpha_lines.append)
+                                   host_allocation_scope=tracker.host_allocations,
+                                   log=alpha_lines.append,
+                                   device_headroom=tracker.headroom_bytes)
             torch.manual_seed(0)
             tensor_parallel.model_parallel_cuda_manual_seed(0)
             model = pretrain_gpt.model_provider(config, args, memo=memo)
@@ -343,13 +317,12 @@ class Bench:
             labels = torch.randint(0, sizes.vocab, (1, seq), generator=generator)
             positions = torch.arange(seq)[None]
 
-            tracker = DeviceMemoryTracker(capacity_bytes=capacity_bytes)
-            if engine is not None:
-                engine.tracker = tracker
             tracker.register_existing(params)
             tracker.register_existing([p.grad for p in params])
             result.static_bytes = tracker.stats()["current_device_bytes"]
-            iterations = 2 if method.memo else 1
+            iterations = 1
+            if method.memo:
+                iterations = 2 if method.alpha != "auto" else AUTO_ALPHA_MEASURING_ITERATIONS + 1
             try:
                 for _ in range(iterations):
                     tracker.reset_peak()
@@ -363,7 +336,8 @@ class Bench:
                     result.iteration_activation_bytes[-1] = (
                         tracker.stats()["peak_device_bytes"] - result.static_bytes)
                     if memo is not None:
-                        memo.after_iteration()
+                        with tracker:  # the LP may grow the rounding buffers now
+                            memo.after_iteration()
                     result.iterations_done += 1
             except Exception as error:  # noqa: BLE001 - only the simulated OOM is expected
                 if not _is_simulated_oom(error):
@@ -385,7 +359,6 @@ class Bench:
                 result.alpha_log = " ".join(alpha_lines)
         finally:
             if engine is not None:
-                engine.tracker = None
                 engine.close()
             del model, memo, engine
             gc.collect()
@@ -453,31 +426,25 @@ def longest_fitting(fits: Callable[[int], bool], step: int, maximum: int) -> int
     return lo * step
 
 
-def capacity(bench: Bench, static: int, log) -> dict:
-    """``static``: parameter + gradient bytes of the sweep's model (independent of seq)."""
+def capacity_at_depth(bench: Bench, layers: int, log) -> dict:
+    """Longest trainable sequence per method under a cap that full recompute just meets at
+    ``capacity_seq`` tokens (static bytes measured on this depth's model)."""
     sizes = bench.sizes
-    cap_activations = theory_bytes(METHOD_BY_KEY["full"], sizes.capacity_seq, sizes.layers, sizes)
+    static = bench.run(METHOD_BY_KEY["full"], sizes.search_step, layers).static_bytes
+    cap_activations = theory_bytes(METHOD_BY_KEY["full"], sizes.capacity_seq, layers, sizes)
     cap = int(math.ceil((static + 1.02 * cap_activations) / MIB)) * MIB
-    log(f"  simulated device capacity {cap / MIB:.0f} MiB (static {static / MIB:.2f} MiB + "
-        f"~1.02 x theory full recompute at {sizes.capacity_seq} tokens)")
-    results = {"capacity_bytes": cap, "static_bytes": static, "methods": {}}
+    log(f"  {layers} layers: simulated device capacity {cap / MIB:.0f} MiB (static "
+        f"{static / MIB:.2f} MiB + ~1.02 x theory full recompute at {sizes.capacity_seq} tokens)")
+    results = {"layers": layers, "capacity_bytes": cap, "static_bytes": static, "methods": {}}
     for key in sizes.capacity_keys:
-        method = CAPACITY_METHODS.get(key) or METHOD_BY_KEY[key]
-        if method.device_budget and not supports_device_budget():
-            log(f"  {method.label}: skipped (OffloadConfig has no device_memory_gb)")
-            continue
+        method = CAPACITY_METHODS[key]
         probes: list[Measurement] = []
 
         def fits(seq: int) -> bool:
-            # Device budget for MEMO's LP: what the cap leaves after parameters, gradients and
-            # the head (the LP's budget covers the rounding buffers + one layer's recompute).
-            budget = (cap - static - F32 * _head_elements(sizes, seq)
-                      if method.device_budget else None)
-            m = bench.run(method, seq, sizes.layers, capacity_bytes=cap,
-                          device_budget_bytes=budget)
+            m = bench.run(method, seq, layers, capacity_bytes=cap)
             probes.append(m)
             where = "" if m.fits else f" in iteration {m.iterations_done + 1}"
-            log(f"    {method.label:32s} seq {seq:6d}: {'fits' if m.fits else 'OOM '}{where}"
+            log(f"    {method.label:24s} seq {seq:6d}: {'fits' if m.fits else 'OOM '}{where}"
                 f" ({m.seconds:4.1f} s{'' if m.alpha is None else f', alpha {m.alpha:.3f}'})")
             return m.fits
 
@@ -494,13 +461,21 @@ def capacity(bench: Bench, static: int, log) -> dict:
             "probes": [(m.seq, m.fits, m.iterations_done) for m in probes],
             "seconds": time.perf_counter() - start,
         }
-        log(f"  {method.label:32s} longest sequence {longest}")
+        log(f"  {layers} layers, {method.label:24s} longest sequence {longest}")
     full = results["methods"]["full"]["longest_seq"]
     memo = results["methods"]["memo-auto"]["longest_seq"]
     results["ratio"] = memo / full if full else math.inf
-    results["goal"] = CAPACITY_GOAL
     results["pass"] = results["ratio"] >= CAPACITY_GOAL
     return results
+
+
+def capacity(bench: Bench, log) -> dict:
+    """Section 3 at every depth of ``capacity_depths``; the verdict is the deepest one's (the
+    depth of the 7B-13B models this targets: MEMO's advantage grows with depth, see
+    break_even_lines)."""
+    depths = [capacity_at_depth(bench, n, log) for n in bench.sizes.capacity_depths]
+    return {"depths": depths, "goal": CAPACITY_GOAL, "ratio": depths[-1]["ratio"],
+            "pass": depths[-1]["pass"]}
 
 
 # ------------------------------------------------------------------------------------ output
@@ -612,38 +587,49 @@ def flatness_lines(flat: dict) -> list[str]:
 
 
 def capacity_lines(cap: dict, sizes: Sizes) -> list[str]:
-    lines = [f"Simulated device capacity: {cap['capacity_bytes'] / MIB:.0f} MiB (of which "
-             f"parameters + gradients {cap['static_bytes'] / MIB:.2f} MiB), {sizes.layers} layers, "
-             f"search over multiples of {sizes.search_step} up to {sizes.search_max} tokens. "
-             "A sequence trains when one iteration fits (Megatron) or the first two do (MEMO: "
-             "the first grows the rounding buffers and, with alpha auto, measures for the LP; the "
-             "second runs at the solved alpha).", "",
-             "| method | longest sequence that trains | alpha used | activations MiB there | "
-             "probes (seq: y fits / n OOM, @k = in iteration k) |", "|---|---:|---:|---:|---|"]
-    for key, info in cap["methods"].items():
-        alpha = "-" if info["alpha"] is None else f"{info['alpha']:.3f}"
-        probes = ", ".join(
-            f"{s}:" + ("y" if ok else "n" + (f"@{done + 1}" if key.startswith("memo") else ""))
-            for s, ok, done in info["probes"])
-        longest = f"{info['longest_seq']}" + (" (search max)" if info["hit_search_max"] else "")
-        lines.append(f"| {info['label']} | {longest} | {alpha} | {_mib(info['activation_bytes'])}"
-                     f" | {probes} |")
-    lines += ["", f"- {'PASS' if cap['pass'] else 'FAIL'}: MEMO (alpha auto) / Megatron full "
-              f"recompute longest sequence = {cap['ratio']:.2f}x (goal >= {cap['goal']}x)"]
-    lines += ["", *break_even_lines(sizes)]
-    auto = cap["methods"]["memo-auto"]
-    if auto["alpha_log"]:
-        lines += ["", f"Alpha LP at MEMO's longest sequence: `{auto['alpha_log']}`"]
-    return lines
+    lines = [f"Search over multiples of {sizes.search_step} up to {sizes.search_max} tokens, per "
+             f"depth, under a cap set so that Megatron full recompute just fits "
+             f"{sizes.capacity_seq} tokens. A sequence trains when one iteration fits (Megatron) "
+             "or every iteration MEMO runs does (fixed alpha: two, the first grows the rounding "
+             "buffers; alpha auto: three, the first two at alpha 0 measure for the LP, including "
+             "the device headroom left at the alpha-0 peak, the third runs at the solved "
+             "alpha).", ""]
+    for depth in cap["depths"]:
+        lines += [f"### {depth['layers']} layers: capacity {depth['capacity_bytes'] / MIB:.0f} MiB"
+                  f" (parameters + gradients {depth['static_bytes'] / MIB:.2f} MiB)", "",
+                  "| method | longest sequence that trains | alpha used | activations MiB there | "
+                  "probes (seq: y fits / n OOM, @k = in iteration k) |", "|---|---:|---:|---:|---|"]
+        for key, info in depth["methods"].items():
+            alpha = "-" if info["alpha"] is None else f"{info['alpha']:.3f}"
+            probes = ", ".join(
+                f"{s}:" + ("y" if ok else "n" + (f"@{done + 1}" if key.startswith("memo") else ""))
+                for s, ok, done in info["probes"])
+            longest = f"{info['longest_seq']}" + (" (search max)" if info["hit_search_max"] else "")
+            lines.append(f"| {info['label']} | {longest} | {alpha} | "
+                         f"{_mib(info['activation_bytes'])} | {probes} |")
+        lines += ["", f"- {'PASS' if depth['pass'] else 'FAIL'}: {depth['layers']} layers, MEMO "
+                  f"(alpha auto) / Megatron full recompute longest sequence = "
+                  f"{depth['ratio']:.2f}x (goal >= {cap['goal']}x)"]
+        auto = depth["methods"]["memo-auto"]
+        if auto["alpha_log"]:
+            lines += ["", f"Alpha LP at MEMO's longest sequence: `{auto['alpha_log']}`"]
+        lines.append("")
+    deepest = cap["depths"][-1]
+    lines += [f"- {'PASS' if cap['pass'] else 'FAIL'} (verdict, at {deepest['layers']} layers): "
+              f"MEMO (alpha auto) trains {deepest['ratio']:.2f}x longer sequences than Megatron "
+              f"full recompute (goal >= {cap['goal']}x)", ""]
+    for depth in cap["depths"]:
+        lines += [*break_even_lines(sizes, depth["layers"]), ""]
+    return lines[:-1]
 
 
-def break_even_lines(sizes: Sizes, seq: int = 4096) -> list[str]:
+def break_even_lines(sizes: Sizes, layers: int, seq: int = 4096) -> list[str]:
     """From the theory: the depth at which MEMO's constant footprint beats full recompute's
     n u + L + H, and the depth at which it reaches the capacity goal (tokens scale ~linearly,
     so the capacity ratio ~ full / MEMO bytes at the same sequence)."""
     full = METHOD_BY_KEY["full"]
-    lines = [f"Theory for this width, by depth (at seq {seq}; the capacity ratio is about the "
-             "inverse ratio of bytes per token):", ""]
+    lines = [f"Theory for this width at {layers} layers (at seq {seq}; the capacity ratio is "
+             "about the inverse ratio of bytes per token):", ""]
     for key in ("memo-0", "memo-0.5", "memo-1"):
         memo = METHOD_BY_KEY[key]
 
@@ -653,9 +639,8 @@ def break_even_lines(sizes: Sizes, seq: int = 4096) -> list[str]:
                     return str(n)
             return "> 4096"
 
-        ratio = theory_bytes(full, seq, sizes.layers, sizes) / theory_bytes(memo, seq,
-                                                                            sizes.layers, sizes)
-        lines.append(f"- {memo.label}: at {sizes.layers} layers full recompute / MEMO bytes = "
+        ratio = theory_bytes(full, seq, layers, sizes) / theory_bytes(memo, seq, layers, sizes)
+        lines.append(f"- {memo.label}: at {layers} layers full recompute / MEMO bytes = "
                      f"{ratio:.2f}; MEMO needs fewer device bytes than full recompute from "
                      f"{first_depth(1.0)} layers on, {CAPACITY_GOAL}x fewer from "
                      f"{first_depth(CAPACITY_GOAL)} layers on.")
@@ -697,8 +682,11 @@ def provenance() -> str:
             return ""
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = [line[3:] for line in git("status", "--porcelain", "--", "memo_ext", "megatron",
-                                      "pretrain_gpt.py").splitlines() if line.strip()]
+    # Porcelain lines are "XY path"; split instead of slicing, since a line may lose its
+    # leading blank (X = " ") to stripping.
+    dirty = [line.split(maxsplit=1)[1] for line in git(
+        "status", "--porcelain", "--", "memo_ext", "megatron", "pretrain_gpt.py").splitlines()
+        if line.strip()]
     changed = (f"; uncommitted changes in {', '.join(dirty)}" if dirty
                else "; no uncommitted changes in memo_ext/megatron")
     return f"commit {head}{changed}"
@@ -733,7 +721,8 @@ def write_report(out_dir: Path, sizes: Sizes, argv: list[str], sweep, layers, fl
         "### Notes on the MEMO rows (computed from the measurements)", "",
         *(memo_notes([m for m in layers if m.seq == sizes.layer_seq], sizes)
           or ["- none: MEMO gave back everything but its rounding buffers"]), "",
-        "## 3. Capacity under a simulated device cap", "", *capacity_lines(cap, sizes), "",
+        "## 3. Capacity under a simulated device cap", "",
+        *(capacity_lines(cap, sizes) if cap else ["Skipped (--skip-capacity)."]), "",
         "Plots: `offload_memory.png` (activation bytes vs sequence length; measured solid, theory "
         "dashed), `offload_memory_layers.png` (vs number of layers).", "",
     ]
@@ -836,8 +825,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
             raise SystemExit("--layer-counts: MEMO needs more than 2 layers")
         overrides["layer_counts"] = tuple(sorted(cli.layer_counts))
     if overrides:
-        from dataclasses import replace
-
         sizes = replace(sizes, **overrides)
     out_dir = cli.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -852,17 +839,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     log(f"== 2. layer-count check (seq {sizes.layer_seq})")
     layers = layer_check(bench, log)
     flat = flatness(layers, sizes)
-    if cli.skip_capacity:
-        cap = {"capacity_bytes": 0, "static_bytes": 0, "methods": {
-            "full": {"label": "skipped", "longest_seq": 0, "hit_search_max": False, "alpha": None,
-                     "alpha_log": "", "activation_bytes": None, "probes": [], "seconds": 0.0},
-            "memo-auto": {"label": "skipped", "longest_seq": 0, "hit_search_max": False,
-                          "alpha": None, "alpha_log": "", "activation_bytes": None, "probes": [],
-                          "seconds": 0.0}},
-            "ratio": math.nan, "goal": CAPACITY_GOAL, "pass": False}
-    else:
+    cap = None
+    if not cli.skip_capacity:
         log("== 3. capacity under a simulated device cap")
-        cap = capacity(bench, sweep[0].static_bytes, log)
+        cap = capacity(bench, log)
     seconds = time.perf_counter() - started
     write_report(out_dir, sizes, argv, sweep, layers, flat, cap, seconds)
     plot(out_dir, sizes, sweep, layers)

@@ -177,7 +177,10 @@ class OffloadConfig:
         help="Device memory MEMO's activations may use per rank, in GB (1e9 bytes): the two "
              "rounding buffers plus one layer's recompute working set. Adds a device constraint "
              "to the alpha LP (offloaded tokens need buffer space twice, recomputed ones once, so "
-             "a tight budget lowers alpha). Default: no device constraint (the paper's LP).")
+             "a tight budget lowers alpha). Default: with --memo-alpha auto, the device memory "
+             "left free at the peak of the first (alpha=0) iteration caps alpha (on CUDA: free "
+             "memory above the caching allocator's peak, less 5% for fragmentation); where the "
+             "device's capacity cannot be read (CPU), no device constraint (the paper's LP).")
     pcie_gbps: Optional[float] = memo_field(
         None, flag="--memo-pcie-gbps", metavar="GB/S",
         help="Device->host copy bandwidth per rank, in GB/s (1e9 bytes/s). Default: measured "

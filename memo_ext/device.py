@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 __all__ = ["CopyEngine", "CopyEvent", "CopyStats", "measure_offload_bandwidth",
-           "COPY_DELAY_ENV"]
+           "cuda_memory_headroom", "COPY_DELAY_ENV"]
 
 # Environment variable read when CopyEngine is built without an explicit copy_delay_s: seconds
 # each copy waits before it starts. Tests set it to make missing waits visible; keep it unset
@@ -51,6 +51,11 @@ COPY_DELAY_ENV = "MEMO_COPY_DELAY_S"
 # Default transfer size for measure_offload_bandwidth: 64 MiB is large enough that per-copy
 # launch and thread hand-off costs are negligible, and small against any rank's memory.
 DEFAULT_BANDWIDTH_PROBE_BYTES = 64 * 1024 * 1024
+
+# Share of the device's memory that cuda_memory_headroom keeps back: the caching allocator's
+# blocks do not pack perfectly (rounding, splitting), so not every free byte above the peak can
+# serve MEMO's larger rounding buffers.
+CUDA_FRAGMENTATION_RESERVE = 0.05
 
 # torch.cuda._sleep counts GPU clock cycles, not seconds; this approximate SM clock (Hz) turns
 # copy_delay_s into cycles on CUDA. The delay is only a test aid, so "roughly" is enough.
@@ -449,3 +454,15 @@ def measure_offload_bandwidth(engine: CopyEngine, nbytes: int = DEFAULT_BANDWIDT
     # A copy too fast for the clock's resolution still took at least one tick.
     seconds = max(seconds, time.get_clock_info("perf_counter").resolution)
     return copied / seconds
+
+
+# ------------------------------------------------------------------------------ device memory
+
+def cuda_memory_headroom(device: torch.device) -> int:
+    """Bytes the CUDA caching allocator could still reserve above its peak so far, minus
+    CUDA_FRAGMENTATION_RESERVE of the device: ``free + reserved - peak reserved`` from the driver's
+    and the allocator's counters (memory held by other processes, NCCL and cuBLAS workspaces
+    is outside ``free`` and so already excluded). Untested here: no GPU on the CPU machines."""
+    free, total = torch.cuda.mem_get_info(device)
+    unused_reservation = torch.cuda.memory_reserved(device) - torch.cuda.max_memory_reserved(device)
+    return int(free + unused_reservation - CUDA_FRAGMENTATION_RESERVE * total)

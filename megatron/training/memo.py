@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from memo_ext.config import OffloadConfig, config_from_args
-from memo_ext.device import CopyEngine, measure_offload_bandwidth
+from memo_ext.device import CopyEngine, cuda_memory_headroom, measure_offload_bandwidth
 from memo_ext.offload import ActivationShape, MemoOffload
 from memo_ext.offload.alpha import default_host_memory_bytes, microbatches_in_flight
 
@@ -58,6 +58,7 @@ def build_memo_offload(args: argparse.Namespace, log) -> Optional[MemoOffload]:
         config, engine, layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
         microbatches_in_flight=in_flight, shape=shape, host_memory_bytes=host_memory,
         bandwidth_bytes_per_s=bandwidth, log=log, agree_on_alpha=_all_ranks_minimum,
+        device_headroom=(lambda: cuda_memory_headroom(device)) if device.type == "cuda" else None,
     )
     log(f"> MEMO offload: alpha {config.alpha} | D2H bandwidth {bandwidth / BYTES_PER_GB:.2f} GB/s "
         f"per rank ({bandwidth_source}) | host memory {host_memory / BYTES_PER_GB:.2f} GB per rank "

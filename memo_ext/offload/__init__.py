@@ -3,15 +3,16 @@
 Public entry point: :class:`MemoOffload`. The trainer builds one per process from an
 :class:`memo_ext.config.OffloadConfig`, asks it for the layer spec, and calls
 :meth:`MemoOffload.after_iteration` after each training iteration (with ``--memo-alpha auto``
-the first iteration runs at alpha = 0 and measures what the LP needs).
+the first AUTO_ALPHA_MEASURING_ITERATIONS iterations run at alpha = 0 and measure what the LP
+needs).
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -29,9 +30,14 @@ from memo_ext.offload.alpha import (
 from memo_ext.offload.layer import LAYERS_KEPT_ON_DEVICE, MemoTransformerLayer
 from memo_ext.offload.manager import OffloadManager
 
-__all__ = ["ActivationShape", "MemoOffload", "MemoTransformerLayer"]
+__all__ = ["AUTO_ALPHA_MEASURING_ITERATIONS", "ActivationShape", "MemoOffload", "MemoTransformerLayer"]
 
 BYTES_PER_GB = 1e9
+
+#: Iterations --memo-alpha auto runs at alpha 0 before solving the LP. The device headroom is
+#: read after the second: the first iteration's peak is not yet the steady state (caches such as
+#: the per-layer token indices are built during it, and the rounding buffers grow in place).
+AUTO_ALPHA_MEASURING_ITERATIONS = 2
 
 
 @dataclass(frozen=True)
@@ -69,9 +75,10 @@ class MemoOffload:
     def __init__(self, config: OffloadConfig, engine: CopyEngine, layers_per_stage: int,
                  microbatches_in_flight: int, shape: ActivationShape,
                  host_memory_bytes: int, bandwidth_bytes_per_s: float,
-                 on_host_allocate: Optional[Callable[[torch.Tensor], None]] = None,
+                 host_allocation_scope: Callable[[], ContextManager[None]] = nullcontext,
                  log: Callable[[str], None] = print,
-                 agree_on_alpha: Callable[[float], float] = lambda alpha: alpha):
+                 agree_on_alpha: Callable[[float], float] = lambda alpha: alpha,
+                 device_headroom: Optional[Callable[[], Optional[int]]] = None):
         config.validate()
         if layers_per_stage <= LAYERS_KEPT_ON_DEVICE:
             raise MemoConfigError(
@@ -90,14 +97,21 @@ class MemoOffload:
         # Ranks measure slightly different layer times; TP/SP collectives in the token-split
         # forward need every rank to use the same alpha (the trainer passes an all-reduce MIN).
         self.agree_on_alpha = agree_on_alpha
+        # Reads the device bytes left unused at the peak so far (e.g. cuda_memory_headroom);
+        # with --memo-alpha auto it is read once, after the alpha-0 measuring iteration, and
+        # caps alpha so the larger rounding buffers still fit. None: no device row in the LP.
+        self.device_headroom = device_headroom
         self.decision: Optional[AlphaDecision] = None
         self._check_host_memory_at_alpha_zero()
         fixed = config.fixed_alpha
-        self.manager = OffloadManager(engine, 0.0 if fixed is None else fixed, on_host_allocate)
+        self.manager = OffloadManager(engine, 0.0 if fixed is None else fixed,
+                                      host_allocation_scope)
         self._forward_seconds: list[float] = []
+        self._measured_iterations = 0
 
     def _inputs(self, other_bytes: int, layer_forward_s: float,
-                whole_bytes: Optional[int] = None) -> AlphaInputs:
+                whole_bytes: Optional[int] = None,
+                device_headroom_bytes: Optional[int] = None) -> AlphaInputs:
         """LP inputs; ``whole_bytes`` (measured bytes offloaded per layer at alpha 0) replaces
         the analytic S_in + S_attn when known, since it also counts attention statistics and,
         under CP, the gathered K/V the core attention saves."""
@@ -106,6 +120,7 @@ class MemoOffload:
             attention_output_bytes = max(0, whole_bytes - self.shape.input_bytes)
         return AlphaInputs(
             device_memory_bytes=self.config.device_memory_bytes,
+            device_headroom_bytes=device_headroom_bytes,
             input_bytes=self.shape.input_bytes,
             attention_output_bytes=attention_output_bytes,
             other_bytes=other_bytes,
@@ -154,17 +169,25 @@ class MemoOffload:
             self._forward_seconds.append(time.perf_counter() - start)
 
     def after_iteration(self) -> None:
-        """With --memo-alpha auto, solve the LP once the first iteration has measured it."""
+        """With --memo-alpha auto, solve the LP once AUTO_ALPHA_MEASURING_ITERATIONS
+        iterations have measured it (between iterations: it may resize the rounding buffers)."""
         if self.config.fixed_alpha is not None or self.decision is not None:
             return
         counts = self.manager.layer_forwards
         if not counts or not self._forward_seconds:
             return
+        self._measured_iterations += 1
+        if self._measured_iterations < AUTO_ALPHA_MEASURING_ITERATIONS:
+            return
         other_bytes = self.manager.saved_bytes["recomputed"] // counts
         layer_forward_s = sorted(self._forward_seconds)[len(self._forward_seconds) // 2]
         whole_bytes = self.manager.largest_layer_bytes
-        inputs = self._inputs(other_bytes, layer_forward_s, whole_bytes)
+        headroom = None
+        if self.config.device_memory_bytes is None and self.device_headroom is not None:
+            # set_alpha pads each buffer by up to one alignment per stored tensor.
+            headroom = self.device_headroom() - 2 * self.manager.buffer_padding_bytes
+        inputs = self._inputs(other_bytes, layer_forward_s, whole_bytes, headroom)
         self.decision = solve_alpha(inputs)
-        self.manager.set_alpha(self.agree_on_alpha(self.decision.alpha))
+        self.manager.set_alpha(self.agree_on_alpha(self.decision.alpha), other_bytes)
         self.log(f"> MEMO alpha: {format_alpha_log(inputs, self.decision)}; "
                  f"alpha used by all ranks: {self.alpha:.4f}")

@@ -5,6 +5,7 @@ Per pipeline stage (memo.md "Choosing alpha (LP)", extended for pipelining and p
     max alpha
     s.t. (S_in + S_attn + alpha*S_oth) / B <= T_layer              # copy hides under compute
          N * cost(S_in + S_attn + alpha*S_oth) <= M_host            # host memory
+         2*alpha*S_oth <= D_free                                   # device memory (optional)
          0 <= alpha <= 1
 
 * ``S_in``, ``S_attn``: bytes per layer per micro-batch of the tensors always offloaded whole
@@ -14,6 +15,17 @@ Per pipeline stage (memo.md "Choosing alpha (LP)", extended for pipelining and p
 * ``N = (n - 2) * k`` host slots: ``n`` layers on this stage, of which the last two are never
   offloaded, times ``k`` micro-batches in flight on this stage (:func:`microbatches_in_flight`).
 * ``M_host``: host bytes this rank may use (:func:`default_host_memory_bytes`).
+* ``D_free``: device bytes left unused at the peak of the measuring iteration, which runs at
+  alpha = 0. Raising alpha grows each of the two rounding buffers by ``alpha*S_oth``; the one
+  layer being recomputed shrinks by as much, but the iteration's peak need not fall while a
+  layer is recomputed (measured on CPU: it sits where both buffers are full and the head's
+  logits are live), so the peak grows by up to ``2*alpha*S_oth``. The paper's LP has no device
+  row: it maximises offloading, which is cheapest in time, but at the longest sequences alpha = 1
+  is the configuration that runs out of device memory. With an explicit budget ``M_dev`` for
+  MEMO's activations (``--memo-device-memory-gb``: both buffers plus one layer's recompute
+  working set) the row is ``2*(S_in + S_attn) + S_oth + 2*alpha*S_oth <= M_dev`` instead.
+  Without either (no way to read the device's capacity, e.g. the CPU stand-in without a
+  simulated cap) the row is left out.
 
 Counting host bytes (``cost``). The host arena is allocated as one pinned block per
 (layer, in-flight micro-batch) slot, each slot holding one layer's offloaded bytes
@@ -80,11 +92,13 @@ class AlphaInputs:
             stage (see :func:`microbatches_in_flight`), >= 1.
         pinned_rounding: count each (layer, micro-batch) slot as ``next_pow2`` of its bytes
             (True for CUDA pinned memory from the CachingHostAllocator).
-        device_memory_bytes: optional device budget for MEMO's activations: the two rounding
-            buffers (2 * (S_in + S_attn + alpha*S_oth)) plus one layer's recompute working set
-            ((1 - alpha) * S_oth). Offloaded tokens cost buffer space twice, recomputed ones
-            once, so this bound caps alpha from above. None: no device constraint (the paper's
-            LP).
+        device_memory_bytes: optional device budget M_dev for MEMO's activations: the two
+            rounding buffers plus one layer's recompute working set at alpha = 0
+            (2*(S_in + S_attn) + S_oth), plus 2*alpha*S_oth for the buffers' growth with alpha.
+            None: fall back to ``device_headroom_bytes``.
+        device_headroom_bytes: D_free, device bytes left unused at the peak of the measuring
+            iteration (run at alpha = 0); caps alpha at D_free / (2*S_oth). Used only when
+            ``device_memory_bytes`` is None. None: no device constraint (the paper's LP).
     """
 
     input_bytes: int
@@ -97,6 +111,7 @@ class AlphaInputs:
     microbatches_in_flight: int
     pinned_rounding: bool
     device_memory_bytes: Optional[int] = None
+    device_headroom_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("input_bytes", "attention_output_bytes", "other_bytes", "host_memory_bytes",
@@ -230,13 +245,17 @@ def _host_bound(inputs: AlphaInputs) -> float:
 
 
 def _device_bound(inputs: AlphaInputs) -> float:
-    """Largest alpha with 2*(W + alpha*S) + (1 - alpha)*S <= M_dev, i.e. (M_dev - 2W - S)/S."""
-    if inputs.device_memory_bytes is None:
+    """Largest alpha with 2*W + S + 2*alpha*S <= M_dev, i.e. (M_dev - 2W - S)/(2S), or,
+    measured, 2*alpha*S <= D_free (module docstring); +inf with neither."""
+    if inputs.device_memory_bytes is not None:
+        spare = inputs.device_memory_bytes - 2 * inputs.whole_bytes - inputs.other_bytes
+    elif inputs.device_headroom_bytes is not None:
+        spare = inputs.device_headroom_bytes
+    else:
         return math.inf
-    spare = inputs.device_memory_bytes - 2 * inputs.whole_bytes - inputs.other_bytes
     if inputs.other_bytes == 0:
         return math.inf if spare >= 0 else -math.inf
-    return spare / inputs.other_bytes
+    return spare / (2 * inputs.other_bytes)
 
 
 def host_memory_shortfall(inputs: AlphaInputs) -> int:
@@ -304,8 +323,10 @@ def solve_alpha_lp(inputs: AlphaInputs) -> float:
         problem += (inputs.host_slots * (whole + other * alpha)
                     <= inputs.host_memory_bytes / scale), "host_memory"
     if inputs.device_memory_bytes is not None:
-        problem += (2 * whole + other + other * alpha
+        problem += (2 * whole + other + 2 * other * alpha
                     <= inputs.device_memory_bytes / scale), "device_memory"
+    elif inputs.device_headroom_bytes is not None:
+        problem += 2 * other * alpha <= inputs.device_headroom_bytes / scale, "device_memory"
     solver = pulp.HiGHS(msg=False)
     if not solver.available():
         solver = pulp.PULP_CBC_CMD(msg=False)
@@ -326,7 +347,9 @@ def format_alpha_log(inputs: AlphaInputs, decision: AlphaDecision) -> str:
             binding += (f" (even alpha=0 copies take {copy_ms_at_0:.2f} ms > layer forward; "
                         "copies will stall compute)")
     elif decision.limited_by == LIMITED_BY_DEVICE_MEMORY:
-        binding = "limited by device memory (--memo-device-memory-gb)"
+        binding = ("limited by device memory (--memo-device-memory-gb)"
+                   if inputs.device_memory_bytes is not None else
+                   "limited by device memory (headroom measured at alpha=0)")
     else:
         binding = "limited by host memory"
         if not decision.fits_host_memory:
@@ -341,5 +364,13 @@ def format_alpha_log(inputs: AlphaInputs, decision: AlphaDecision) -> str:
         f"T_layer {inputs.layer_forward_s * 1e3:.2f} ms | host {inputs.host_memory_bytes / _GB:.3f} GB "
         f"for {inputs.offloaded_layers} layers x {inputs.microbatches_in_flight} micro-batches, "
         f"pinned pow2 rounding {'on' if inputs.pinned_rounding else 'off'}, "
-        f"needs {decision.host_bytes_needed / _GB:.3f} GB at alpha"
+        f"needs {decision.host_bytes_needed / _GB:.3f} GB at alpha | device: {_device_text(inputs)}"
     )
+
+
+def _device_text(inputs: AlphaInputs) -> str:
+    if inputs.device_memory_bytes is not None:
+        return f"budget {inputs.device_memory_bytes / _GB:.3f} GB (--memo-device-memory-gb)"
+    if inputs.device_headroom_bytes is not None:
+        return f"{inputs.device_headroom_bytes / _GB:.3f} GB free at the alpha=0 peak"
+    return "capacity unknown, not constrained"

@@ -28,8 +28,10 @@ runs on CUDA streams and on the CPU copy worker used in tests.
 from __future__ import annotations
 
 import abc
+import contextlib
+import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 
@@ -63,6 +65,15 @@ class RoundingBuffer:
     def capacity(self) -> int:
         return 0 if self.tensor is None else self.tensor.numel()
 
+    def reserve(self, nbytes: int) -> None:
+        """Grow an idle buffer to at least ``nbytes``, freeing the old one first, so growing
+        never holds both (unlike ensure_capacity in the middle of a layer)."""
+        if nbytes <= self.capacity:
+            return
+        self.engine.wait(self.last_event)
+        self.tensor = None
+        self.tensor = self.engine.alloc_device(nbytes)
+
     def ensure_capacity(self, nbytes: int, keep_bytes: int = 0) -> None:
         """Grow to at least ``nbytes``, preserving the first ``keep_bytes``."""
         if nbytes <= self.capacity:
@@ -76,9 +87,10 @@ class RoundingBuffer:
 class HostSlotPool:
     """Fixed host slots per layer; a layer needs one per micro-batch in flight."""
 
-    def __init__(self, engine: CopyEngine, on_allocate: Optional[Callable[[torch.Tensor], None]]):
+    def __init__(self, engine: CopyEngine,
+                 allocation_scope: Callable[[], ContextManager[None]] = contextlib.nullcontext):
         self.engine = engine
-        self.on_allocate = on_allocate
+        self.allocation_scope = allocation_scope
         self.free: dict[int, list[torch.Tensor]] = {}
         self.allocated_bytes = 0
 
@@ -87,10 +99,9 @@ class HostSlotPool:
         for index, slot in enumerate(free):
             if slot.numel() >= nbytes:
                 return free.pop(index)
-        slot = self.engine.alloc_host(nbytes)
+        with self.allocation_scope():
+            slot = self.engine.alloc_host(nbytes)
         self.allocated_bytes += slot.numel()
-        if self.on_allocate is not None:
-            self.on_allocate(slot)
         return slot
 
     def release(self, layer: int, slot: torch.Tensor) -> None:
@@ -281,6 +292,7 @@ class LayerRecord:
     buffer: RoundingBuffer
     to_host: bool = True
     used_bytes: int = 0
+    stored_tensors: int = 0
     host_slot: Optional[torch.Tensor] = None
     offload_event: Optional[CopyEvent] = None
     prefetch_event: Optional[CopyEvent] = None
@@ -298,6 +310,7 @@ class LayerRecord:
         destination = self.buffer.tensor[offset : offset + nbytes]
         destination.view(tensor.dtype).view(tensor.shape).copy_(tensor)
         self.used_bytes = offset + _align(nbytes)
+        self.stored_tensors += 1
         return _BufferSlice(self, offset, nbytes, tensor.dtype, tensor.shape)
 
     def resident_buffer(self) -> torch.Tensor:
@@ -314,22 +327,39 @@ class OffloadManager:
     """Saved-tensor routing, rounding buffers and host slots of one model chunk."""
 
     def __init__(self, engine: CopyEngine, alpha: float,
-                 on_host_allocate: Optional[Callable[[torch.Tensor], None]] = None):
+                 host_allocation_scope: Callable[[], ContextManager[None]] = contextlib.nullcontext):
         self.engine = engine
         self.alpha = alpha
         self.buffers = (RoundingBuffer(engine), RoundingBuffer(engine))
-        self.host_slots = HostSlotPool(engine, on_host_allocate)
+        self.host_slots = HostSlotPool(engine, host_allocation_scope)
         self.parameter_storages: set[int] = set()
         self.active: Optional[LayerRecord] = None
         self.last_record: Optional[LayerRecord] = None
         self.saved_bytes = {"offloaded": 0, "recomputed": 0}
         self.layer_forwards = 0
         self.largest_layer_bytes = 0
+        self.most_stored_tensors = 0
 
-    def set_alpha(self, alpha: float) -> None:
-        """Use ``alpha`` from the next layer forward on (between iterations only)."""
+    def set_alpha(self, alpha: float, other_bytes: int = 0) -> None:
+        """Use ``alpha`` from the next layer forward on (between iterations only).
+
+        ``other_bytes`` (S_oth, alpha-split bytes per layer at alpha 1) sizes both rounding
+        buffers for the new alpha now, while they are idle: grown tensor by tensor inside the
+        next forward instead, each growth would hold the old and the new buffer at once."""
+        self.engine.synchronize()
         self.alpha = alpha
         self.host_slots.reset()
+        if other_bytes:
+            expected = (self.largest_layer_bytes + math.ceil(alpha * other_bytes)
+                        + self.buffer_padding_bytes)
+            for buffer in self.buffers:
+                buffer.reserve(expected)
+
+    @property
+    def buffer_padding_bytes(self) -> int:
+        """Bytes a layer's buffer may need beyond its tensors' bytes when alpha changes: each
+        stored tensor may add up to one alignment's padding."""
+        return self.most_stored_tensors * BUFFER_ALIGNMENT_BYTES
 
     # ---------------------------------------------------------------- forward
     def begin_layer(self, layer: int, is_first_of_chunk: bool,
@@ -353,6 +383,7 @@ class OffloadManager:
         self.active = None
         self.last_record = record
         self.largest_layer_bytes = max(self.largest_layer_bytes, record.used_bytes)
+        self.most_stored_tensors = max(self.most_stored_tensors, record.stored_tensors)
         if record.used_bytes and record.to_host:
             record.host_slot = self.host_slots.acquire(record.layer, record.used_bytes)
             record.offload_event = self.engine.offload(
@@ -417,12 +448,15 @@ class OffloadManager:
                        tensor.storage_offset() - entry.base_offset)
 
     def _pack(self, record: LayerRecord, tensor: torch.Tensor):
+        key = _storage_key(tensor)
         if record.current_region is not None:
             region = record.current_region
             region.saved_count += 1
-            self.saved_bytes["recomputed"] += tensor.numel() * tensor.element_size()
+            # Parameters and views of this layer's registered tensors come back with the
+            # recomputation without costing activation bytes: counting them would inflate S_oth.
+            if key not in self.parameter_storages and key not in record.registered:
+                self.saved_bytes["recomputed"] += tensor.numel() * tensor.element_size()
             return _RecomputedSaved(region, region.saved_count - 1)
-        key = _storage_key(tensor)
         if key in self.parameter_storages or tensor.numel() == 0:
             return tensor
         entry = record.registered.get(key)
@@ -482,3 +516,8 @@ class OffloadManager:
                     event.synchronize()
             self.host_slots.release(record.layer, record.host_slot)
             record.host_slot = None
+        # The record and its buffer slices refer to each other; breaking the cycle here frees
+        # its device tensors (token indices, RNG states) now rather than at the next gc.
+        record.regions.clear()
+        record.registered.clear()
+        record.previous = None

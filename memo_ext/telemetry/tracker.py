@@ -185,6 +185,14 @@ class DeviceMemoryTracker(TorchDispatchMode):
                 "num_allocations": self._num_allocations,
             }
 
+    def headroom_bytes(self) -> int | None:
+        """Simulated capacity minus the device peak since the last reset_peak(), bytes (what
+        MEMO's alpha LP reads as the device headroom); None without a capacity."""
+        if self.capacity_bytes is None:
+            return None
+        with self._lock:
+            return self.capacity_bytes - self._peak[DEVICE]
+
     def reset_peak(self) -> None:
         """Set both peaks to the current bytes (e.g. at the start of each iteration)."""
         with self._lock:

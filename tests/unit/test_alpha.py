@@ -199,15 +199,40 @@ def test_default_host_memory_bytes():
 
 
 def test_device_budget_caps_alpha_and_matches_the_lp():
-    """Offloaded tokens occupy both rounding buffers, recomputed ones only the working set:
-    2*(W + a*S) + (1 - a)*S <= M_dev gives a <= (M_dev - 2W - S)/S."""
+    """The budget covers both rounding buffers and one layer's working set at alpha 0
+    (2W + S), and each unit of alpha grows both buffers: 2W + S + 2aS <= M_dev."""
     from memo_ext.offload.alpha import AlphaInputs, solve_alpha, solve_alpha_lp
 
     inputs = AlphaInputs(input_bytes=100, attention_output_bytes=200, other_bytes=1000,
                          bandwidth_bytes_per_s=1e12, layer_forward_s=1.0, host_memory_bytes=10**9,
                          offloaded_layers=4, microbatches_in_flight=1, pinned_rounding=False,
-                         device_memory_bytes=2 * 300 + 1000 + 250)
+                         device_memory_bytes=2 * 300 + 1000 + 500)
     decision = solve_alpha(inputs)
     assert decision.alpha == pytest.approx(0.25)
     assert decision.limited_by == "device_memory"
     assert solve_alpha_lp(inputs) == pytest.approx(0.25, abs=1e-6)
+
+
+def test_measured_device_headroom_caps_alpha_and_matches_the_lp():
+    """Raising alpha grows both rounding buffers by alpha*S; the device peak grows by up to
+    2*alpha*S over the alpha-0 peak, so alpha <= D_free / (2S)."""
+    from memo_ext.offload.alpha import AlphaInputs, format_alpha_log, solve_alpha, solve_alpha_lp
+
+    base = dict(input_bytes=100, attention_output_bytes=200, other_bytes=1000,
+                bandwidth_bytes_per_s=1e12, layer_forward_s=1.0, host_memory_bytes=10**9,
+                offloaded_layers=4, microbatches_in_flight=1, pinned_rounding=False)
+    inputs = AlphaInputs(**base, device_headroom_bytes=800)
+    decision = solve_alpha(inputs)
+    assert decision.alpha == pytest.approx(0.4)
+    assert decision.limited_by == "device_memory"
+    assert solve_alpha_lp(inputs) == pytest.approx(0.4, abs=1e-6)
+    assert "0.000 GB free at the alpha=0 peak" in format_alpha_log(inputs, decision)
+    # No headroom at all (or a peak already past the capacity): recompute everything.
+    assert solve_alpha(AlphaInputs(**base, device_headroom_bytes=-5)).alpha == 0.0
+    # Plenty of headroom: the paper's LP decides (here nothing binds).
+    assert solve_alpha(AlphaInputs(**base, device_headroom_bytes=10**6)).alpha == 1.0
+    # An explicit --memo-device-memory-gb budget replaces the measured headroom.
+    explicit = AlphaInputs(**base, device_headroom_bytes=800,
+                           device_memory_bytes=2 * 300 + 1000 + 500)
+    assert solve_alpha(explicit).alpha == pytest.approx(0.25)
+    assert "--memo-device-memory-gb" in format_alpha_log(explicit, solve_alpha(explicit))

@@ -113,19 +113,67 @@ def test_skipping_the_waits_corrupts_gradients(megatron_world, monkeypatch):
     monkeypatch.setattr(CopyEngine, "wait", lambda self, event: None)
     _, grads, _ = memo_run(args, "0.5", copy_delay_s=0.2)
     monkeypatch.undo()
-    assert worst_relative_gradient_error(grads, reference) > 1e-2
+    error = worst_relative_gradient_error(grads, reference)
+    assert not error <= 1e-2, error  # stale reads of an uninitialised buffer may also be NaN
 
 
-def test_auto_alpha_is_solved_after_the_first_iteration(megatron_world):
+def test_auto_alpha_is_solved_after_the_measuring_iterations(megatron_world):
+    from memo_ext.offload import AUTO_ALPHA_MEASURING_ITERATIONS
+
     args = model_args([])
     with CopyEngine("cpu") as engine:
         memo = MemoOffload(OffloadConfig(offload=True), engine, NUM_LAYERS, 1, SHAPE, HOST_BYTES,
                            BANDWIDTH, log=lambda message: None)
-        assert memo.alpha == 0.0
-        loss_and_grads(build_model(args, memo))
-        memo.after_iteration()
+        model = build_model(args, memo)
+        for _ in range(AUTO_ALPHA_MEASURING_ITERATIONS):
+            assert memo.alpha == 0.0 and memo.decision is None
+            loss_and_grads(model)
+            memo.after_iteration()
         assert memo.decision is not None and memo.alpha == memo.decision.alpha
         assert 0.0 <= memo.alpha <= 1.0
+
+
+def _tracked_iteration(model, tracker):
+    tracker.reset_peak()
+    with tracker:
+        loss_and_grads(model)
+    return tracker.stats()["peak_device_bytes"]
+
+
+def test_auto_alpha_fits_the_device_headroom_left_at_alpha_zero(megatron_world):
+    """With a device whose capacity leaves 0.6 S_oth free above the alpha-0 peak, alpha auto
+    picks ~0.3 (not the paper's alpha 1: both buffers grow by alpha S_oth) and its second
+    iteration fits; alpha 1 does not."""
+    from memo_ext.telemetry import DeviceMemoryTracker, SimulatedOutOfMemoryError
+
+    args = model_args([])
+
+    def run(alpha, capacity, iterations):
+        tracker = DeviceMemoryTracker(capacity_bytes=capacity)
+        with CopyEngine("cpu") as engine:
+            memo = MemoOffload(OffloadConfig(offload=True, alpha=alpha), engine, NUM_LAYERS, 1,
+                               SHAPE, HOST_BYTES, 1e15, tracker.host_allocations,
+                               log=lambda message: None, device_headroom=tracker.headroom_bytes)
+            model = build_model(args, memo)
+            tracker.register_existing(model.parameters())
+            peaks = []
+            for _ in range(iterations):
+                model.zero_grad(set_to_none=True)
+                peaks.append(_tracked_iteration(model, tracker))
+                with tracker:  # solving alpha sizes the rounding buffers for it
+                    memo.after_iteration()
+            per_layer_other = memo.manager.saved_bytes["recomputed"] // max(
+                1, memo.manager.layer_forwards)
+            return memo, peaks, per_layer_other
+
+    _, peaks_at_zero, other = run("0", None, 3)
+    capacity = max(peaks_at_zero) + int(0.6 * other)
+    memo, peaks, _ = run("auto", capacity, 3)
+    assert memo.decision.limited_by == "device_memory"
+    assert 0.2 < memo.alpha < 0.35, memo.alpha
+    assert max(peaks) <= capacity
+    with pytest.raises(SimulatedOutOfMemoryError):
+        run("1", capacity, 3)
 
 
 def test_host_memory_too_small_even_at_alpha_zero_is_refused():

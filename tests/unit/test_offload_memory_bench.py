@@ -43,7 +43,19 @@ def test_outputs_written_to_output_dir(quick_report):
     for needle in ("DeviceMemoryTracker", "--quick", "Formulas", "Capacity",
                    "device activation bytes do not grow with the number of layers"):
         assert needle in text, needle
-    assert report["sizes"]["seqs"] and report["capacity"]["methods"]["full"]["longest_seq"] > 0
+    assert report["sizes"]["seqs"]
+    depth = report["capacity"]["depths"][0]
+    assert depth["methods"]["full"]["longest_seq"] > 0
+
+
+def test_capacity_search_hands_memo_the_measured_device_headroom(quick_report):
+    """Under the simulated cap MEMO auto's LP gets the tracker's headroom as its device row, and
+    the alpha it picks keeps iteration 2 inside the cap (the longest sequence fits twice)."""
+    _, report = quick_report
+    auto = report["capacity"]["depths"][0]["methods"]["memo-auto"]
+    assert auto["longest_seq"] > 0
+    assert "free at the alpha=0 peak" in auto["alpha_log"], auto["alpha_log"]
+    assert 0.0 <= auto["alpha"] < 1.0
 
 
 def _sweep(report, method, seq):
