@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     trace = parser.add_argument_group("trace")
     trace.add_argument("-o", "--output", default=None, help="Trace file (.jsonl.gz).")
+    trace.add_argument("--snapshot", default=None, metavar="PATH",
+                       help="Also write the trace as a PyTorch memory snapshot pickle, to open in "
+                            "https://pytorch.org/memory_viz (Active Memory Timeline).")
     trace.add_argument("--live", action="store_true",
                        help="Real CPU tensors instead of FakeTensors (small models only).")
     trace.add_argument("--warmup", choices=("auto", "forward", "iteration", "none"),
@@ -569,11 +572,13 @@ def format_summary(trace, summary, args, wall_s: float, peak_rss_bytes: int,
 
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
-    from memo_ext.planner.trace import summarize, write_trace
+    from memo_ext.planner.trace import summarize, write_snapshot, write_trace
 
     trace, args = record(opts)
     if opts.output:
         write_trace(trace, opts.output)
+    if opts.snapshot:
+        write_snapshot(trace, opts.snapshot)
     summary = summarize(trace)
     wall = time.perf_counter() - _START
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -14,6 +14,8 @@ Public entry points (see memo_ext.planner.trace and docs/tracing.md):
 - :class:`FlashCoreAttention`: the core attention used by traced models (a flash kernel as a
   ``torch.library.custom_op`` whose fake rule allocates exactly what the GPU kernel does).
 - :func:`write_trace` / :func:`read_trace` / :func:`summarize`: the gzipped JSON-lines format.
+- :func:`write_snapshot` / :func:`trace_to_snapshot`: the same trace as a PyTorch memory
+  snapshot pickle, for PyTorch's memory_viz.
 - :func:`record_cuda_trace`: the same event format from a real CUDA run
   (``torch.cuda.memory._record_memory_history`` + memo_ext.alloc's snapshot reader).
 """
@@ -38,6 +40,8 @@ from memo_ext.planner.trace import (
     summarize,
     tagged_allocations,
     trace_from_snapshot,
+    trace_to_snapshot,
+    write_snapshot,
     write_trace,
 )
 
@@ -61,5 +65,7 @@ __all__ = [
     "summarize",
     "tagged_allocations",
     "trace_from_snapshot",
+    "trace_to_snapshot",
+    "write_snapshot",
     "write_trace",
 ]

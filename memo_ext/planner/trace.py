@@ -761,14 +761,17 @@ class Trace:
 
 def write_trace(trace: Trace, path) -> None:
     """Write ``trace`` as gzipped JSON lines: the header object first (with "format" and
-    "version"), then one event per line. Deterministic bytes (no gzip name or mtime)."""
+    "version"), then one event per line. Deterministic bytes (no gzip name or mtime); written to
+    a temporary name and renamed, so a crash never leaves half a trace."""
     header = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **trace.header}
-    with open(path, "wb") as raw, \
+    partial = f"{os.fspath(path)}.partial"
+    with open(partial, "wb") as raw, \
             gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz:
         gz.write((json.dumps(header, sort_keys=True) + "\n").encode())
         for event in trace.events:
             record = {k: event[k] for k in EVENT_FIELDS}
             gz.write((json.dumps(record, separators=(",", ":")) + "\n").encode())
+    os.replace(partial, path)
 
 
 def read_trace(path) -> Trace:
@@ -1247,6 +1250,59 @@ def trace_from_snapshot(snapshot: dict, device: int = 0, header: Optional[dict] 
                            "layer": None, "phase": None, "category": ACTIVATION,
                            "microbatch": None, "pool": POOL_DEVICE, "module": None, "op": None})
     return Trace(header=dict(header or {}, mode="cuda"), events=events)
+
+
+#: Where exported snapshots place their synthetic blocks (any aligned, nonzero base works:
+#: memory_viz only uses addresses to pair an alloc with its free).
+_SNAPSHOT_BASE_ADDRESS = 0x7F0000000000
+_SNAPSHOT_ADDRESS_STRIDE = 512
+
+
+def trace_to_snapshot(trace: Trace) -> dict:
+    """``trace`` as a PyTorch memory snapshot (the dict ``torch.cuda.memory._snapshot()``
+    returns), so PyTorch's memory_viz (https://pytorch.org/memory_viz) shows its "Active Memory
+    Timeline". Device-pool events only, as a real snapshot has them: host slots are not device
+    memory, and external memory (CUDA context, NCCL) never passes through the caching allocator
+    (the header, kept as JSON under "memo_trace_header", names it). Every block gets its own
+    synthetic address; its tags (phase, layer, micro-batch, category, module,
+    op) become the one stack frame memory_viz shows for it. No "segments": the trace has no
+    allocator decisions (replay it through memo_ext.alloc for those).
+    :func:`trace_from_snapshot` reads it back to the same sizes and order."""
+    entries = []
+    for event in trace.events:
+        if event["pool"] != POOL_DEVICE:
+            continue
+        tags = [f"{event['phase'] or 'untagged'}"]
+        if event["layer"] is not None:
+            tags.append(f"layer {event['layer']}")
+        if event["microbatch"] is not None:
+            tags.append(f"micro-batch {event['microbatch']}")
+        tags.append(event["category"])
+        if event["op"]:
+            tags.append(str(event["op"]))
+        entries.append({
+            "action": "alloc" if event["action"] == "alloc" else "free_completed",
+            "addr": _SNAPSHOT_BASE_ADDRESS + int(event["id"]) * _SNAPSHOT_ADDRESS_STRIDE,
+            "size": int(event["bytes"]),
+            "stream": int(event["stream"] or 0),
+            "frames": [{"filename": event["module"] or "memo_ext.planner.trace",
+                        "line": int(event["layer"] or 0), "name": ", ".join(tags)}],
+        })
+    return {"segments": [], "device_traces": [entries],
+            "memo_trace_header": json.dumps(trace.header, sort_keys=True)}
+
+
+def write_snapshot(trace: Trace, path) -> None:
+    """Write :func:`trace_to_snapshot` as a pickle, as ``torch.cuda.memory._dump_snapshot``
+    does (plain dicts, lists, strings and ints only, so memo_ext.alloc's restricted reader and
+    memory_viz both open it). Written to a temporary name and renamed: never half a file."""
+    import pickle
+
+    path = os.fspath(path)
+    partial = f"{path}.partial"
+    with open(partial, "wb") as f:
+        pickle.dump(trace_to_snapshot(trace), f, protocol=4)
+    os.replace(partial, path)
 
 
 def record_cuda_trace(function: Callable[[], Any], device: Optional[int] = None,

@@ -367,6 +367,40 @@ def test_allocator_models_read_the_trace(tool, tmp_path):
     assert loaded.sizes.tolist() == [e["bytes"] for e in device]
 
 
+def test_snapshot_export_reads_back_through_the_restricted_reader(tool, tmp_path):
+    """Exported as a PyTorch memory snapshot, the trace opens with our restricted unpickler
+    (so it holds only builtin containers and scalars, as memory_viz needs) and converts back
+    to the same device events, in order, and replays like the trace itself."""
+    import memo_ext.alloc as alloc
+    from memo_ext.alloc.snapshot import load_snapshot
+
+    trace, _ = record(tool, SMALL)
+    path = tmp_path / "t.pickle"
+    T.write_snapshot(trace, path)
+    assert not (tmp_path / "t.pickle.partial").exists()
+    snapshot = load_snapshot(path)
+    entries = snapshot["device_traces"][0]
+    device = [e for e in trace.events if e["pool"] == "device"]
+    assert [e["size"] for e in entries] == [e["bytes"] for e in device]
+    assert {e["action"] for e in entries} == {"alloc", "free_completed"}
+    assert json.loads(snapshot["memo_trace_header"])["layout"]["tp"] == 2
+    forward = next(e for e in entries if "forward, layer 1" in e["frames"][0]["name"])
+    assert forward["frames"][0]["line"] == 1
+    back = T.trace_from_snapshot(snapshot)
+    assert [(e["action"], e["bytes"]) for e in back.events] == [
+        (e["action"], e["bytes"]) for e in device]
+    from_snapshot = alloc.replay(alloc.snapshot_trace(snapshot), "caching")
+    from_trace = alloc.replay(alloc.load_trace(_written(trace, tmp_path)), "caching")
+    assert (from_snapshot.peak_allocated_bytes, from_snapshot.peak_reserved_bytes) == (
+        from_trace.peak_allocated_bytes, from_trace.peak_reserved_bytes)
+
+
+def _written(trace, tmp_path):
+    path = tmp_path / "w.jsonl.gz"
+    T.write_trace(trace, path)
+    return path
+
+
 def test_cli_writes_trace_and_prints_summary(tool, tmp_path):
     out = tmp_path / "cli.jsonl.gz"
     buffer = io.StringIO()
