@@ -11,6 +11,7 @@ setup(
             sorted(glob("csrc/*.cpp")),
             cxx_std=17,
             extra_compile_args=["-O3"],
+            depends=sorted(glob("csrc/*.h")),
         )
     ],
     cmdclass={"build_ext": build_ext},

@@ -47,6 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.common import longest_fitting  # noqa: E402
 from memo_ext import _C  # noqa: E402
 from memo_ext.alloc import ReplayResult, Trace, replay  # noqa: E402
 from memo_ext.planner.trace import Trace as EventTrace  # noqa: E402
@@ -210,19 +211,6 @@ class Traces:
             self.log(f"  traced seq {seq}: {len(self.traces[seq].events)} events in "
                      f"{self.seconds[seq]:.1f} s")
         return self.traces[seq]
-
-
-def longest_fitting(fits: Callable[[int], bool], step: int, maximum: int) -> int:
-    """Largest multiple of ``step`` <= ``maximum`` that fits (0 if none), by bisection
-    (fitting is monotone in the sequence length)."""
-    lo, hi = 0, maximum // step + 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * step):
-            lo = mid
-        else:
-            hi = mid
-    return lo * step
 
 
 # ------------------------------------------------------------------------------------ report

@@ -94,6 +94,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.common import longest_fitting  # noqa: E402
 from memo_ext.device import CopyEngine  # noqa: E402
 from memo_ext.telemetry import DeviceMemoryTracker, SimulatedOutOfMemoryError  # noqa: E402
 
@@ -413,19 +414,6 @@ def flatness(rows: list[Measurement], sizes: Sizes) -> dict[str, dict]:
     return out
 
 
-def longest_fitting(fits: Callable[[int], bool], step: int, maximum: int) -> int:
-    """Largest multiple of ``step`` <= ``maximum`` with fits(seq) (0 if none), by bisection
-    (assumes fitting is monotone in the sequence length)."""
-    lo, hi = 0, maximum // step + 1  # lo fits (0 trivially), hi does not (assumed)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * step):
-            lo = mid
-        else:
-            hi = mid
-    return lo * step
-
-
 def capacity_at_depth(bench: Bench, layers: int, log) -> dict:
     """Longest trainable sequence per method under a cap that full recompute just meets at
     ``capacity_seq`` tokens (static bytes measured on this depth's model)."""
@@ -693,7 +681,7 @@ def provenance() -> str:
 
 
 def write_report(out_dir: Path, sizes: Sizes, argv: list[str], sweep, layers, flat, cap,
-                 seconds: float) -> None:
+                 seconds: float, code: str) -> None:
     command = " ".join(["PYTHONPATH=. python bench/offload_memory.py",
                         *(shlex.quote(a) for a in argv)])
     lines = [
@@ -714,7 +702,7 @@ def write_report(out_dir: Path, sizes: Sizes, argv: list[str], sweep, layers, fl
         "Activation bytes = peak device bytes of the iteration − static bytes (parameters + "
         "their gradients, pre-allocated as zeros and registered with the tracker before the "
         "iteration).", "",
-        f"Code measured: {provenance()}", "",
+        f"Code measured: {code}", "",
         "## Formulas (theory, approximate)", "", FORMULAS, "",
         "## 1. Sequence sweep", "", *sweep_tables(sweep, sizes), "",
         "## 2. Layer-count check", "", *layer_tables(layers, flat, sizes), "",
@@ -829,6 +817,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     out_dir = cli.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    code = provenance()  # before the run: edits made while it runs are not what it measured
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -844,7 +833,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         log("== 3. capacity under a simulated device cap")
         cap = capacity(bench, log)
     seconds = time.perf_counter() - started
-    write_report(out_dir, sizes, argv, sweep, layers, flat, cap, seconds)
+    write_report(out_dir, sizes, argv, sweep, layers, flat, cap, seconds, code)
     plot(out_dir, sizes, sweep, layers)
     print_markdown(out_dir)
     log(f"wrote {out_dir / REPORT_MD}, {out_dir / REPORT_JSON}, {out_dir / PLOT_SEQ}, "

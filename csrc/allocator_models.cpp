@@ -41,11 +41,15 @@
 #include <utility>
 #include <vector>
 
+#include "int64_columns.h"
+
 namespace py = pybind11;
 
 namespace {
 
-using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using memo_columns::Int64Array;
+using memo_columns::require_1d;
+using namespace memo_columns;  // action codes
 
 // ------------------------------------------------------------------------------------ constants
 constexpr int64_t kMiB = int64_t{1} << 20;
@@ -90,19 +94,6 @@ constexpr int64_t kArenaAlignment = kMinBlockSize;
 // Addresses the models invent (segments the recorded run did not have) start here, far above any
 // real device address, so they never collide with addresses taken from a snapshot.
 constexpr int64_t kSyntheticBase = int64_t{1} << 56;
-
-// Action codes; 0..6 are those of trace_replay.cpp (memo_ext._C.ALLOC ... OTHER).
-enum : int64_t {
-  kAlloc = 0,
-  kFree = 1,
-  kSegmentAlloc = 2,
-  kSegmentFree = 3,
-  kSegmentMap = 4,
-  kSegmentUnmap = 5,
-  kOther = 6,
-  kEmptyCache = 7,
-  kFailedAlloc = 8,
-};
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -199,11 +190,99 @@ struct LiveEntry {
   Block* block;
 };
 
+// What the caching allocator and expandable segments share: the block store, the live blocks by
+// request id, lowest-address-first best fit within one stream, splitting a block's tail off
+// into a free block, and the allocated part of the final layout.
+class BlockAllocator {
+ protected:
+  explicit BlockAllocator(Device& dev) : dev_(dev) {}
+
+  Block* new_block(int64_t addr, int64_t size, int64_t stream, bool small, int32_t segment = -1) {
+    Block* b = store_.make();
+    b->addr = addr;
+    b->size = size;
+    b->stream = stream;
+    b->small = small;
+    b->segment = segment;
+    return b;
+  }
+
+  // The smallest free block of `stream` with at least `size` bytes (iterator into free_blocks).
+  static FreeSet::iterator smallest_fit(FreeSet& free_blocks, int64_t stream, int64_t size) {
+    Block key;
+    key.stream = stream;
+    key.size = size;
+    key.addr = std::numeric_limits<int64_t>::min();
+    auto it = free_blocks.lower_bound(&key);
+    if (it != free_blocks.end() && (*it)->stream != stream) return free_blocks.end();
+    return it;
+  }
+
+  // Cut `b` to `size` bytes; the rest becomes a free block right after it.
+  void split_tail(Block* b, int64_t size, FreeSet& free_blocks) {
+    Block* rest = new_block(b->addr + size, b->size - size, b->stream, b->small, b->segment);
+    rest->prev = b;
+    rest->next = b->next;
+    if (b->next) b->next->prev = rest;
+    b->next = rest;
+    b->size = size;
+    free_blocks.insert(rest);
+  }
+
+  void assign(Block* b, int64_t id, int64_t requested) {
+    b->allocated = true;
+    b->requested = requested;
+    live_[id] = LiveEntry{b};
+  }
+
+  // Take block `id` out of the live set, marked free; nullptr when the id is not live here.
+  Block* release(int64_t id, int64_t* requested) {
+    auto it = live_.find(id);
+    if (it == live_.end()) return nullptr;
+    Block* b = it->second.block;
+    live_.erase(it);
+    *requested = b->requested;
+    b->allocated = false;
+    b->requested = 0;
+    return b;
+  }
+
+  // Merge `b` with its neighbours that `mergeable` accepts, taking them out of `set` (the set
+  // they are filed in) and recycling them. Returns b, grown.
+  template <class Set, class Mergeable>
+  Block* absorb_neighbours(Block* b, Set& set, Mergeable mergeable) {
+    if (Block* p = b->prev; p && mergeable(p)) {
+      set.erase(p);
+      b->addr = p->addr;
+      b->size += p->size;
+      b->prev = p->prev;
+      if (b->prev) b->prev->next = b;
+      store_.recycle(p);
+    }
+    if (Block* n = b->next; n && mergeable(n)) {
+      set.erase(n);
+      b->size += n->size;
+      b->next = n->next;
+      if (b->next) b->next->prev = b;
+      store_.recycle(n);
+    }
+    return b;
+  }
+
+  void live_layout(std::vector<std::tuple<int64_t, int64_t, int64_t>>& out) const {
+    for (const auto& kv : live_) out.emplace_back(kv.second.block->addr, kv.second.block->size, 1);
+  }
+
+  Device& dev_;
+  BlockStore store_;
+  std::unordered_map<int64_t, LiveEntry> live_;
+};
+
 // ------------------------------------------------------------------------- caching allocator
-class CachingAllocator {
+class CachingAllocator : BlockAllocator {
  public:
   CachingAllocator(Device& dev, int64_t max_split_size, int64_t small_split_min = kMinBlockSize)
-      : dev_(dev),
+      : BlockAllocator(dev),
         max_split_(max_split_size > 0 ? max_split_size : 0),
         small_split_min_(small_split_min) {}
 
@@ -273,30 +352,16 @@ class CachingAllocator {
         if (!b) return false;
       }
     }
-    if (should_split(b, size)) {
-      Block* rest = new_block(b->addr + size, b->size - size, stream, small);
-      rest->prev = b;
-      rest->next = b->next;
-      if (b->next) b->next->prev = rest;
-      b->next = rest;
-      b->size = size;
-      free_blocks.insert(rest);
-    }
-    b->allocated = true;
-    b->requested = requested;
-    live_[id] = LiveEntry{b};
+    if (should_split(b, size)) split_tail(b, size, free_blocks);
+    assign(b, id, requested);
     return true;
   }
 
   // Return block `id`. Returns its requested bytes, or -1 when the id is not live here.
   int64_t free(int64_t id) {
-    auto it = live_.find(id);
-    if (it == live_.end()) return -1;
-    Block* b = it->second.block;
-    live_.erase(it);
-    const int64_t requested = b->requested;
-    b->allocated = false;
-    b->requested = 0;
+    int64_t requested = 0;
+    Block* b = release(id, &requested);
+    if (!b) return -1;
     FreeSet& free_blocks = pool(b->small);
     b = merge_free_neighbours(b, free_blocks);
     free_blocks.insert(b);
@@ -329,7 +394,7 @@ class CachingAllocator {
   // Every block (address, bytes, state 0 free / 1 allocated), by address.
   std::vector<std::tuple<int64_t, int64_t, int64_t>> layout() const {
     std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
-    for (const auto& kv : live_) out.emplace_back(kv.second.block->addr, kv.second.block->size, 1);
+    live_layout(out);
     for (const FreeSet* set : {&small_, &large_}) {
       for (const Block* b : *set) out.emplace_back(b->addr, b->size, 0);
     }
@@ -340,15 +405,6 @@ class CachingAllocator {
  private:
   FreeSet& pool(bool small) { return small ? small_ : large_; }
 
-  Block* new_block(int64_t addr, int64_t size, int64_t stream, bool small) {
-    Block* b = store_.make();
-    b->addr = addr;
-    b->size = size;
-    b->stream = stream;
-    b->small = small;
-    return b;
-  }
-
   static int64_t segment_size(int64_t size) {
     if (size <= kSmallSize) return kSmallBuffer;
     if (size < kMinLargeAlloc) return kLargeBuffer;
@@ -356,12 +412,8 @@ class CachingAllocator {
   }
 
   Block* best_fit(FreeSet& free_blocks, int64_t stream, int64_t size) {
-    Block key;
-    key.stream = stream;
-    key.size = size;
-    key.addr = std::numeric_limits<int64_t>::min();
-    auto it = free_blocks.lower_bound(&key);
-    if (it == free_blocks.end() || (*it)->stream != stream) return nullptr;
+    auto it = smallest_fit(free_blocks, stream, size);
+    if (it == free_blocks.end()) return nullptr;
     Block* b = *it;
     if (max_split_) {
       // blocks of max_split_size or more are kept for requests of that size ...
@@ -405,30 +457,12 @@ class CachingAllocator {
   }
 
   Block* merge_free_neighbours(Block* b, FreeSet& free_blocks) {
-    if (Block* p = b->prev; p && !p->allocated) {
-      free_blocks.erase(p);
-      b->addr = p->addr;
-      b->size += p->size;
-      b->prev = p->prev;
-      if (b->prev) b->prev->next = b;
-      store_.recycle(p);
-    }
-    if (Block* n = b->next; n && !n->allocated) {
-      free_blocks.erase(n);
-      b->size += n->size;
-      b->next = n->next;
-      if (b->next) b->next->prev = b;
-      store_.recycle(n);
-    }
-    return b;
+    return absorb_neighbours(b, free_blocks, [](const Block* x) { return !x->allocated; });
   }
 
-  Device& dev_;
   const int64_t max_split_;
   const int64_t small_split_min_;
-  BlockStore store_;
   FreeSet small_, large_;
-  std::unordered_map<int64_t, LiveEntry> live_;
   std::map<int64_t, int64_t> segments_;  // address -> bytes
   int64_t next_synthetic_ = kSyntheticBase;
   const int64_t* hint_addr_ = nullptr;
@@ -436,10 +470,10 @@ class CachingAllocator {
 };
 
 // ------------------------------------------------------------------ expandable segments
-class ExpandableAllocator {
+class ExpandableAllocator : BlockAllocator {
  public:
   ExpandableAllocator(Device& dev, int64_t small_page, int64_t large_page, int64_t virtual_size)
-      : dev_(dev), page_{large_page, small_page}, virtual_size_(virtual_size) {}
+      : BlockAllocator(dev), page_{large_page, small_page}, virtual_size_(virtual_size) {}
 
   bool malloc(int64_t id, int64_t requested, int64_t stream) {
     const int64_t size = round_request(requested);
@@ -457,29 +491,16 @@ class ExpandableAllocator {
         if (!b) return false;
       }
     }
-    if (b->size - size >= kMinBlockSize) {  // expandable segments always split
-      Block* rest = new_block(b->addr + size, b->size - size, stream, small, b->segment);
-      rest->prev = b;
-      rest->next = b->next;
-      if (b->next) b->next->prev = rest;
-      b->next = rest;
-      b->size = size;
-      free_blocks.insert(rest);
-    }
-    b->allocated = true;
-    b->requested = requested;
-    live_[id] = LiveEntry{b};
+    // expandable segments always split
+    if (b->size - size >= kMinBlockSize) split_tail(b, size, free_blocks);
+    assign(b, id, requested);
     return true;
   }
 
   int64_t free(int64_t id) {
-    auto it = live_.find(id);
-    if (it == live_.end()) return -1;
-    Block* b = it->second.block;
-    live_.erase(it);
-    const int64_t requested = b->requested;
-    b->allocated = false;
-    b->requested = 0;
+    int64_t requested = 0;
+    Block* b = release(id, &requested);
+    if (!b) return -1;
     insert_free(b);
     return requested;
   }
@@ -499,7 +520,7 @@ class ExpandableAllocator {
   // Every block (address, bytes, state 0 free / 1 allocated / 2 unmapped), by address.
   std::vector<std::tuple<int64_t, int64_t, int64_t>> layout() const {
     std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
-    for (const auto& kv : live_) out.emplace_back(kv.second.block->addr, kv.second.block->size, 1);
+    live_layout(out);
     for (int k = 0; k < 2; ++k) {
       for (const Block* b : free_[k]) out.emplace_back(b->addr, b->size, 0);
       for (const Block* b : unmapped_[k]) out.emplace_back(b->addr, b->size, 2);
@@ -515,16 +536,6 @@ class ExpandableAllocator {
     int64_t page;
   };
 
-  Block* new_block(int64_t addr, int64_t size, int64_t stream, bool small, int32_t segment) {
-    Block* b = store_.make();
-    b->addr = addr;
-    b->size = size;
-    b->stream = stream;
-    b->small = small;
-    b->segment = segment;
-    return b;
-  }
-
   static int64_t expandable_size(const Block* b) {
     return b->size + (b->next && !b->next->mapped ? b->next->size : 0);
   }
@@ -532,12 +543,8 @@ class ExpandableAllocator {
   // Best fit among mapped free blocks; a block that could grow into the unmapped tail after it
   // is passed over for the next candidate when that one has less room to grow.
   Block* best_fit(FreeSet& free_blocks, int64_t stream, int64_t size) {
-    Block key;
-    key.stream = stream;
-    key.size = size;
-    key.addr = std::numeric_limits<int64_t>::min();
-    auto it = free_blocks.lower_bound(&key);
-    if (it == free_blocks.end() || (*it)->stream != stream) return nullptr;
+    auto it = smallest_fit(free_blocks, stream, size);
+    if (it == free_blocks.end()) return nullptr;
     for (auto next = std::next(it); next != free_blocks.end() && (*next)->stream == stream &&
                                     expandable_size(*next) < expandable_size(*it);
          ++next) {
@@ -549,21 +556,7 @@ class ExpandableAllocator {
   // Insert a free mapped block, merged with free mapped neighbours.
   Block* insert_free(Block* b) {
     FreeSet& free_blocks = free_[b->small];
-    if (Block* p = b->prev; p && !p->allocated && p->mapped) {
-      free_blocks.erase(p);
-      b->addr = p->addr;
-      b->size += p->size;
-      b->prev = p->prev;
-      if (b->prev) b->prev->next = b;
-      store_.recycle(p);
-    }
-    if (Block* n = b->next; n && !n->allocated && n->mapped) {
-      free_blocks.erase(n);
-      b->size += n->size;
-      b->next = n->next;
-      if (b->next) b->next->prev = b;
-      store_.recycle(n);
-    }
+    absorb_neighbours(b, free_blocks, [](const Block* x) { return !x->allocated && x->mapped; });
     free_blocks.insert(b);
     return b;
   }
@@ -571,21 +564,7 @@ class ExpandableAllocator {
   // Same for an unmapped block, merged with unmapped neighbours.
   void insert_unmapped(Block* b) {
     auto& unmapped = unmapped_[b->small];
-    if (Block* p = b->prev; p && !p->mapped) {
-      unmapped.erase(p);
-      b->addr = p->addr;
-      b->size += p->size;
-      b->prev = p->prev;
-      if (b->prev) b->prev->next = b;
-      store_.recycle(p);
-    }
-    if (Block* n = b->next; n && !n->mapped) {
-      unmapped.erase(n);
-      b->size += n->size;
-      b->next = n->next;
-      if (b->next) b->next->prev = b;
-      store_.recycle(n);
-    }
+    absorb_neighbours(b, unmapped, [](const Block* x) { return !x->mapped; });
     unmapped.insert(b);
   }
 
@@ -695,19 +674,30 @@ class ExpandableAllocator {
     }
   }
 
-  Device& dev_;
   const int64_t page_[2];  // [large, small]
   const int64_t virtual_size_;
-  BlockStore store_;
   FreeSet free_[2];                             // [large, small]: mapped free blocks
   std::set<Block*, ByAddress> unmapped_[2];     // unmapped parts of the virtual ranges
-  std::unordered_map<int64_t, LiveEntry> live_;
   std::vector<Range> segments_;
   int64_t next_base_ = kSyntheticBase;
   int64_t released_ranges_ = 0;
 };
 
 // ------------------------------------------------------------------------- GMLake stitching
+// Index of a fresh (value-initialised) item: a recycled index from `spare`, else a new one at
+// the end of `items`.
+template <class T>
+int32_t fresh_slot(std::vector<T>& items, std::vector<int32_t>& spare) {
+  if (!spare.empty()) {
+    const int32_t i = spare.back();
+    spare.pop_back();
+    items[i] = T{};
+    return i;
+  }
+  items.emplace_back();
+  return static_cast<int32_t>(items.size() - 1);
+}
+
 class StitchingAllocator {
  public:
   StitchingAllocator(Device& dev, int64_t frag_limit, int64_t max_sblocks)
@@ -843,15 +833,7 @@ class StitchingAllocator {
   // A new primitive block: one physical allocation of `size` bytes; -1 beyond the capacity.
   int32_t new_p(int64_t size, int64_t stream) {
     if (!dev_.fits(size)) return -1;
-    int32_t p;
-    if (!spare_p_.empty()) {
-      p = spare_p_.back();
-      spare_p_.pop_back();
-      pblocks_[p] = PBlock{};
-    } else {
-      p = static_cast<int32_t>(pblocks_.size());
-      pblocks_.emplace_back();
-    }
+    const int32_t p = fresh_slot(pblocks_, spare_p_);
     PBlock& pb = pblocks_[p];
     pb.addr = next_addr_;
     next_addr_ += size;
@@ -867,16 +849,7 @@ class StitchingAllocator {
   // sBlock that maps p now maps both pieces.
   int32_t split_p(int32_t p, int64_t size) {
     ++splits_;
-    const int32_t q = [&] {
-      if (!spare_p_.empty()) {
-        int32_t i = spare_p_.back();
-        spare_p_.pop_back();
-        pblocks_[i] = PBlock{};
-        return i;
-      }
-      pblocks_.emplace_back();
-      return static_cast<int32_t>(pblocks_.size() - 1);
-    }();
+    const int32_t q = fresh_slot(pblocks_, spare_p_);
     PBlock& pb = pblocks_[p];
     PBlock& qb = pblocks_[q];
     pfree_.erase(PKey{pb.stream, pb.size, p});
@@ -896,15 +869,7 @@ class StitchingAllocator {
 
   // A virtual range mapped onto `parts` (all free). Returns its index.
   int32_t stitch(const std::vector<int32_t>& parts, int64_t stream) {
-    int32_t s;
-    if (!spare_s_.empty()) {
-      s = spare_s_.back();
-      spare_s_.pop_back();
-      sblocks_[s] = SBlock{};
-    } else {
-      s = static_cast<int32_t>(sblocks_.size());
-      sblocks_.emplace_back();
-    }
+    const int32_t s = fresh_slot(sblocks_, spare_s_);
     SBlock& sb = sblocks_[s];
     sb.stream = stream;
     sb.parts = parts;
@@ -1093,16 +1058,6 @@ class ArenaAllocator {
 };
 
 // ------------------------------------------------------------------------------ replay loop
-void require_1d(const Int64Array& a, const char* name, py::ssize_t n) {
-  if (a.ndim() != 1) {
-    throw py::value_error(std::string(name) + " must be a 1-D array, got " +
-                          std::to_string(a.ndim()) + " dimensions");
-  }
-  if (n >= 0 && a.shape(0) != n) {
-    throw py::value_error(std::string(name) + " has " + std::to_string(a.shape(0)) +
-                          " entries, expected " + std::to_string(n) + " (one per event)");
-  }
-}
 
 int64_t cfg_int(const py::dict& cfg, const char* key, int64_t fallback) {
   if (!cfg.contains(key) || cfg[key].is_none()) return fallback;

@@ -21,31 +21,15 @@
 #include <string>
 #include <unordered_map>
 
+#include "int64_columns.h"
+
 namespace py = pybind11;
 
 namespace {
 
-// Action codes shared with memo_ext/alloc/snapshot.py, which maps PyTorch's action strings onto
-// them. FREE is PyTorch's "free_completed" (the block really returns to the cache); OTHER covers
-// everything that moves no bytes ("free_requested", "oom", "snapshot", ...).
-enum Action : int64_t {
-  kAlloc = 0,
-  kFree = 1,
-  kSegmentAlloc = 2,
-  kSegmentFree = 3,
-  kSegmentMap = 4,
-  kSegmentUnmap = 5,
-  kOther = 6,
-};
-
-using Int64Array = py::array_t<int64_t, py::array::c_style>;
-
-void require_1d(const Int64Array& a, const char* name) {
-  if (a.ndim() != 1) {
-    throw py::value_error(std::string(name) + " must be a 1-D array, got " +
-                          std::to_string(a.ndim()) + " dimensions");
-  }
-}
+using memo_columns::Int64Array;
+using memo_columns::require_1d;
+using namespace memo_columns;  // action codes
 
 struct Counts {
   int64_t allocs = 0;

@@ -14,6 +14,8 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+SNAPSHOTS = SHARED_DATA / "snapshots"
+MEMORY_REPORT = REPO_ROOT / "tools" / "memory_report.py"
 
 # A model small enough for 2-4 CPU processes to run 20 iterations in ~10-25 s.
 TINY_GPT_ARGS = [
@@ -74,3 +76,17 @@ def read_losses(metrics_path: Path) -> dict[int, float]:
 
 def read_records(metrics_path: Path) -> list[dict]:
     return [json.loads(line) for line in metrics_path.read_text().splitlines()]
+
+
+def snapshot_path(name: str) -> Path:
+    """A real snapshot of shared/data/snapshots; skips the test where that folder is absent."""
+    path = SNAPSHOTS / name
+    if not path.is_file():
+        pytest.skip(f"real snapshot {path} is absent (no shared/data/snapshots beside the repo)")
+    return path
+
+
+def run_memory_report(*args) -> subprocess.CompletedProcess:
+    """tools/memory_report.py with ``args`` in a subprocess (text output captured)."""
+    return subprocess.run([sys.executable, str(MEMORY_REPORT), *map(str, args)],
+                          capture_output=True, text=True, timeout=300)

@@ -23,6 +23,7 @@ trace) and OUT_<policy>.png per policy. Exit code 2 with a one-line error for a 
 rejected or malformed input, an unknown device or a bad option.
 """
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -150,78 +151,64 @@ def _reduce(y: np.ndarray, points: int = PLOT_POINTS) -> tuple[np.ndarray, np.nd
     return bins[:-1], np.maximum.reduceat(y, bins[:-1])
 
 
-def plot(summaries: list[DeviceSummary], out: Path, title: str) -> None:
-    """Write a PNG of allocated and reserved GiB vs event index, one panel per device."""
+@contextlib.contextmanager
+def _panels(rows: int, out: Path):
+    """One figure of ``rows`` stacked panels (yields their axes), saved to ``out`` at the end."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(summaries), 1, figsize=(10, 3 * len(summaries)), squeeze=False)
-    for ax, s in zip(axes[:, 0], summaries):
-        ax.plot(s.reserved_timeline / GIB, label="reserved", color="tab:orange")
-        ax.plot(s.allocated_timeline / GIB, label="allocated", color="tab:blue")
-        for k, oom in enumerate(s.ooms):
-            label = "OOM" if k == 0 else None
-            ax.axvline(oom.event_index, color="tab:red", linestyle="--", label=label)
-        ax.set_title(f"{title}: device {s.device}")
+    fig, axes = plt.subplots(rows, 1, figsize=(10, 3 * rows), squeeze=False)
+    yield axes[:, 0]
+    for ax in axes[:, 0]:
         ax.set_xlabel("event index")
         ax.set_ylabel("GiB")
         ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def plot(summaries: list[DeviceSummary], out: Path, title: str) -> None:
+    """Write a PNG of allocated and reserved GiB vs event index, one panel per device."""
+    with _panels(len(summaries), out) as axes:
+        for ax, s in zip(axes, summaries):
+            ax.plot(s.reserved_timeline / GIB, label="reserved", color="tab:orange")
+            ax.plot(s.allocated_timeline / GIB, label="allocated", color="tab:blue")
+            for k, oom in enumerate(s.ooms):
+                label = "OOM" if k == 0 else None
+                ax.axvline(oom.event_index, color="tab:red", linestyle="--", label=label)
+            ax.set_title(f"{title}: device {s.device}")
 
 
 def plot_policy(results: list[ReplayResult], out: Path, title: str) -> None:
     """Write a PNG of one policy's modelled allocated and reserved GiB, one panel per device."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(results), 1, figsize=(10, 3 * len(results)), squeeze=False)
-    for ax, r in zip(axes[:, 0], results):
-        x, y = _reduce(r.reserved_timeline)
-        ax.plot(x, y / GIB, label="reserved (model)", color="tab:orange")
-        x, y = _reduce(r.allocated_timeline)
-        ax.plot(x, y / GIB, label="allocated", color="tab:blue")
-        if r.capacity_bytes is not None:
-            ax.axhline(r.capacity_bytes / GIB, color="gray", linestyle=":", label="capacity")
-        if r.oom is not None:
-            ax.axvline(r.oom.event_index, color="tab:red", linestyle="--", label="first OOM")
-        ax.set_title(f"{title}: {r.policy}, device {r.device}, fragmentation "
-                     f"{r.fragmentation:.1%}")
-        ax.set_xlabel("event index")
-        ax.set_ylabel("GiB")
-        ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    with _panels(len(results), out) as axes:
+        for ax, r in zip(axes, results):
+            x, y = _reduce(r.reserved_timeline)
+            ax.plot(x, y / GIB, label="reserved (model)", color="tab:orange")
+            x, y = _reduce(r.allocated_timeline)
+            ax.plot(x, y / GIB, label="allocated", color="tab:blue")
+            if r.capacity_bytes is not None:
+                ax.axhline(r.capacity_bytes / GIB, color="gray", linestyle=":", label="capacity")
+            if r.oom is not None:
+                ax.axvline(r.oom.event_index, color="tab:red", linestyle="--", label="first OOM")
+            ax.set_title(f"{title}: {r.policy}, device {r.device}, fragmentation "
+                         f"{r.fragmentation:.1%}")
 
 
 def plot_overview(by_policy: dict, out: Path, title: str) -> None:
     """Write a PNG of every policy's reserved GiB (and the allocated GiB), one panel per device."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     devices = [r.device for r in next(iter(by_policy.values()))]
-    fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3 * len(devices)), squeeze=False)
-    for row, ax in enumerate(axes[:, 0]):
-        for policy, results in by_policy.items():
-            x, y = _reduce(results[row].reserved_timeline)
-            ax.plot(x, y / GIB, label=f"reserved: {policy}")
-        x, y = _reduce(next(iter(by_policy.values()))[row].allocated_timeline)
-        ax.plot(x, y / GIB, label="allocated", color="black", linewidth=0.8)
-        ax.set_title(f"{title}: device {devices[row]}")
-        ax.set_xlabel("event index")
-        ax.set_ylabel("GiB")
-        ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    with _panels(len(devices), out) as axes:
+        for row, ax in enumerate(axes):
+            for policy, results in by_policy.items():
+                x, y = _reduce(results[row].reserved_timeline)
+                ax.plot(x, y / GIB, label=f"reserved: {policy}")
+            x, y = _reduce(next(iter(by_policy.values()))[row].allocated_timeline)
+            ax.plot(x, y / GIB, label="allocated", color="black", linewidth=0.8)
+            ax.set_title(f"{title}: device {devices[row]}")
 
 
 def write_plots(out: Path, title: str, summaries, by_policy: dict) -> list[Path]:

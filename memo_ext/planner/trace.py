@@ -62,7 +62,7 @@ import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 from torch.overrides import TorchFunctionMode
 
-from memo_ext.telemetry.tracker import DEVICE, HOST, DeviceMemoryTracker
+from memo_ext.telemetry.tracker import DEVICE, HOST, DeviceMemoryTracker, storage_of
 
 # ---------------------------------------------------------------------------------- vocabulary
 
@@ -413,15 +413,6 @@ def _current_override() -> tuple[Optional[str], Optional[str]]:
     return category, name
 
 
-def _storage_of(tensor: Any) -> Optional[torch.UntypedStorage]:
-    if not isinstance(tensor, torch.Tensor):
-        return None
-    try:
-        return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
 def _tensors_in(obj) -> Iterator[torch.Tensor]:
     """The tensors in nested tuples/lists/dicts (an op's arguments or outputs), in order."""
     if isinstance(obj, torch.Tensor):
@@ -589,7 +580,7 @@ class AllocationRecorder(DeviceMemoryTracker):
         kwargs = kwargs or {}
         input_keys = set()
         for tensor in _tensors_in((args, kwargs)):
-            st = _storage_of(tensor)
+            st = storage_of(tensor)
             if st is not None:
                 input_keys.add(st._cdata)
         name = str(func)
@@ -599,7 +590,7 @@ class AllocationRecorder(DeviceMemoryTracker):
         seen = set()
         try:
             for tensor in _tensors_in(out):
-                st = _storage_of(tensor)
+                st = storage_of(tensor)
                 if st is None or st._cdata in seen:
                     continue
                 seen.add(st._cdata)
@@ -688,7 +679,7 @@ class AllocationRecorder(DeviceMemoryTracker):
                                 self.phase, WORKSPACE, None, pool, name, None])
 
     def _event_of(self, tensor: torch.Tensor) -> Optional[list]:
-        st = _storage_of(tensor)
+        st = storage_of(tensor)
         if st is None:
             return None
         with self._lock:

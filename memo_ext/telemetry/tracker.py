@@ -59,7 +59,7 @@ class _Entry:
     finalizer: weakref.finalize
 
 
-def _storage(tensor: Any) -> torch.UntypedStorage | None:
+def storage_of(tensor: Any) -> torch.UntypedStorage | None:
     """The untyped storage of a dense tensor, or None (sparse/nested/non-tensors have none)."""
     if not isinstance(tensor, torch.Tensor):
         return None
@@ -106,7 +106,7 @@ class DeviceMemoryTracker(TorchDispatchMode):
         inputs, _ = tree_flatten((args, kwargs))
         input_keys = set()
         for t in inputs:
-            st = _storage(t)
+            st = storage_of(t)
             if st is not None:
                 input_keys.add(st._cdata)
         out = func(*args, **kwargs)
@@ -114,7 +114,7 @@ class DeviceMemoryTracker(TorchDispatchMode):
         category = HOST if getattr(self._host_depth, "n", 0) > 0 else DEVICE
         seen: set[int] = set()
         for t in outputs:
-            st = _storage(t)
+            st = storage_of(t)
             if st is None or st._cdata in seen:
                 continue
             seen.add(st._cdata)
@@ -131,7 +131,7 @@ class DeviceMemoryTracker(TorchDispatchMode):
         Already-tracked storages are skipped; raises SimulatedOutOfMemoryError past capacity.
         """
         for t in tensors:
-            st = _storage(t)
+            st = storage_of(t)
             if st is not None:
                 self._track(st, DEVICE, count_allocation=False)
 
@@ -141,7 +141,7 @@ class DeviceMemoryTracker(TorchDispatchMode):
         A storage already tracked as device moves to host; an untracked one starts being tracked
         as host (not counted in ``num_allocations``).
         """
-        st = _storage(tensor)
+        st = storage_of(tensor)
         if st is None:
             raise TypeError(f"mark_host needs a dense tensor, got {type(tensor).__name__}")
         with self._lock:
@@ -168,7 +168,7 @@ class DeviceMemoryTracker(TorchDispatchMode):
 
     def is_host(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s storage is tracked as host memory."""
-        st = _storage(tensor)
+        st = storage_of(tensor)
         with self._lock:
             entry = None if st is None else self._live_entry(st)
             return entry is not None and entry.category == HOST

@@ -6,12 +6,10 @@ that need them skip where that folder is absent. The hand-made snapshots at the 
 everywhere. Expected counts were read off the files (docs/allocator_models.md, "Match table").
 """
 import functools
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_memory_report, snapshot_path
 from memo_ext.alloc import (
     compare_recorded,
     infer_capacity,
@@ -20,9 +18,6 @@ from memo_ext.alloc import (
     summarize_snapshot,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-SNAPSHOTS = REPO.parent / "shared" / "data" / "snapshots"
-MEMORY_REPORT = REPO / "tools" / "memory_report.py"
 KiB, MiB = 1 << 10, 1 << 20
 
 # file -> {device: recorded segment decisions N}; single-stream files must match all of them
@@ -38,13 +33,6 @@ AT_LEAST_95 = {"hf_qwen3_train_expandable_oom.pickle", "llama_infer_multistream.
 CACHING = sorted(set(RECORDED) - {"hf_qwen3_train_expandable_oom.pickle"})
 
 
-def snapshot_path(name: str) -> Path:
-    path = SNAPSHOTS / name
-    if not path.is_file():
-        pytest.skip(f"real snapshot {path} is absent (no shared/data/snapshots beside the repo)")
-    return path
-
-
 @functools.lru_cache(maxsize=None)
 def loaded(name: str) -> dict:
     return load_snapshot(snapshot_path(name))
@@ -55,9 +43,6 @@ def compared(name: str) -> dict:
     return {c.device: c for c in compare_recorded(loaded(name))}
 
 
-def run_report(*args):
-    return subprocess.run([sys.executable, str(MEMORY_REPORT), *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
 
 
 # ---------------------------------------------------------------------- hand-made snapshots
@@ -263,7 +248,7 @@ def test_the_comparison_is_sensitive_to_the_model():
     ("llama_infer_multistream.pickle", "recorded segment decisions matched: 1163/1163"),
 ])
 def test_report_prints_exactly_one_match_line(name, line):
-    proc = run_report(snapshot_path(name), "--compare-recorded", "--policies", "caching")
+    proc = run_memory_report(snapshot_path(name), "--compare-recorded", "--policies", "caching")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert [x for x in lines if x.startswith("recorded segment decisions matched")] == [line]

@@ -8,18 +8,13 @@ import builtins
 import functools
 import os
 import pickle
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.conftest import run_memory_report, snapshot_path
 from memo_ext.alloc import OomEvent, SnapshotError, load_snapshot, summarize_snapshot
 
-REPO = Path(__file__).resolve().parents[2]
-SNAPSHOTS = REPO.parent / "shared" / "data" / "snapshots"
-MEMORY_REPORT = REPO / "tools" / "memory_report.py"
 MiB = 1 << 20
 
 # file -> {device: trace events}
@@ -30,13 +25,6 @@ EVENTS = {
     "transformer_medium_ctx512_train_warm.pickle": {0: 22332},
     "transformer_small_from_empty.pickle": {0: 97},
 }
-
-
-def snapshot_path(name: str) -> Path:
-    path = SNAPSHOTS / name
-    if not path.is_file():
-        pytest.skip(f"real snapshot {path} is absent (no shared/data/snapshots beside the repo)")
-    return path
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,16 +246,11 @@ def test_not_a_snapshot(tmp_path):
 # ---------------------------------------------------------------- tools/memory_report.py
 
 
-def run_report(*args):
-    return subprocess.run(
-        [sys.executable, str(MEMORY_REPORT), *map(str, args)],
-        capture_output=True, text=True, timeout=120,
-    )
 
 
 def test_report_prints_table_and_plot(tmp_path):
     png = tmp_path / "timeline.png"
-    proc = run_report(snapshot_path("hf_qwen3_train_expandable_oom.pickle"), "--plot", png)
+    proc = run_memory_report(snapshot_path("hf_qwen3_train_expandable_oom.pickle"), "--plot", png)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("| device | events |")
@@ -279,13 +262,13 @@ def test_report_prints_table_and_plot(tmp_path):
 
 
 def test_report_single_device():
-    proc = run_report(snapshot_path("transformer_small_from_empty.pickle"), "--device", 0)
+    proc = run_memory_report(snapshot_path("transformer_small_from_empty.pickle"), "--device", 0)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[2].startswith("| 0 | 97 | 0.00 |")
 
 
 def test_report_missing_file_exits_2(tmp_path):
-    proc = run_report(tmp_path / "missing.pickle")
+    proc = run_memory_report(tmp_path / "missing.pickle")
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "cannot read" in proc.stderr
@@ -295,7 +278,7 @@ def test_report_rejected_pickle_exits_2(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pickle"
     path.write_bytes(pickle.dumps(_Call(os.system, f"touch {marker}")))
-    proc = run_report(path)
+    proc = run_memory_report(path)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "refused pickled global" in proc.stderr
     assert not marker.exists()
@@ -313,7 +296,7 @@ def test_truncated_files_give_one_line_errors(tmp_path, cut):
     with pytest.raises(SnapshotError, match="cut.pickle: not a readable pickle") as info:
         load_snapshot(path)
     assert "\n" not in str(info.value)
-    proc = run_report(path)
+    proc = run_memory_report(path)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "not a readable pickle" in proc.stderr
 
@@ -344,6 +327,6 @@ def test_every_global_opcode_is_refused(tmp_path, monkeypatch, payload):
 def test_garbage_bytes_report_exits_2_with_one_line(tmp_path):
     path = tmp_path / "noise.bin"
     path.write_bytes(bytes(range(256)) * 4)
-    proc = run_report(path)
+    proc = run_memory_report(path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "noise.bin" in proc.stderr
