@@ -1,6 +1,6 @@
 """MEMO memory benchmark: peak device activation bytes of one training iteration, per method.
 
-    python bench/offload_memory.py                          # full run, 7-9 min on 2 cores
+    python bench/offload_memory.py                          # full run, ~10 min on 2 cores
     python bench/offload_memory.py --quick -o /tmp/om       # smoke test: tiny model, < 60 s
 
 Everything runs in one process (a gloo world of one, initialised once) on CPU. The "device" is
