@@ -1,6 +1,6 @@
 """Fragmentation of Megatron full recompute under PyTorch's caching allocator, from traces.
 
-    python bench/fragmentation.py                 # 7B, TP=4 CP=2, 80 GiB: ~10 min on 2 cores
+    python bench/fragmentation.py                 # 7B, TP=4 CP=2, 80 GiB: ~3 min on 2 cores
     python bench/fragmentation.py --quick -o DIR  # tiny model, MiB-sized device: < 2 min
 
 For each sequence length, ``tools/trace.py`` records rank 0's allocation trace of one training

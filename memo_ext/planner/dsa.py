@@ -1,0 +1,277 @@
+"""Offline dynamic storage allocation (DSA): give every request of a known sequence a byte offset
+so that requests alive at the same time never overlap, with the smallest arena.
+
+MEMO's formulation (memo.md "Bi-level memory planning"), n requests of S_i bytes, E the pairs
+whose lifetimes overlap, A_i offsets, z_ij binary, M the arena::
+
+    min M   s.t.  A_i + S_i <= M
+                  A_i + S_i <= A_j + z_ij * M_cap           (i, j) in E
+                  A_j + S_j <= A_i + (1 - z_ij) * M_cap     (i, j) in E
+
+Solved with pulp, HiGHS by default (CBC as fallback), warm-started from a greedy placement so a
+feasible plan exists whenever the time limit hits. What keeps it small:
+
+* **Time is counted in frees.** Two requests overlap iff one is allocated before the other is
+  freed; only the order of allocations relative to frees matters. A request's lifetime is
+  therefore [frees before its allocation, frees up to and including its own), and requests
+  with equal lifetimes are merged into one block placed contiguously (they are alive together
+  and apart from each other nothing distinguishes them).
+* **Only overlapping pairs get z variables**; pairs that never overlap have no row.
+* **M_cap is the greedy plan's peak** (no optimal plan exceeds it), the tightest valid big-M.
+* **M >= the lower bound** max_t(live bytes at t), which no plan beats; when the greedy plan
+  already meets it, it is optimal and no MIP is solved.
+
+pulp's HiGHS interface (highspy) ignores initial values, so :class:`_WarmStartedHiGHS` hands
+them to highspy's ``setSolution`` before the solve. The greedy (best fit by size, then by
+lifetime) and the sweep for the bound are hand-written: a few lines over sorted intervals, for
+which no library is worth the dependency.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+#: Offsets and sizes are multiples of this many bytes (the CUDA caching allocator's rounding).
+ALIGNMENT = 512
+
+#: Default time limit for one MIP, seconds.
+DEFAULT_TIME_LIMIT_S = 10.0
+
+
+def align(nbytes: int) -> int:
+    """``nbytes`` rounded up to ALIGNMENT (at least ALIGNMENT)."""
+    return max(ALIGNMENT, -(-int(nbytes) // ALIGNMENT) * ALIGNMENT)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One tensor to place: ``size`` bytes alive over [start, end) (times in any unit where
+    a request allocated at t overlaps every request alive at t)."""
+
+    size: int
+    start: int
+    end: int
+
+
+@dataclass
+class Placement:
+    """Offsets (bytes, one per request, in request order) and how good they are."""
+
+    offsets: list[int]
+    peak: int                 # arena bytes: max(offset + size)
+    lower_bound: int          # max over time of live bytes: no placement peaks lower
+    method: str               # "greedy (optimal)", "mip", "greedy (mip found nothing better)"
+    status: str               # the solver's status, or "skipped"
+    seconds: float
+    num_blocks: int = 0       # blocks after merging equal lifetimes
+    num_pairs: int = 0        # overlapping pairs (z variables)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gap(self) -> float:
+        """(peak - lower bound) / lower bound; 0 for an empty problem."""
+        return (self.peak - self.lower_bound) / self.lower_bound if self.lower_bound else 0.0
+
+
+def requests_from_events(events: Sequence[tuple[str, int, int]]) -> tuple[list[Request], list[int]]:
+    """Requests from an ordered (action, block id, bytes) sequence, action "alloc" or "free",
+    with times counted in frees (module docstring). A block never freed lives to the end.
+    Returns the requests (sizes aligned) and, per request, the index of its alloc event."""
+    frees = 0
+    open_requests: dict[int, tuple[int, int, int]] = {}  # id -> (request index, start, size)
+    requests: list[Optional[Request]] = []
+    alloc_rows: list[int] = []
+    for row, (action, block, nbytes) in enumerate(events):
+        if action == "alloc":
+            if block in open_requests:
+                raise ValueError(f"event {row}: block {block} allocated twice without a free")
+            open_requests[block] = (len(requests), frees, align(nbytes))
+            requests.append(None)
+            alloc_rows.append(row)
+        elif action == "free":
+            if block not in open_requests:
+                raise ValueError(f"event {row}: free of block {block}, which is not live")
+            frees += 1
+            index, start, size = open_requests.pop(block)
+            requests[index] = Request(size, start, frees)
+        else:
+            raise ValueError(f"event {row}: unknown action {action!r}")
+    for index, start, size in open_requests.values():
+        requests[index] = Request(size, start, frees + 1)
+    return [r for r in requests if r is not None], alloc_rows
+
+
+def lower_bound(requests: Sequence[Request]) -> int:
+    """max over time of the bytes alive (a sweep over start/end points; ends before starts at
+    the same time, since [start, end) intervals that touch do not overlap)."""
+    points = sorted([(r.start, 1, r.size) for r in requests] + [(r.end, 0, -r.size) for r in requests])
+    live = best = 0
+    for _, _, delta in points:
+        live += delta
+        best = max(best, live)
+    return best
+
+
+def _overlap(a: Request, b: Request) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+def _merge_equal_lifetimes(requests: Sequence[Request]) -> tuple[list[Request], list[list[int]]]:
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, request in enumerate(requests):
+        groups.setdefault((request.start, request.end), []).append(index)
+    blocks, members = [], []
+    for (start, end), indices in groups.items():
+        blocks.append(Request(sum(requests[i].size for i in indices), start, end))
+        members.append(indices)
+    return blocks, members
+
+
+def greedy_offsets(blocks: Sequence[Request]) -> list[int]:
+    """Best fit: the largest (then longest-lived) block first, each at the lowest offset where
+    it overlaps no placed block alive at the same time."""
+    order = sorted(range(len(blocks)),
+                   key=lambda i: (-blocks[i].size, -(blocks[i].end - blocks[i].start),
+                                  blocks[i].start))
+    offsets = [0] * len(blocks)
+    placed: list[int] = []
+    for i in order:
+        block = blocks[i]
+        busy = sorted((offsets[j], offsets[j] + blocks[j].size) for j in placed
+                      if _overlap(block, blocks[j]))
+        offset = 0
+        for low, high in busy:
+            if offset + block.size <= low:
+                break
+            offset = max(offset, high)
+        offsets[i] = offset
+        placed.append(i)
+    return offsets
+
+
+def _pairs(blocks: Sequence[Request]) -> list[tuple[int, int]]:
+    """Overlapping pairs (i < j), by a sweep over start times."""
+    order = sorted(range(len(blocks)), key=lambda i: blocks[i].start)
+    pairs, active = [], []
+    for i in order:
+        active = [j for j in active if blocks[j].end > blocks[i].start]
+        pairs.extend((min(i, j), max(i, j)) for j in active)
+        active.append(i)
+    return pairs
+
+
+def _peak(blocks: Sequence[Request], offsets: Sequence[int]) -> int:
+    return max((o + b.size for o, b in zip(offsets, blocks)), default=0)
+
+
+def _solve_mip(blocks: Sequence[Request], pairs: list[tuple[int, int]], warm: list[int],
+               bound: int, time_limit_s: float) -> tuple[Optional[list[int]], str]:
+    import pulp
+
+    cap = _peak(blocks, warm)
+    problem = pulp.LpProblem("dsa", pulp.LpMinimize)
+    # Offsets in units of ALIGNMENT keep the coefficients small for the solver's tolerances.
+    unit = ALIGNMENT
+    arena = pulp.LpVariable("arena", lowBound=bound // unit, upBound=cap // unit)
+    offsets = [pulp.LpVariable(f"a{i}", lowBound=0, upBound=(cap - b.size) // unit)
+               for i, b in enumerate(blocks)]
+    problem += arena
+    for offset, block in zip(offsets, blocks):
+        problem += offset + block.size // unit <= arena
+    m_cap = cap // unit
+    order = []
+    for i, j in pairs:
+        below = pulp.LpVariable(f"z{i}_{j}", cat=pulp.LpBinary)  # 0: i below j, 1: j below i
+        problem += offsets[i] + blocks[i].size // unit <= offsets[j] + below * m_cap
+        problem += offsets[j] + blocks[j].size // unit <= offsets[i] + (1 - below) * m_cap
+        order.append((below, i, j))
+    arena.setInitialValue(cap // unit)
+    for variable, value in zip(offsets, warm):
+        variable.setInitialValue(value // unit)
+    for below, i, j in order:
+        below.setInitialValue(0 if warm[i] + blocks[i].size <= warm[j] else 1)
+    solver = _warm_started_highs(time_limit_s)
+    if not solver.available():
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=True)
+    status = problem.solve(solver)
+    values = [v.value() for v in offsets]
+    if any(v is None for v in values):
+        return None, pulp.LpStatus[status]
+    return [int(round(v)) * unit for v in values], pulp.LpStatus[status]
+
+
+def _warm_started_highs(time_limit_s: float):
+    """pulp's highspy interface, plus the variables' initial values as a start solution."""
+    import pulp
+
+    class WarmStartedHiGHS(pulp.HiGHS):
+        def callSolver(self, lp):
+            import highspy
+
+            solution = highspy.HighsSolution()
+            solution.col_value = [0.0 if v.varValue is None else float(v.varValue)
+                                  for v in lp.variables()]
+            solution.value_valid = True
+            lp.solverModel.setSolution(solution)
+            super().callSolver(lp)
+
+    return WarmStartedHiGHS(msg=False, timeLimit=time_limit_s)
+
+
+def place(requests: Sequence[Request], time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+          use_mip: bool = True) -> Placement:
+    """Offsets for ``requests`` (sizes multiples of ALIGNMENT): greedy, then the MIP unless the
+    greedy plan already meets the lower bound; the better of the two is returned."""
+    started = time.perf_counter()
+    for r in requests:
+        if r.size % ALIGNMENT or r.size <= 0 or r.end <= r.start:
+            raise ValueError(f"request {r}: size must be a positive multiple of {ALIGNMENT} "
+                             "bytes and end > start")
+    bound = lower_bound(requests)
+    blocks, members = _merge_equal_lifetimes(requests)
+    block_offsets = greedy_offsets(blocks)
+    method, status, pairs = "greedy (optimal)", "skipped", []
+    if _peak(blocks, block_offsets) > bound and use_mip:
+        pairs = _pairs(blocks)
+        solved, status = _solve_mip(blocks, pairs, block_offsets, bound, time_limit_s)
+        if solved is not None and _peak(blocks, solved) < _peak(blocks, block_offsets):
+            block_offsets, method = solved, "mip"
+        else:
+            method = "greedy (mip found nothing better)"
+    elif _peak(blocks, block_offsets) > bound:
+        method, status = "greedy", "mip off"
+    offsets = [0] * len(requests)
+    for block_offset, indices in zip(block_offsets, members):
+        cursor = block_offset
+        for index in indices:
+            offsets[index] = cursor
+            cursor += requests[index].size
+    placement = Placement(offsets=offsets, peak=_peak(requests, offsets), lower_bound=bound,
+                          method=method, status=status, seconds=time.perf_counter() - started,
+                          num_blocks=len(blocks), num_pairs=len(pairs))
+    check_placement(requests, placement.offsets, placement.peak)
+    return placement
+
+
+def check_placement(requests: Sequence[Request], offsets: Sequence[int], arena_bytes: int) -> None:
+    """Raise ValueError unless every request lies inside [0, arena_bytes) and no two requests
+    alive at the same time overlap in bytes."""
+    if len(offsets) != len(requests):
+        raise ValueError(f"{len(offsets)} offsets for {len(requests)} requests")
+    for index, (request, offset) in enumerate(zip(requests, offsets)):
+        if offset < 0 or offset + request.size > arena_bytes:
+            raise ValueError(f"request {index} at [{offset}, {offset + request.size}) lies outside "
+                             f"the arena of {arena_bytes} bytes")
+    order = sorted(range(len(requests)), key=lambda i: requests[i].start)
+    active: list[int] = []
+    for i in order:
+        active = [j for j in active if requests[j].end > requests[i].start]
+        low, high = offsets[i], offsets[i] + requests[i].size
+        for j in active:
+            if low < offsets[j] + requests[j].size and offsets[j] < high:
+                raise ValueError(f"requests {j} and {i} are alive together and overlap at "
+                                 f"[{max(low, offsets[j])}, "
+                                 f"{min(high, offsets[j] + requests[j].size)})")
+        active.append(i)
