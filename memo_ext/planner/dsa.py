@@ -39,6 +39,11 @@ ALIGNMENT = 512
 #: Default time limit for one MIP, seconds.
 DEFAULT_TIME_LIMIT_S = 10.0
 
+#: Above this many blocks (after merging) the MIP is not built: its overlap rows grow
+#: quadratically and HiGHS would spend the time limit on the root node; the greedy plan stands
+#: (with its gap to the lower bound reported).
+MIP_MAX_BLOCKS = 400
+
 
 def align(nbytes: int) -> int:
     """``nbytes`` rounded up to ALIGNMENT (at least ALIGNMENT)."""
@@ -62,7 +67,7 @@ class Placement:
     offsets: list[int]
     peak: int                 # arena bytes: max(offset + size)
     lower_bound: int          # max over time of live bytes: no placement peaks lower
-    method: str               # "greedy (optimal)", "mip", "greedy (mip found nothing better)"
+    method: str               # "greedy (optimal)": meets the bound; "mip"; "greedy (...)"
     status: str               # the solver's status, or "skipped"
     seconds: float
     num_blocks: int = 0       # blocks after merging equal lifetimes
@@ -233,13 +238,17 @@ def place(requests: Sequence[Request], time_limit_s: float = DEFAULT_TIME_LIMIT_
     blocks, members = _merge_equal_lifetimes(requests)
     block_offsets = greedy_offsets(blocks)
     method, status, pairs = "greedy (optimal)", "skipped", []
-    if _peak(blocks, block_offsets) > bound and use_mip:
+    if _peak(blocks, block_offsets) > bound and use_mip and len(blocks) > MIP_MAX_BLOCKS:
+        method, status = "greedy", f"mip skipped ({len(blocks)} blocks > {MIP_MAX_BLOCKS})"
+    elif _peak(blocks, block_offsets) > bound and use_mip:
         pairs = _pairs(blocks)
         solved, status = _solve_mip(blocks, pairs, block_offsets, bound, time_limit_s)
         if solved is not None and _peak(blocks, solved) < _peak(blocks, block_offsets):
             block_offsets, method = solved, "mip"
+        elif status == "Optimal":
+            method = "greedy (proven optimal by the mip)"
         else:
-            method = "greedy (mip found nothing better)"
+            method = "greedy (mip found nothing better in the time limit)"
     elif _peak(blocks, block_offsets) > bound:
         method, status = "greedy", "mip off"
     offsets = [0] * len(requests)

@@ -1,0 +1,222 @@
+"""The bi-level memory planner: DSA placements (greedy, MIP, lower bound, validation), plans of
+traced iterations, plan files and tools/memo_plan.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import subprocess
+import sys
+from contextlib import redirect_stdout
+
+import pytest
+
+from memo_ext.planner import dsa
+from memo_ext.planner import plan as P
+from memo_ext.planner import trace as T
+from tests.conftest import REPO_ROOT, subprocess_env
+
+MEMO_PLAN = REPO_ROOT / "tools" / "memo_plan.py"
+TRACE_ARGS = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
+              "--seq-length", "256", "--vocab-size", "512", "--tp", "2"]
+KiB = 1024
+
+
+# ----------------------------------------------------------------------------------- DSA
+
+def _random_requests(seed, n=40, horizon=40):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        start = rng.randrange(horizon)
+        out.append(dsa.Request(dsa.ALIGNMENT * rng.randint(1, 32), start,
+                               start + rng.randint(1, horizon // 3)))
+    return out
+
+
+def test_times_are_counted_in_frees_and_equal_lifetimes_merge():
+    # a and b are allocated with no free between them and freed one after the other: they
+    # overlap; c is allocated after a's free: it overlaps b only.
+    events = [("alloc", "a", 100), ("alloc", "b", 600), ("free", "a", 0), ("alloc", "c", 512),
+              ("free", "b", 0), ("free", "c", 0), ("alloc", "d", 1)]
+    requests, rows = dsa.requests_from_events(events)
+    assert rows == [0, 1, 3, 6]
+    assert [r.size for r in requests] == [512, 1024, 512, 512]
+    a, b, c, d = requests
+    assert (a.start, a.end, b.start, b.end, c.start, c.end) == (0, 1, 0, 2, 1, 3)
+    assert d.end > d.start == 3  # never freed: alive to the end
+    assert dsa.lower_bound(requests) == 1536
+    with pytest.raises(ValueError, match="not live"):
+        dsa.requests_from_events([("free", "x", 0)])
+    with pytest.raises(ValueError, match="allocated twice"):
+        dsa.requests_from_events([("alloc", "x", 1), ("alloc", "x", 1)])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_placements_are_valid_and_never_below_the_bound(seed):
+    requests = _random_requests(seed)
+    placement = dsa.place(requests, use_mip=False)
+    dsa.check_placement(requests, placement.offsets, placement.peak)
+    assert placement.peak >= placement.lower_bound == dsa.lower_bound(requests)
+
+
+def test_mip_improves_on_a_greedy_trap_and_matches_the_optimum():
+    """Largest-first greedy peaks at 12 KiB here; the optimum (found by brute force over the
+    orders in which blocks stack) is 11 KiB, the lower bound. Sizes in KiB, lifetimes in
+    frees (found by a random search over 6-block instances)."""
+    import itertools
+
+    requests = [dsa.Request(size * KiB, start, end) for size, start, end in
+                [(5, 0, 2), (3, 2, 5), (1, 5, 9), (4, 2, 6), (1, 3, 6), (3, 1, 4)]]
+    greedy = dsa.place(requests, use_mip=False)
+    assert greedy.peak == 12 * KiB and greedy.lower_bound == 11 * KiB
+    solved = dsa.place(requests, time_limit_s=20)
+    dsa.check_placement(requests, solved.offsets, solved.peak)
+    assert solved.method == "mip" and solved.num_pairs > 0
+    best = min(_stacked_peak(requests, order) for order in itertools.permutations(range(6)))
+    assert solved.peak == best == 11 * KiB
+    assert solved.gap == 0.0
+
+
+def _stacked_peak(requests, order):
+    offsets = {}
+    for i in order:
+        offset = 0
+        for j in sorted((j for j in offsets if requests[i].start < requests[j].end
+                         and requests[j].start < requests[i].end), key=lambda j: offsets[j]):
+            if offset + requests[i].size <= offsets[j]:
+                break
+            offset = max(offset, offsets[j] + requests[j].size)
+        offsets[i] = offset
+    return max(offsets[i] + requests[i].size for i in offsets)
+
+
+def test_check_placement_finds_overlaps_and_overflow():
+    requests = [dsa.Request(1024, 0, 2), dsa.Request(1024, 1, 3)]
+    with pytest.raises(ValueError, match="alive together and overlap"):
+        dsa.check_placement(requests, [0, 512], 4096)
+    with pytest.raises(ValueError, match="outside the arena"):
+        dsa.check_placement(requests, [0, 1024], 1536)
+    dsa.check_placement(requests, [0, 1024], 2048)
+
+
+# ----------------------------------------------------------------------------- plans
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """A 3-layer model's trace, with full recompute (so backward phases recompute)."""
+    path = tmp_path_factory.mktemp("planner") / "trace.jsonl.gz"
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "trace.py"), *TRACE_ARGS,
+         "--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "1", "--quiet", "-o", str(path)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return path, T.read_trace(path)
+
+
+def test_layer_phases_and_level1_kinds(traced):
+    _, trace = traced
+    plan = P.plan_trace(trace)
+    groups = {level["group"] for level in plan.level1}
+    assert groups == {"forward", "backward"}
+    phases = sorted(tuple(p) for level in plan.level1 for p in level["phases"])
+    assert [p[:2] for p in phases] == sorted(
+        [(layer, g) for layer in range(3) for g in ("forward", "backward")])
+    for level in plan.level1 + [json.loads(json.dumps(vars(plan.level2)))]:
+        assert level["peak"] >= level["lower_bound"] > 0
+        assert level["gap"] <= 0.01, level
+
+
+def test_plan_is_valid_and_reaches_the_iteration_bound(traced):
+    _, trace = traced
+    plan = P.plan_trace(trace)
+    P.validate_plan(plan, trace)
+    assert plan.arena_bytes >= plan.iteration_lower_bound
+    assert plan.iteration_gap <= 0.01
+    assert plan.arena_bytes <= plan.bi_level_arena_bytes
+    # Parameters, gradient buffers and optimizer state are not planned.
+    events = [e for e in trace.events if e["pool"] == "device"]
+    planned = {events[row]["phase"] for row in plan.offsets}
+    assert T.INIT not in planned and {"forward", "backward"} <= planned
+
+
+def test_validator_catches_a_corrupted_placement(traced):
+    _, trace = traced
+    plan = P.plan_trace(trace)
+    rows = sorted(plan.offsets, key=plan.offsets.get)
+    plan.offsets[rows[-1]] = plan.arena_bytes  # past the end of the arena
+    with pytest.raises(ValueError, match="outside the arena"):
+        P.validate_plan(plan, trace)
+
+
+def test_plan_file_round_trip_and_refusals(traced, tmp_path):
+    path, trace = traced
+    plan = P.plan_trace(trace)
+    out = tmp_path / "plan.json"
+    P.write_plan(plan, out)
+    assert not (tmp_path / "plan.json.partial").exists()
+    again = P.plan_for_trace(out, trace)
+    assert again.offsets == plan.offsets and again.arena_bytes == plan.arena_bytes
+    # Foreign: another trace (one event fewer).
+    other = T.Trace(trace.header, trace.events[:-1])
+    with pytest.raises(P.PlanFileError, match="made for trace"):
+        P.plan_for_trace(out, other)
+    data = json.loads(out.read_text())
+    for name, mutate, message in [
+        ("garbage", lambda p: p.write_text("{not json"), "not a readable JSON plan"),
+        ("other format", lambda p: p.write_text(json.dumps({"format": "x"})), "not a memo-plan"),
+        ("version", lambda p: p.write_text(json.dumps({**data, "version": 99})), "version 99"),
+        ("truncated", lambda p: p.write_text(json.dumps({k: v for k, v in data.items()
+                                                         if k != "placements"})), "corrupted"),
+        ("negative", lambda p: p.write_text(json.dumps(
+            {**data, "placements": [{"row": 0, "offset": -5, "size": 512}]})), "negative"),
+    ]:
+        bad = tmp_path / f"{name}.json"
+        mutate(bad)
+        with pytest.raises(P.PlanFileError) as error:
+            P.plan_for_trace(bad, trace)
+        assert message in str(error.value) and "\n" not in str(error.value), name
+    with pytest.raises(P.PlanFileError, match="no such plan file"):
+        P.read_plan(tmp_path / "missing.json")
+
+
+def test_arena_policy_replays_the_plan_with_no_fallbacks(traced):
+    """memo_ext.alloc's arena model serves every planned request at its offset; only the
+    persistent state (not planned) goes to the caching path."""
+    import memo_ext.alloc as alloc
+
+    path, trace = traced
+    plan = P.plan_trace(trace)
+    replayed = alloc.replay(alloc.load_trace(path), "arena", plan=P.arena_plan(plan, trace))
+    counters = replayed.counters
+    assert replayed.oom is None
+    assert counters["planned"] == len(plan.offsets), counters
+    assert counters["fallbacks"] == 0, counters
+
+
+def test_memo_plan_cli(traced, tmp_path):
+    path, _ = traced
+    module = _load_cli()
+    out = tmp_path / "plan.json"
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        assert module.main(["--trace", str(path), "-o", str(out)]) == 0
+    lines = buffer.getvalue().splitlines()
+    assert lines[-1].startswith("plan peak ") and " lower bound " in lines[-1]
+    assert lines[-1].endswith("%")
+    assert sum("level 1" in line for line in lines) >= 2
+    with redirect_stdout(io.StringIO()):
+        assert module.main(["--trace", str(path), "--check", str(out)]) == 0
+    assert module.main(["--trace", str(tmp_path / "none.gz"), "-o", str(out)]) == 2
+    assert module.main(["--trace", str(path)]) == 2
+
+
+def _load_cli():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memo_plan_cli", MEMO_PLAN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
