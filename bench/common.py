@@ -1,9 +1,36 @@
 """Helpers the benchmarks share (import as ``bench.common`` once the repository root is on
-sys.path, as every bench script puts it)."""
+sys.path, as every bench script puts it): the longest-sequence search, rank traces from
+tools/trace.py, and replaying several training iterations of a trace through the allocator
+models."""
 
 from __future__ import annotations
 
-from typing import Callable
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from memo_ext import _C
+from memo_ext.alloc import ArenaPlan, ReplayResult, Trace, replay
+from memo_ext.planner.trace import Trace as EventTrace
+from memo_ext.planner.trace import read_trace
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TRACE_TOOL = REPO_ROOT / "tools" / "trace.py"
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def gib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / GiB:.2f}"
+
+
+def seq_label(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
 def longest_fitting(fits: Callable[[int], bool], step: int, maximum: int) -> int:
@@ -17,3 +44,152 @@ def longest_fitting(fits: Callable[[int], bool], step: int, maximum: int) -> int
         else:
             hi = mid
     return lo * step
+
+
+# ------------------------------------------------------------------------------------ traces
+
+def record_trace(trace_argv: list[str], seq: int, workdir: Path) -> tuple[EventTrace, float]:
+    """Rank 0's trace at ``seq`` tokens from tools/trace.py (a subprocess per trace: each builds
+    its own fake world) and the seconds it took."""
+    path = workdir / f"trace_{seq}.jsonl.gz"
+    command = [sys.executable, str(TRACE_TOOL), *trace_argv, "--seq-length", str(seq),
+               "--quiet", "-o", str(path)]
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{shlex.join(command)} exited {result.returncode}:\n"
+                           f"{result.stderr[-3000:]}")
+    return read_trace(path), time.perf_counter() - start
+
+
+class TraceCache:
+    """Traces by sequence length, recorded once each."""
+
+    def __init__(self, trace_argv: list[str], workdir: Path, log: Callable[[str], None]):
+        self.trace_argv, self.workdir, self.log = list(trace_argv), workdir, log
+        self.traces: dict[int, EventTrace] = {}
+        self.seconds: dict[int, float] = {}
+
+    def __getitem__(self, seq: int) -> EventTrace:
+        if seq not in self.traces:
+            self.traces[seq], self.seconds[seq] = record_trace(self.trace_argv, seq, self.workdir)
+            self.log(f"  traced seq {seq}: {len(self.traces[seq].events)} events in "
+                     f"{self.seconds[seq]:.1f} s")
+        return self.traces[seq]
+
+
+def external_bytes(trace: EventTrace) -> int:
+    """Device bytes outside the caching allocator (CUDA context, NCCL buffers)."""
+    return sum(e["bytes"] for e in trace.events
+               if e["pool"] == "external" and e["action"] == "alloc")
+
+
+def repeated_iterations(trace: EventTrace, iterations: int) -> tuple[Trace, list[int], list[int]]:
+    """The allocator's view of ``iterations`` training iterations: the persistent (``init``)
+    allocations once, then the iteration's events ``iterations`` times with its blocks renamed
+    per iteration. Returns the trace, the row at which each iteration starts, and for each row
+    of one iteration its row among the trace's device events."""
+    device = [e for e in trace.events if e["pool"] == "device"]
+    persistent = [e for e in device if e["phase"] == "init"]
+    persistent_ids = {e["id"] for e in persistent}
+    step_rows = [row for row, e in enumerate(device) if e["phase"] != "init"]
+    step = [device[row] for row in step_rows]
+    if any(e["action"] == "free" and e["id"] in persistent_ids for e in step):
+        raise ValueError("the iteration frees a persistent allocation: cannot repeat it")
+    id_span = 1 + max((e["id"] for e in device), default=0)
+    actions = [_C.ALLOC] * len(persistent)
+    sizes = [e["bytes"] for e in persistent]
+    starts = []
+    step_actions = [_C.ALLOC if e["action"] == "alloc" else _C.FREE for e in step]
+    step_ids = np.array([e["id"] for e in step], np.int64)
+    step_sizes = [e["bytes"] if e["action"] == "alloc" else 0 for e in step]
+    id_columns = [np.array([e["id"] for e in persistent], np.int64)]
+    for iteration in range(iterations):
+        starts.append(len(actions))
+        actions += step_actions
+        sizes += step_sizes
+        id_columns.append(step_ids + (iteration + 1) * id_span)
+    return (Trace(np.array(actions), np.concatenate(id_columns), np.array(sizes),
+                  np.zeros(len(actions)), name=f"{iterations} iterations"), starts, step_rows)
+
+
+def repeated_arena_plan(offsets: dict[int, int], sizes: dict[int, int], arena_bytes: int,
+                        trace: Trace, starts: list[int], step_rows: list[int]) -> ArenaPlan:
+    """A plan of one iteration (offsets by device-event row, as memo_ext.planner makes them)
+    for every iteration of :func:`repeated_iterations`' trace (request k = k-th ALLOC)."""
+    alloc_index = np.cumsum(trace.actions == _C.ALLOC) - 1
+    placements, planned_sizes = {}, {}
+    for start in starts:
+        for offset_in_step, row in enumerate(step_rows):
+            if row in offsets:
+                k = int(alloc_index[start + offset_in_step])
+                placements[k] = offsets[row]
+                planned_sizes[k] = sizes[row]
+    return ArenaPlan(placements, planned_sizes, arena_bytes, source="memo_ext.planner plan")
+
+
+# ------------------------------------------------------------------------------------ replay
+
+@dataclass
+class PolicyRun:
+    policy: str
+    seq: int
+    allocator_capacity_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    fragmentation: float
+    device_mallocs_last_iteration: int
+    reorganisations_last_iteration: int
+    reorganisations_total: int
+    oom: bool
+    oom_request_bytes: Optional[int]
+    oom_iteration: Optional[int]     # 1-based; 0: in the persistent state
+    replay_seconds: float
+    arena_fallbacks: int = 0         # arena policy: planned requests served elsewhere
+
+    @property
+    def fits(self) -> bool:
+        return not self.oom
+
+
+def _iteration_of(row: int, starts: list[int]) -> int:
+    return sum(1 for start in starts if row >= start)
+
+
+def replay_iterations(trace: EventTrace, policy: str, device_bytes: int, iterations: int,
+                      plan=None) -> tuple[PolicyRun, ReplayResult, list[int]]:
+    """Replay ``iterations`` iterations of ``trace`` through ``policy`` on a device of
+    ``device_bytes`` (less the memory outside the allocator). ``plan`` (a memo_ext.planner
+    MemoryPlan of this trace) drives the "arena" policy. The last-iteration counts are the
+    difference with a replay of one iteration fewer (the models are deterministic)."""
+    capacity = device_bytes - external_bytes(trace)
+    seq = trace.header["model"]["seq_length"]
+    if capacity <= 0:
+        raise SystemExit(f"a device of {device_bytes / GiB:g} GiB: the CUDA context and NCCL "
+                         f"buffers alone take {external_bytes(trace) / GiB:.2f} GiB; give a "
+                         "larger device")
+
+    def run(n: int, timelines: bool):
+        repeated, starts, step_rows = repeated_iterations(trace, n)
+        arena = None
+        if plan is not None:
+            arena = repeated_arena_plan(plan.offsets, plan.sizes, plan.arena_bytes, repeated,
+                                        starts, step_rows)
+        return replay(repeated, policy, capacity, plan=arena, timelines=timelines), starts
+
+    start = time.perf_counter()
+    result, starts = run(iterations, True)
+    seconds = time.perf_counter() - start
+    before, _ = run(iterations - 1, False)
+    oom_row = result.oom.event_index if result.oom else None
+    return PolicyRun(
+        policy=policy, seq=seq, allocator_capacity_bytes=capacity,
+        peak_allocated_bytes=result.peak_allocated_bytes,
+        peak_reserved_bytes=result.peak_reserved_bytes, fragmentation=result.fragmentation,
+        device_mallocs_last_iteration=result.device_mallocs - before.device_mallocs,
+        reorganisations_last_iteration=result.reorganisations - before.reorganisations,
+        reorganisations_total=result.reorganisations, oom=result.oom is not None,
+        oom_request_bytes=result.oom.request_bytes if result.oom else None,
+        oom_iteration=None if oom_row is None else _iteration_of(oom_row, starts),
+        replay_seconds=seconds, arena_fallbacks=result.counters.get("fallbacks", 0),
+    ), result, starts

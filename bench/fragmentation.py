@@ -33,13 +33,12 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -47,18 +46,24 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.common import longest_fitting  # noqa: E402
-from memo_ext import _C  # noqa: E402
-from memo_ext.alloc import ReplayResult, Trace, replay  # noqa: E402
+from bench.common import (  # noqa: E402
+    GiB,
+    MiB,
+    PolicyRun,
+    TraceCache,
+    external_bytes,
+    gib,
+    longest_fitting,
+    replay_iterations,
+    seq_label,
+)
+from memo_ext.alloc import ReplayResult  # noqa: E402
 from memo_ext.planner.trace import Trace as EventTrace  # noqa: E402
-from memo_ext.planner.trace import read_trace  # noqa: E402
 
 REPORT_MD = "fragmentation.md"
 REPORT_JSON = "fragmentation.json"
 PLOT_TIMELINE = "fragmentation.png"
 PLOT_SEQ = "fragmentation_seq.png"
-TRACE_TOOL = REPO_ROOT / "tools" / "trace.py"
-MiB, GiB = 1 << 20, 1 << 30
 POLICIES = ("caching", "expandable")
 
 #: Megatron-LM in the MEMO paper (memo.md "Other facts" and its sequence table): 7B on 8 GPUs.
@@ -92,136 +97,13 @@ RECOMPUTE_ARGV = ("--recompute-granularity", "full", "--recompute-method", "unif
 
 # ------------------------------------------------------------------------------------ traces
 
-def record_trace(setup: Setup, seq: int, workdir: Path) -> tuple[EventTrace, float]:
-    """Rank 0's trace at ``seq`` tokens from tools/trace.py (a subprocess per trace: each builds
-    its own fake world) and the seconds it took."""
-    path = workdir / f"trace_{seq}.jsonl.gz"
-    command = [sys.executable, str(TRACE_TOOL), *setup.model_argv, *RECOMPUTE_ARGV,
-               "--seq-length", str(seq), "--quiet", "-o", str(path)]
-    start = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{shlex.join(command)} exited {result.returncode}:\n"
-                           f"{result.stderr[-3000:]}")
-    return read_trace(path), time.perf_counter() - start
-
-
-def external_bytes(trace: EventTrace) -> int:
-    """Device bytes outside the caching allocator (CUDA context, NCCL buffers)."""
-    return sum(e["bytes"] for e in trace.events if e["pool"] == "external" and e["action"] == "alloc")
-
-
-def repeated_iterations(trace: EventTrace, iterations: int) -> tuple[Trace, list[int]]:
-    """The allocator's view of ``iterations`` training iterations: the persistent (``init``)
-    allocations once, then the iteration's events ``iterations`` times with its blocks renamed
-    per iteration. Returns the trace and the row at which each iteration starts."""
-    device = [e for e in trace.events if e["pool"] == "device"]
-    persistent = [e for e in device if e["phase"] == "init"]
-    persistent_ids = {e["id"] for e in persistent}
-    step = [e for e in device if e["phase"] != "init"]
-    if any(e["action"] == "free" and e["id"] in persistent_ids for e in step):
-        raise ValueError("the iteration frees a persistent allocation: cannot repeat it")
-    id_span = 1 + max((e["id"] for e in device), default=0)
-    actions = [_C.ALLOC] * len(persistent)
-    ids = [e["id"] for e in persistent]
-    sizes = [e["bytes"] for e in persistent]
-    starts = []
-    step_actions = [_C.ALLOC if e["action"] == "alloc" else _C.FREE for e in step]
-    step_ids = np.array([e["id"] for e in step], np.int64)
-    step_sizes = [e["bytes"] if e["action"] == "alloc" else 0 for e in step]
-    id_columns = [np.array(ids, np.int64)]
-    for iteration in range(iterations):
-        starts.append(len(actions))
-        actions += step_actions
-        sizes += step_sizes
-        id_columns.append(step_ids + (iteration + 1) * id_span)
-    trace_ids = np.concatenate(id_columns)
-    return Trace(np.array(actions), trace_ids, np.array(sizes), np.zeros(len(actions)),
-                 name=f"{iterations} iterations"), starts
-
-
-# ------------------------------------------------------------------------------------ replay
-
-@dataclass
-class PolicyRun:
-    policy: str
-    seq: int
-    allocator_capacity_bytes: int
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    fragmentation: float
-    device_mallocs_last_iteration: int
-    reorganisations_last_iteration: int
-    reorganisations_total: int
-    oom: bool
-    oom_request_bytes: Optional[int]
-    oom_iteration: Optional[int]     # 1-based; 0: in the persistent state
-    replay_seconds: float
-
-    @property
-    def fits(self) -> bool:
-        return not self.oom
-
-
-def _iteration_of(row: int, starts: list[int]) -> int:
-    return sum(1 for start in starts if row >= start)
-
-
 def run_policy(trace: EventTrace, policy: str, setup: Setup
                ) -> tuple[PolicyRun, ReplayResult, list[int]]:
-    """Replay ``setup.iterations`` iterations; the last-iteration counts are the difference
-    with a replay of one iteration fewer (the model is deterministic)."""
-    capacity = setup.capacity_bytes - external_bytes(trace)
-    seq = trace.header["model"]["seq_length"]
-    if capacity <= 0:
-        raise SystemExit(f"--capacity-gib {setup.capacity_bytes / GiB:g}: the CUDA context and "
-                         f"NCCL buffers alone take {external_bytes(trace) / GiB:.2f} GiB; give "
-                         "a larger device")
-    full, starts = repeated_iterations(trace, setup.iterations)
-    start = time.perf_counter()
-    result = replay(full, policy, capacity)
-    seconds = time.perf_counter() - start
-    shorter, _ = repeated_iterations(trace, setup.iterations - 1)
-    before = replay(shorter, policy, capacity, timelines=False)
-    oom_row = result.oom.event_index if result.oom else None
-    run = PolicyRun(
-        policy=policy, seq=seq, allocator_capacity_bytes=capacity,
-        peak_allocated_bytes=result.peak_allocated_bytes,
-        peak_reserved_bytes=result.peak_reserved_bytes, fragmentation=result.fragmentation,
-        device_mallocs_last_iteration=result.device_mallocs - before.device_mallocs,
-        reorganisations_last_iteration=result.reorganisations - before.reorganisations,
-        reorganisations_total=result.reorganisations, oom=result.oom is not None,
-        oom_request_bytes=result.oom.request_bytes if result.oom else None,
-        oom_iteration=None if oom_row is None else _iteration_of(oom_row, starts),
-        replay_seconds=seconds)
-    return run, result, starts
-
-
-class Traces:
-    """Traces by sequence length, recorded once each."""
-
-    def __init__(self, setup: Setup, workdir: Path, log: Callable[[str], None]):
-        self.setup, self.workdir, self.log = setup, workdir, log
-        self.traces: dict[int, EventTrace] = {}
-        self.seconds: dict[int, float] = {}
-
-    def __getitem__(self, seq: int) -> EventTrace:
-        if seq not in self.traces:
-            self.traces[seq], self.seconds[seq] = record_trace(self.setup, seq, self.workdir)
-            self.log(f"  traced seq {seq}: {len(self.traces[seq].events)} events in "
-                     f"{self.seconds[seq]:.1f} s")
-        return self.traces[seq]
+    """:func:`bench.common.replay_iterations` on the setup's device and iterations."""
+    return replay_iterations(trace, policy, setup.capacity_bytes, setup.iterations)
 
 
 # ------------------------------------------------------------------------------------ report
-
-def _gib(nbytes) -> str:
-    return "-" if nbytes is None else f"{nbytes / GiB:.2f}"
-
-
-def _seq(tokens: int) -> str:
-    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
-
 
 def report_lines(setup: Setup, runs: list[PolicyRun], longest: dict, probes: dict,
                  external: int, argv: list[str], seconds: float, trace_seconds: dict) -> list[str]:
@@ -256,24 +138,24 @@ def report_lines(setup: Setup, runs: list[PolicyRun], longest: dict, probes: dic
         if run.oom:
             where = ("persistent state" if run.oom_iteration == 0
                      else f"iteration {run.oom_iteration}")
-            oom = f"yes ({_gib(run.oom_request_bytes)} GiB request, {where})"
+            oom = f"yes ({gib(run.oom_request_bytes)} GiB request, {where})"
         lines.append(
-            f"| {_seq(run.seq)} | {run.policy} | {_gib(run.peak_allocated_bytes)} | "
-            f"{_gib(run.peak_reserved_bytes)} | {run.fragmentation:.1%} | "
+            f"| {seq_label(run.seq)} | {run.policy} | {gib(run.peak_allocated_bytes)} | "
+            f"{gib(run.peak_reserved_bytes)} | {run.fragmentation:.1%} | "
             f"{run.device_mallocs_last_iteration} | {run.reorganisations_last_iteration} "
             f"({run.reorganisations_total}) | {oom} | {paper} |")
     lines += ["", "## Longest sequence that trains", "",
-              f"Bisection over multiples of {_seq(setup.search_step)} up to "
-              f"{_seq(setup.search_max)}; a sequence trains when all {setup.iterations} "
+              f"Bisection over multiples of {seq_label(setup.search_step)} up to "
+              f"{seq_label(setup.search_max)}; a sequence trains when all {setup.iterations} "
               "iterations replay without OOM.", "",
               "| policy | longest sequence | probes (seq: y fits / n OOM, reorganisations in "
               "the last iteration) | paper (Megatron-LM) |", "|---|---:|---|---|"]
     for policy in POLICIES:
-        shown = ", ".join(f"{_seq(p.seq)}:{'y' if p.fits else 'n'}"
+        shown = ", ".join(f"{seq_label(p.seq)}:{'y' if p.fits else 'n'}"
                           f"{'' if p.oom else f' r{p.reorganisations_last_iteration}'}"
                           for p in probes[policy])
-        paper = f"{_seq(PAPER_LONGEST_SEQ)} (768K OOM)" if policy == "caching" else ""
-        lines.append(f"| {policy} | {_seq(longest[policy])} | {shown} | {paper} |")
+        paper = f"{seq_label(PAPER_LONGEST_SEQ)} (768K OOM)" if policy == "caching" else ""
+        lines.append(f"| {policy} | {seq_label(longest[policy])} | {shown} | {paper} |")
     return lines
 
 
@@ -281,10 +163,10 @@ def discussion_lines(setup: Setup, runs: list[PolicyRun], longest: dict, probes:
     """Our figures beside the paper's, with the reasons they differ (numbers from this run)."""
     caching = {r.seq: r for r in runs if r.policy == "caching"}
     compared = [seq for seq in PAPER_REORGANISATIONS if seq in caching]
-    ours = ", ".join(f"{caching[seq].reorganisations_last_iteration} at {_seq(seq)} (peak "
-                     f"reserved {_gib(caching[seq].peak_reserved_bytes)} of "
-                     f"{_gib(caching[seq].allocator_capacity_bytes)} GiB)" for seq in compared)
-    theirs = " and ".join(f"{PAPER_REORGANISATIONS[seq]} at {_seq(seq)}" for seq in compared)
+    ours = ", ".join(f"{caching[seq].reorganisations_last_iteration} at {seq_label(seq)} (peak "
+                     f"reserved {gib(caching[seq].peak_reserved_bytes)} of "
+                     f"{gib(caching[seq].allocator_capacity_bytes)} GiB)" for seq in compared)
+    theirs = " and ".join(f"{PAPER_REORGANISATIONS[seq]} at {seq_label(seq)}" for seq in compared)
     edge = [p for policy_probes in probes.values() for p in policy_probes
             if p.fits and p.reorganisations_last_iteration]
     lines = ["## Ours beside the paper's, and why they differ", ""]
@@ -301,7 +183,7 @@ def discussion_lines(setup: Setup, runs: list[PolicyRun], longest: dict, probes:
             "TE/apex workspaces; the allocator settings of its PyTorch version.",
         ]
     if edge:
-        shown = ", ".join(f"{p.policy} {_seq(p.seq)}: {p.reorganisations_last_iteration}"
+        shown = ", ".join(f"{p.policy} {seq_label(p.seq)}: {p.reorganisations_last_iteration}"
                           for p in edge)
         lines.append("- **Near the capacity our replay reorganises too, and still trains** "
                      f"(reorganisations per iteration: {shown}): each one is a device "
@@ -314,10 +196,10 @@ def discussion_lines(setup: Setup, runs: list[PolicyRun], longest: dict, probes:
     if longest.get("caching"):
         ratio = longest["caching"] / PAPER_LONGEST_SEQ
         lines.append(f"- **Longest sequence:** the caching model predicts "
-                     f"{_seq(longest['caching'])} for this layout, {ratio:.2f}x the paper's "
-                     f"{_seq(PAPER_LONGEST_SEQ)} (768K OOM) for Megatron-LM on 8 GPUs. "
+                     f"{seq_label(longest['caching'])} for this layout, {ratio:.2f}x the paper's "
+                     f"{seq_label(PAPER_LONGEST_SEQ)} (768K OOM) for Megatron-LM on 8 GPUs. "
                      "Expandable segments, which the paper did not try, reach "
-                     f"{_seq(longest.get('expandable', 0))}.")
+                     f"{seq_label(longest.get('expandable', 0))}.")
     lines += [
         "- **What the model leaves out:**",
         "  - Allocations on other streams. Every traced allocation is on the compute stream; "
@@ -348,7 +230,7 @@ def plot(out_dir: Path, setup: Setup, timelines: dict, runs: list[PolicyRun]) ->
                    label="allocator capacity")
         for start in starts:
             ax.axvline(start, color="grey", linewidth=0.5)
-        ax.set_title(f"seq {_seq(seq)}: {setup.iterations} iterations (grey: iteration starts)")
+        ax.set_title(f"seq {seq_label(seq)}: {setup.iterations} iterations (grey: iteration starts)")
         ax.set_ylabel("GiB")
         ax.grid(True, alpha=0.3)
     axes[0, 0].legend(fontsize=8, loc="lower right")
@@ -369,7 +251,7 @@ def plot(out_dir: Path, setup: Setup, timelines: dict, runs: list[PolicyRun]) ->
     ax.axhline(caching[0].allocator_capacity_bytes / GiB, color="red", linestyle=":",
                label="allocator capacity")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r.seq for r in runs}), [_seq(r) for r in sorted({r.seq for r in runs})])
+    ax.set_xticks(sorted({r.seq for r in runs}), [seq_label(r) for r in sorted({r.seq for r in runs})])
     ax.set_xlabel("sequence length")
     ax.set_ylabel("GiB (rank 0)")
     ax.set_title("Megatron full recompute, predicted by the allocator models")
@@ -422,7 +304,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         print(line, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="memo_fragmentation_") as workdir:
-        traces = Traces(setup, Path(workdir), log)
+        traces = TraceCache([*setup.model_argv, *RECOMPUTE_ARGV], Path(workdir), log)
         runs, timelines = [], {}
         for seq in setup.seqs:
             for policy in POLICIES:
@@ -430,7 +312,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 runs.append(run)
                 if policy == "caching":
                     timelines[seq] = (result, starts)
-                log(f"  seq {seq} {policy:10s}: reserved {_gib(run.peak_reserved_bytes)} GiB, "
+                log(f"  seq {seq} {policy:10s}: reserved {gib(run.peak_reserved_bytes)} GiB, "
                     f"fragmentation {run.fragmentation:.1%}, reorganisations/iteration "
                     f"{run.reorganisations_last_iteration}, OOM {run.oom}")
         longest, probes = {}, {}

@@ -1,4 +1,4 @@
-"""bench/fragmentation.py: repeating a traced iteration for the allocator models, and a smoke
+"""bench/fragmentation.py and bench/common.py: repeating a traced iteration for the allocator models, and a smoke
 run (--quick --skip-search: a tiny model's traces on a 160 MiB device, one size that fits and
 one that does not)."""
 
@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from bench import common
 from memo_ext import _C
 from memo_ext.planner.trace import Trace as EventTrace
 from tests.conftest import REPO_ROOT, subprocess_env
@@ -38,7 +39,7 @@ def _trace(events, seq=1024):
     return EventTrace(header={"model": {"seq_length": seq}}, events=events)
 
 
-def test_repeated_iterations_keep_persistent_state_once_and_rename_blocks(bench):
+def test_repeated_iterations_keep_persistent_state_once_and_rename_blocks():
     trace = _trace([
         _event(0, "alloc", 4096, "init"),
         _event(1, "alloc", 1 << 20, "init", pool="external"),
@@ -48,7 +49,7 @@ def test_repeated_iterations_keep_persistent_state_once_and_rename_blocks(bench)
         _event(3, "free", 2048, "backward"),
         _event(4, "alloc", 8, "backward", pool="host"),
     ])
-    repeated, starts = bench.repeated_iterations(trace, 3)
+    repeated, starts, step_rows = common.repeated_iterations(trace, 3)
     assert starts == [1, 5, 9]
     assert repeated.actions.tolist() == [_C.ALLOC] + [_C.ALLOC, _C.ALLOC, _C.FREE, _C.FREE] * 3
     assert repeated.sizes.tolist() == [4096] + [512, 2048, 0, 0] * 3
@@ -59,13 +60,14 @@ def test_repeated_iterations_keep_persistent_state_once_and_rename_blocks(bench)
     for block in per_iteration:
         assert block[0] == block[2] and block[1] == block[3]  # alloc/free pairs kept
     assert len(set(ids)) == 1 + 2 * 3
-    assert bench.external_bytes(trace) == 1 << 20
+    assert step_rows == [1, 2, 3, 4]  # rows among the device events (external, host: not)
+    assert common.external_bytes(trace) == 1 << 20
 
 
-def test_an_iteration_freeing_persistent_state_is_refused(bench):
+def test_an_iteration_freeing_persistent_state_is_refused():
     trace = _trace([_event(0, "alloc", 4096, "init"), _event(0, "free", 4096, "forward")])
     with pytest.raises(ValueError, match="frees a persistent allocation"):
-        bench.repeated_iterations(trace, 2)
+        common.repeated_iterations(trace, 2)
 
 
 def test_last_iteration_counts_and_oom_iteration(bench):
@@ -85,16 +87,16 @@ def test_last_iteration_counts_and_oom_iteration(bench):
     assert run.oom and run.oom_iteration == 1 and run.oom_request_bytes == 3 << 20
 
 
-def test_longest_fitting_bisects(bench):
+def test_longest_fitting_bisects():
     probed = []
 
     def fits(seq):
         probed.append(seq)
         return seq <= 7
 
-    assert bench.longest_fitting(fits, 1, 16) == 7
+    assert common.longest_fitting(fits, 1, 16) == 7
     assert len(probed) <= 5
-    assert bench.longest_fitting(lambda seq: False, 2, 16) == 0
+    assert common.longest_fitting(lambda seq: False, 2, 16) == 0
 
 
 def test_quick_run_writes_report_and_plots(tmp_path):

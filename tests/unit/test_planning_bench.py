@@ -1,0 +1,35 @@
+"""bench/planning.py --quick --skip-search: a tiny model planned and replayed through the caching
+and planned-arena models on a 160 MiB device (one size that fits, one that does not)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO_ROOT, subprocess_env
+
+BENCH = REPO_ROOT / "bench" / "planning.py"
+
+
+def test_quick_run_side_by_side(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--skip-search", "-o", str(tmp_path)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((tmp_path / "planning.json").read_text())
+    runs = {(r["seq"], r["policy"]): r for r in report["runs"]}
+    for seq in (2048, 8192):
+        arena, caching = runs[(seq, "arena")], runs[(seq, "caching")]
+        assert arena["arena_fallbacks"] == 0
+        assert arena["reorganisations_last_iteration"] == 0
+        plan = report["plans"][str(seq)]
+        assert plan["arena_bytes"] >= plan["lower_bound"] > 0 and plan["gap"] <= 0.01
+        assert plan["level1_worst_gap"] <= 0.01 and plan["level2_gap"] <= 0.01
+    fits = runs[(2048, "arena")]
+    assert not fits["oom"] and fits["peak_reserved_bytes"] <= runs[(2048, "caching")][
+        "peak_reserved_bytes"]
+    assert runs[(8192, "caching")]["oom"] and runs[(8192, "caching")]["reorganisations_total"] > 0
+    text = (tmp_path / "planning.md").read_text()
+    assert "Predicted, not measured on a GPU" in text and "| arena |" in text
+    assert (tmp_path / "planning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
