@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -252,3 +253,33 @@ class OffloadConfig:
                 if value_given:
                     raise MemoConfigError(f"{arg_flag(name)} {_fmt(value)} has no effect without "
                                           "--memo-offload; add --memo-offload or drop it")
+
+
+PLAN_OFF, PLAN_AUTO = "off", "auto"
+
+
+@dataclass
+class PlanConfig:
+    """MEMO's bi-level memory plan and planned arena (memo.md "Bi-level memory planning")."""
+
+    plan: str = memo_field(
+        PLAN_OFF, flag="--memo-plan", metavar="{off,auto,PATH}",
+        help="Serve the transformer layers' transient tensors from a planned arena. 'auto' warms "
+             "up one iteration, traces and plans the second, and uses the plan from iteration 3; "
+             "PATH reads a plan "
+             "made by tools/memo_plan.py for this model, layout and sequence length. On CPU the "
+             "arena runs as a shadow: every request of the layers is matched against the plan "
+             "and counted, the tensors stay where PyTorch put them.")
+
+    @property
+    def mode(self) -> str:
+        """'off', 'auto' or 'file'."""
+        if self.plan in (PLAN_OFF, PLAN_AUTO):
+            return self.plan
+        return "file"
+
+    def validate(self) -> None:
+        """Raise MemoConfigError (one line) unless --memo-plan is off, auto or a readable file."""
+        if self.mode == "file" and not os.path.isfile(self.plan):
+            raise MemoConfigError(f"--memo-plan {self.plan}: no such plan file; use off, auto, "
+                                  "or a plan from tools/memo_plan.py")

@@ -457,7 +457,8 @@ def build_memo(args, recorder, stack: contextlib.ExitStack, microbatches_in_flig
         config, engine, layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
         microbatches_in_flight=microbatches_in_flight, shape=shape,
         host_memory_bytes=config.host_memory_bytes,
-        bandwidth_bytes_per_s=config.pcie_bytes_per_s, on_host_allocate=recorder.mark_host,
+        bandwidth_bytes_per_s=config.pcie_bytes_per_s,
+        host_allocation_scope=recorder.host_allocations,
         log=lambda message: None)
 
 

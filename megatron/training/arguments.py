@@ -17,7 +17,13 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from memo_ext.config import MemoConfigError, OffloadConfig, add_config_arguments, config_from_args
+from memo_ext.config import (
+    MemoConfigError,
+    OffloadConfig,
+    PlanConfig,
+    add_config_arguments,
+    config_from_args,
+)
 
 TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -259,6 +265,7 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
 def _add_memo_args(parser: argparse.ArgumentParser) -> None:
     """--memo-* flags, generated from memo_ext's config dataclasses (one definition per flag)."""
     add_config_arguments(parser, OffloadConfig, title="MEMO activation offloading")
+    add_config_arguments(parser, PlanConfig, title="MEMO memory planning")
 
 
 ArgsProvider = Callable[[argparse.ArgumentParser], None]
@@ -607,6 +614,7 @@ def _validate_memo(args: argparse.Namespace) -> None:
     offload = config_from_args(OffloadConfig, args)
     try:
         offload.validate()
+        config_from_args(PlanConfig, args).validate()
     except MemoConfigError as error:
         raise ArgumentValidationError(str(error)) from None
     if not offload.offload:
@@ -641,6 +649,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_data(args)
     _validate_logging(args)
     _validate_memo(args)
+    _require(
+        not cuda_available or args.memo_plan == "off",
+        "--memo-plan runs as a CPU shadow only in this build: the CUDA arena hooks "
+        "(csrc/planned_arena.cpp) are not wired into the trainer yet; use --memo-plan off on GPUs",
+    )
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     _require(

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from memo_ext.config import OffloadConfig, config_from_args
+from memo_ext.config import OffloadConfig, PlanConfig, config_from_args
 from memo_ext.device import CopyEngine, cuda_memory_headroom, measure_offload_bandwidth
 from memo_ext.offload import ActivationShape, MemoOffload
 from memo_ext.offload.alpha import default_host_memory_bytes, microbatches_in_flight
@@ -64,3 +64,26 @@ def build_memo_offload(args: argparse.Namespace, log) -> Optional[MemoOffload]:
         f"per rank ({bandwidth_source}) | host memory {host_memory / BYTES_PER_GB:.2f} GB per rank "
         f"| {in_flight} micro-batch(es) in flight on this stage")
     return memo
+
+
+def build_memo_planner(args: argparse.Namespace, model: list, log):
+    """``--memo-plan``'s runtime (memo_ext.planner's MemoPlanner), or None when it is off.
+    Raises PlanFileError (a MemoConfigError: one line, exit status 2) for an unusable plan."""
+    config = config_from_args(PlanConfig, args)
+    if config.mode == "off":
+        return None
+    from memo_ext.planner import MemoPlanner
+
+    run_header = {
+        "model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+                  "ffn_hidden_size": args.ffn_hidden_size,
+                  "num_attention_heads": args.num_attention_heads,
+                  "seq_length": args.seq_length, "padded_vocab_size": args.padded_vocab_size,
+                  "params_dtype": str(args.params_dtype)},
+        "layout": {"tp": args.tensor_model_parallel_size, "cp": args.context_parallel_size,
+                   "pp": args.pipeline_model_parallel_size,
+                   "micro_batch_size": args.micro_batch_size,
+                   "sequence_parallel": args.sequence_parallel},
+    }
+    return MemoPlanner(config.mode, model, run_header, log,
+                       path=config.plan if config.mode == "file" else None)

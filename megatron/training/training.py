@@ -8,6 +8,7 @@ arguments instead of global state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -27,7 +28,7 @@ from megatron.training import checkpointing, metrics
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import initialize_megatron
-from megatron.training.memo import build_memo_offload
+from megatron.training.memo import build_memo_offload, build_memo_planner
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
 
@@ -269,6 +270,7 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     memo = build_memo_offload(args, log=print_rank_0)
     model = build_model(args, config, model_provider, memo)
     optimizer, scheduler = build_optimizer(args, model)
+    planner = build_memo_planner(args, model, log=print_rank_0)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
     if args.fp16:
@@ -298,9 +300,10 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     for chunk in model:
         chunk.train()
     while state.iteration < args.train_iters:
-        losses, grad_norm, skipped = train_step(
-            forward_step, train_iterator, model, optimizer, scheduler, args
-        )
+        with planner.iteration() if planner is not None else contextlib.nullcontext():
+            losses, grad_norm, skipped = train_step(
+                forward_step, train_iterator, model, optimizer, scheduler, args
+            )
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         if memo is not None:
@@ -309,6 +312,8 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
             state.losses.append(losses["lm loss"])
         logger.log(state.iteration, losses, scheduler.get_lr(optimizer.param_groups[0]),
                    grad_norm, skipped)
+        if planner is not None and state.iteration % args.log_interval == 0:
+            print_rank_0(f"> {planner.stats_line()}")
 
         if args.eval_iters > 0 and valid_iterator is not None and state.iteration % args.eval_interval == 0:
             logger.log_validation(state.iteration, evaluate(forward_step, valid_iterator, model, args))

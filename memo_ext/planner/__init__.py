@@ -1,6 +1,12 @@
-"""Memory planning inputs: allocation traces of one training iteration.
+"""MEMO's memory planning: allocation traces of one training iteration, the bi-level plan made
+from them, and the planned arena that serves it.
 
-Public entry points (see memo_ext.planner.trace and docs/tracing.md):
+Public entry points (see docs/tracing.md and docs/planning.md):
+
+- :class:`MemoPlanner`: ``--memo-plan`` for the trainer (trace, plan, serve).
+- :func:`plan_trace` / :func:`write_plan` / :func:`read_plan` / :func:`validate_plan`: the
+  bi-level plan (memo_ext.planner.plan, on memo_ext.planner.dsa's placements) and its file.
+- :class:`ArenaRuntime`: a plan's layer-phase tables in the C++ arena (memo_ext.planner.arena).
 
 - :class:`AllocationRecorder`: a storage-level dispatch mode that records every device
   allocation and free with its phase, layer, micro-batch and category.
@@ -20,6 +26,16 @@ Public entry points (see memo_ext.planner.trace and docs/tracing.md):
   (``torch.cuda.memory._record_memory_history`` + memo_ext.alloc's snapshot reader).
 """
 
+from memo_ext.planner.arena import ArenaRuntime, ArenaShadow, MemoPlanner
+from memo_ext.planner.plan import (
+    MemoryPlan,
+    PlanFileError,
+    plan_for_trace,
+    plan_trace,
+    read_plan,
+    validate_plan,
+    write_plan,
+)
 from memo_ext.planner.trace import (
     CATEGORIES,
     PHASES,
@@ -46,6 +62,16 @@ from memo_ext.planner.trace import (
 )
 
 __all__ = [
+    "ArenaRuntime",
+    "ArenaShadow",
+    "MemoPlanner",
+    "MemoryPlan",
+    "PlanFileError",
+    "plan_for_trace",
+    "plan_trace",
+    "read_plan",
+    "validate_plan",
+    "write_plan",
     "CATEGORIES",
     "PHASES",
     "AllocationRecorder",

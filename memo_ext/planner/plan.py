@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from memo_ext.config import MemoConfigError
 from memo_ext.planner.dsa import (
     DEFAULT_TIME_LIMIT_S,
     Placement,
@@ -56,74 +57,77 @@ PLAN_VERSION = 1
 PHASE_GROUPS = {FORWARD: "forward", RECOMPUTE: "backward", BACKWARD: "backward"}
 
 
-class PlanFileError(ValueError):
+class PlanFileError(MemoConfigError):
     """A plan file that cannot be used: unreadable, not a plan, another version, or made for
-    another trace. The message is one line naming the file and the fix."""
+    another trace or run. The message is one line naming the file and the fix (a
+    MemoConfigError, so the trainer exits with status 2 and that line)."""
 
 
 # ------------------------------------------------------------------------------ layer phases
 
 @dataclass
 class LayerPhase:
-    """One layer's forward or backward for one micro-batch: trace rows [first, last]."""
+    """One run of a layer's forward or backward: trace rows [first, last]. A layer phase ends
+    where an allocation of another layer's phase comes (events outside layers do not end it),
+    so the micro-batches of a step, and the iterations, are separate phases."""
 
     layer: int
     group: str              # "forward" or "backward"
     microbatch: Optional[int]
+    index: int              # position among the phases of the trace
     first: int
     last: int
     transient_rows: list[int] = field(default_factory=list)  # alloc and free rows, in order
+    alloc_rows: list[int] = field(default_factory=list)  # every alloc tagged with the phase
 
     @property
     def key(self) -> tuple:
-        return (self.layer, self.group, self.microbatch)
-
-    @property
-    def name(self) -> str:
-        mb = "" if self.microbatch is None else f", micro-batch {self.microbatch}"
-        return f"layer {self.layer} {self.group}{mb}"
+        return (self.layer, self.group, self.microbatch, self.index)
 
 
 def _device_events(trace: Trace) -> list[dict]:
     return [e for e in trace.events if e["pool"] == POOL_DEVICE]
 
 
+def _phase_of(event: dict) -> Optional[tuple]:
+    group = PHASE_GROUPS.get(event["phase"])
+    if group is None or event["layer"] is None:
+        return None
+    return (event["layer"], group, event["microbatch"])
+
+
 def layer_phases(events: list[dict]) -> list[LayerPhase]:
-    """The layer phases of a device event list and their transient requests."""
-    phases: dict[tuple, LayerPhase] = {}
+    """The layer phases of a device event list, in order, and their transient requests."""
+    phases: list[LayerPhase] = []
+    current: Optional[LayerPhase] = None
+    alloc_phase: dict[int, tuple[int, LayerPhase]] = {}  # block id -> (alloc row, its phase)
     for row, event in enumerate(events):
-        group = PHASE_GROUPS.get(event["phase"])
-        if group is None or event["layer"] is None:
-            continue
-        key = (event["layer"], group, event["microbatch"])
-        phase = phases.get(key)
-        if phase is None:
-            phases[key] = LayerPhase(event["layer"], group, event["microbatch"], row, row)
-        else:
-            phase.last = row
-    alloc_row: dict[int, int] = {}
-    alloc_phase: dict[int, Optional[tuple]] = {}
-    for row, event in enumerate(events):
+        tag = _phase_of(event)
+        # Only allocations open phases: the runtime arena sees allocations alone, and a free
+        # tagged with another layer (a gradient released late) must not split a phase.
+        if tag is not None and event["action"] == "alloc" and (
+                current is None or tag != current.key[:3]):
+            current = LayerPhase(*tag, index=len(phases), first=row, last=row)
+            phases.append(current)
+        if tag is not None and current is not None and tag == current.key[:3]:
+            current.last = row
         if event["action"] == "alloc":
-            alloc_row[event["id"]] = row
-            group = PHASE_GROUPS.get(event["phase"])
-            alloc_phase[event["id"]] = (None if group is None or event["layer"] is None
-                                        else (event["layer"], group, event["microbatch"]))
-        else:
-            key = alloc_phase.get(event["id"])
-            if key is None:
-                continue
-            phase = phases[key]
-            if phase.first <= alloc_row[event["id"]] and row <= phase.last:
-                phase.transient_rows += [alloc_row[event["id"]], row]
-    for phase in phases.values():
+            if tag is not None:
+                alloc_phase[event["id"]] = (row, current)
+                current.alloc_rows.append(row)
+        elif event["id"] in alloc_phase:
+            alloc_row, phase = alloc_phase.pop(event["id"])
+            if phase is current and tag == phase.key[:3]:
+                phase.transient_rows += [alloc_row, row]
+    for phase in phases:
         phase.transient_rows.sort()
-    return sorted(phases.values(), key=lambda p: p.first)
+    return phases
 
 
 def _signature(events: list[dict], phase: LayerPhase) -> tuple:
-    """What makes two layer phases share a level-1 plan: the transient sequence of actions and
-    aligned sizes, blocks named by their order of allocation."""
+    """What makes two layer phases share a level-1 plan and a runtime table: the transient
+    sequence of actions and aligned sizes (blocks named by their order of allocation), and the
+    aligned size of every request the phase makes, transient or not."""
     names: dict[int, int] = {}
     out = []
     for row in phase.transient_rows:
@@ -133,7 +137,9 @@ def _signature(events: list[dict], phase: LayerPhase) -> tuple:
             out.append(("alloc", names[event["id"]], align(event["bytes"])))
         else:
             out.append(("free", names[event["id"]], 0))
-    return tuple(out)
+    transient = set(phase.transient_rows)
+    requests = tuple((align(events[row]["bytes"]), row in transient) for row in phase.alloc_rows)
+    return tuple(out), requests
 
 
 # ------------------------------------------------------------------------------ the planner
@@ -220,16 +226,21 @@ def plan_trace(trace: Trace, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     phase_local: dict[tuple, list[tuple[int, int]]] = {}   # key -> [(alloc row, local offset)]
     for number, (signature, members) in enumerate(kinds.items()):
         representative = members[0]
-        sequence = [(a, block, size) for a, block, size in signature]
+        sequence = list(signature[0])
         requests, _ = requests_from_events(sequence)
         placement = place(requests, time_limit_s, use_mip)
         group = representative.group
         layers = sorted({p.layer for p in members})
         name = f"level 1 {group} #{number} (layers {_ranges(layers)}, {len(members)} phases)"
+        transient_allocs = [row for row in representative.transient_rows
+                            if events[row]["action"] == "alloc"]
+        local = dict(zip(transient_allocs, placement.offsets))
         level1.append({**asdict(LevelResult.of(name, placement, len(requests))),
                        "group": group, "phases": [list(p.key) for p in members],
-                       "request_sizes": [r.size for r in requests],
-                       "request_offsets": placement.offsets})
+                       # What the runtime arena serves: every request of the phase, in order,
+                       # with its offset (-1: outlives the phase, the normal allocator's).
+                       "table": [[size, local.get(row, -1)] for row, (size, _) in
+                                 zip(representative.alloc_rows, signature[1])]})
         for phase in members:
             alloc_rows = [row for row in phase.transient_rows if events[row]["action"] == "alloc"]
             phase_peak[phase.key] = placement.peak

@@ -1,0 +1,214 @@
+"""The plan at run time: layer-phase request tables served by the C++ ``PlannedArena``.
+
+Only requests a layer makes inside its own phase and frees there (transient tensors) are
+planned; everything else (skeletal activations, the head, parameters, optimizer state) stays on
+the normal allocator. Layer phases run one after another on a rank, so all of them share one
+region of the arena, as large as the biggest level-1 plan.
+
+:class:`ArenaRuntime` maps (layer, forward|backward) to its phase kind, opens the kind's table
+when a request comes from a different layer phase than the previous one, and asks the arena for
+the request's offset (-1: the normal allocator). It is driven
+
+* on CUDA by torch.cuda.memory.CUDAPluggableAllocator through ``memo_arena_malloc`` /
+  ``memo_arena_free`` (csrc/planned_arena.cpp; untested here, no GPU);
+* on CPU by :class:`ArenaShadow` during training: a storage-tracking dispatch mode that sends
+  every allocation of the layers to the arena as the CUDA hooks would. The tensors stay where
+  PyTorch put them (no CPU allocator can be swapped in), so the shadow proves the plan matches
+  the run and counts what the arena would serve;
+* from a trace by :meth:`ArenaRuntime.replay` (tests, the bench).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+
+from memo_ext import _C
+from memo_ext.planner.plan import PHASE_GROUPS, MemoryPlan
+from memo_ext.planner.trace import POOL_DEVICE, AllocationRecorder, Trace
+
+
+class ArenaRuntime:
+    """The plan's layer-phase tables in one C++ arena."""
+
+    def __init__(self, plan: MemoryPlan):
+        self.arena_bytes = max((level["peak"] for level in plan.level1), default=0)
+        self.arena = _C.PlannedArena(self.arena_bytes)
+        self.kind_of: dict[tuple[int, str], int] = {}
+        for kind, level in enumerate(plan.level1):
+            table = np.array(level["table"], np.int64).reshape(-1, 2)
+            self.arena.add_kind(kind, table[:, 0].copy(), table[:, 1].copy())
+            for layer, group, *_ in level["phases"]:
+                self.kind_of.setdefault((layer, group), kind)
+        self._current: Optional[tuple[int, str]] = None
+        self.outside_layers = 0
+
+    def request(self, layer: Optional[int], phase: Optional[str], nbytes: int) -> int:
+        """Offset for a request made in ``phase`` of ``layer`` (a trace phase name), or -1."""
+        group = PHASE_GROUPS.get(phase)
+        if layer is None or group is None:
+            self.outside_layers += 1
+            return -1
+        key = (layer, group)
+        if key != self._current:
+            kind = self.kind_of.get(key)
+            if kind is None:
+                self.arena.end_phase()
+            else:
+                self.arena.begin_phase(kind)
+            self._current = key
+        return self.arena.allocate(int(nbytes))
+
+    def release(self, offset: int) -> bool:
+        return self.arena.release(offset)
+
+    def stats(self) -> dict:
+        return {**self.arena.stats(), "outside_layers": self.outside_layers}
+
+    def replay(self, trace: Trace) -> dict:
+        """Serve a trace's device requests as a run would; returns :meth:`stats`."""
+        offsets: dict[int, int] = {}
+        for event in trace.events:
+            if event["pool"] != POOL_DEVICE:
+                continue
+            if event["action"] == "alloc":
+                offset = self.request(event["layer"], event["phase"], event["bytes"])
+                if offset >= 0:
+                    offsets[event["id"]] = offset
+            elif event["id"] in offsets:
+                self.release(offsets.pop(event["id"]))
+        return self.stats()
+
+
+class ArenaShadow(AllocationRecorder):
+    """CPU training with a plan: every device allocation asks the arena for its planned place,
+    tagged by the same module hooks and autograd-node tags as the trace the plan came from
+    (call :meth:`attach` on the model). No events are kept."""
+
+    def __init__(self, runtime: ArenaRuntime, cuda_semantics: bool = False):
+        super().__init__(cuda_semantics=cuda_semantics)
+        self.runtime = runtime
+        self._offsets: dict[int, int] = {}
+
+    def _emit_alloc(self, token: int, nbytes: int, pool: str) -> None:
+        if pool != POOL_DEVICE or nbytes == 0:
+            return
+        phase, _module, layer = self._context()
+        offset = self.runtime.request(layer, phase, nbytes)
+        if offset >= 0:
+            self._offsets[token] = offset
+
+    def _emit_free(self, token: int) -> None:
+        offset = self._offsets.pop(token, None)
+        if offset is not None:
+            self.runtime.release(offset)
+
+
+#: Iterations --memo-plan auto runs before it traces the one it plans (see MemoPlanner).
+AUTO_WARMUP_ITERATIONS = 1
+
+#: Fields of a plan's trace header that must equal the run's for the plan to apply.
+MATCHING_FIELDS = {
+    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "seq_length", "padded_vocab_size", "params_dtype"),
+    "layout": ("tp", "cp", "pp", "micro_batch_size", "sequence_parallel"),
+}
+
+
+class MemoPlanner:
+    """``--memo-plan`` for the trainer (the planner's entry point): wrap each training
+    iteration in :meth:`iteration`.
+
+    auto: the first iteration warms up (it creates buffers that later iterations reuse:
+    megatron's global all-gather buffer under sequence parallelism, the optimizer's state, RoPE
+    caches, so its request sequence is not the steady state's); the second runs under an
+    :class:`AllocationRecorder` (CPU sizes) and is planned (bi-level + single level); the plan's
+    layer-phase tables serve every iteration from the third on.
+    PATH: a plan from tools/memo_plan.py, refused at startup (PlanFileError) when it is not a
+    readable plan or was made for another model, layout or sequence length.
+    """
+
+    def __init__(self, mode: str, model_chunks: list, run_header: dict, log,
+                 path: Optional[str] = None):
+        from memo_ext.planner.plan import PlanFileError, read_plan
+
+        self.mode = mode
+        self.model_chunks = model_chunks
+        self.run_header = run_header
+        self.log = log
+        self.runtime: Optional[ArenaRuntime] = None
+        self.plan: Optional[MemoryPlan] = None
+        self.iterations = 0
+        if mode == "file":
+            plan = read_plan(path)
+            for section, names in MATCHING_FIELDS.items():
+                for name in names:
+                    planned = (plan.header.get(section) or {}).get(name)
+                    ours = run_header[section].get(name)
+                    if planned != ours:
+                        raise PlanFileError(
+                            f"{path}: planned for {section}.{name}={planned!r}, this run has "
+                            f"{ours!r}; re-plan with tools/memo_plan.py for this run")
+            self._use(plan)
+
+    def _use(self, plan: MemoryPlan) -> None:
+        self.plan = plan
+        self.runtime = ArenaRuntime(plan)
+        self.log(f"> MEMO plan ({plan.chosen}): iteration arena {plan.arena_bytes / 2**20:.1f} MiB"
+                 f" (lower bound {plan.iteration_lower_bound / 2**20:.1f} MiB, gap "
+                 f"{100 * plan.iteration_gap:.2f}%); layer arena "
+                 f"{self.runtime.arena_bytes / 2**20:.1f} MiB for {len(plan.level1)} layer-phase "
+                 "kinds")
+
+    def iteration(self):
+        """Context manager for one training iteration (forward, backward, optimizer step)."""
+        from memo_ext.planner.trace import FORWARD
+
+        self.iterations += 1
+        if self.runtime is None and self.iterations <= AUTO_WARMUP_ITERATIONS:
+            return contextlib.nullcontext()
+        if self.runtime is None:
+            return _Recording(self, AllocationRecorder(cuda_semantics=False), FORWARD)
+        return _Recording(self, ArenaShadow(self.runtime), FORWARD)
+
+    def _recorded(self, recorder: AllocationRecorder) -> None:
+        from memo_ext.planner.plan import plan_trace
+
+        if isinstance(recorder, ArenaShadow):
+            return
+        self._use(plan_trace(recorder.trace(header=dict(self.run_header))))
+
+    def stats_line(self) -> str:
+        """What the arena served so far (empty before a plan exists)."""
+        if self.runtime is None:
+            return ("MEMO plan: warming up" if self.iterations <= AUTO_WARMUP_ITERATIONS
+                    else "MEMO plan: tracing")
+        s = self.runtime.stats()
+        refused = {k: s[k] for k in ("size_mismatches", "overlaps", "beyond_plan", "unplanned")}
+        return (f"MEMO arena: served {s['served']} layer requests, peak "
+                f"{s['peak_live_bytes'] / 2**20:.1f} of {s['arena_bytes'] / 2**20:.1f} MiB; "
+                "normal allocator: " + ", ".join(f"{v} {k.replace('_', ' ')}"
+                                                 for k, v in refused.items()))
+
+
+class _Recording:
+    def __init__(self, planner: MemoPlanner, recorder: AllocationRecorder, phase: str):
+        self.planner, self.recorder, self.phase = planner, recorder, phase
+
+    def __enter__(self):
+        for chunk in self.planner.model_chunks:
+            self.recorder.attach(chunk)
+        self._scope = self.recorder.phase_scope(self.phase)
+        self._scope.__enter__()
+        self.recorder.__enter__()
+        return self.recorder
+
+    def __exit__(self, *exc_info):
+        self.recorder.__exit__(*exc_info)
+        self._scope.__exit__(*exc_info)
+        self.recorder.detach()
+        if exc_info[0] is None:
+            self.planner._recorded(self.recorder)
+        return False
