@@ -20,7 +20,7 @@ def test_quick_run_side_by_side(tmp_path):
     report = json.loads((tmp_path / "planning.json").read_text())
     runs = {(r["seq"], r["policy"]): r for r in report["runs"]}
     for seq in (2048, 8192):
-        arena, caching = runs[(seq, "arena")], runs[(seq, "caching")]
+        arena = runs[(seq, "arena")]
         assert arena["arena_fallbacks"] == 0
         assert arena["reorganisations_last_iteration"] == 0
         plan = report["plans"][str(seq)]
