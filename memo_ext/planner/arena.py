@@ -212,3 +212,32 @@ class _Recording:
         if exc_info[0] is None:
             self.planner._recorded(self.recorder)
         return False
+
+
+class CudaArena:
+    """The runtime arena on a GPU (untested here: no GPU on the CPU machines).
+
+    One uint8 tensor holds the arena's bytes; ``memo_arena_malloc`` / ``memo_arena_free`` in
+    memo_ext._C serve planned requests inside it and send every other one to cudaMalloc /
+    cudaFree. They must see every tensor request (not the caching allocator's segment
+    requests), so they are installed as the process's allocator with
+    ``torch.cuda.memory.change_current_allocator``, which PyTorch allows only before the first
+    CUDA allocation: build this before the model. Layer phases are opened by
+    :meth:`ArenaRuntime.request`'s caller; on CUDA that is the module hooks of an
+    :class:`AllocationRecorder`-like tagger (not wired into the trainer yet: ``--memo-plan`` is
+    refused on GPUs).
+    """
+
+    def __init__(self, runtime: ArenaRuntime, device=None):
+        import torch
+
+        self.runtime = runtime
+        self.allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            _C.__file__, "memo_arena_malloc", "memo_arena_free")
+        torch.cuda.memory.change_current_allocator(self.allocator)
+        # Allocated through the new allocator before an arena is set: a plain cudaMalloc.
+        self.buffer = torch.empty(runtime.arena_bytes, dtype=torch.uint8, device=device or "cuda")
+        _C.set_cuda_arena(runtime.arena, self.buffer.data_ptr())
+
+    def close(self) -> None:
+        _C.set_cuda_arena(None, 0)
