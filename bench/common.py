@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-import numpy as np
 
-from memo_ext import _C
-from memo_ext.alloc import ArenaPlan, ReplayResult, Trace, replay
+from memo_ext.alloc import ReplayResult, repeated_iterations, replay
+from memo_ext.estimate import external_bytes
+from memo_ext.planner.plan import arena_plan
 from memo_ext.planner.trace import Trace as EventTrace
 from memo_ext.planner.trace import read_trace
 
@@ -78,56 +78,6 @@ class TraceCache:
         return self.traces[seq]
 
 
-def external_bytes(trace: EventTrace) -> int:
-    """Device bytes outside the caching allocator (CUDA context, NCCL buffers)."""
-    return sum(e["bytes"] for e in trace.events
-               if e["pool"] == "external" and e["action"] == "alloc")
-
-
-def repeated_iterations(trace: EventTrace, iterations: int) -> tuple[Trace, list[int], list[int]]:
-    """The allocator's view of ``iterations`` training iterations: the persistent (``init``)
-    allocations once, then the iteration's events ``iterations`` times with its blocks renamed
-    per iteration. Returns the trace, the row at which each iteration starts, and for each row
-    of one iteration its row among the trace's device events."""
-    device = [e for e in trace.events if e["pool"] == "device"]
-    persistent = [e for e in device if e["phase"] == "init"]
-    persistent_ids = {e["id"] for e in persistent}
-    step_rows = [row for row, e in enumerate(device) if e["phase"] != "init"]
-    step = [device[row] for row in step_rows]
-    if any(e["action"] == "free" and e["id"] in persistent_ids for e in step):
-        raise ValueError("the iteration frees a persistent allocation: cannot repeat it")
-    id_span = 1 + max((e["id"] for e in device), default=0)
-    actions = [_C.ALLOC] * len(persistent)
-    sizes = [e["bytes"] for e in persistent]
-    starts = []
-    step_actions = [_C.ALLOC if e["action"] == "alloc" else _C.FREE for e in step]
-    step_ids = np.array([e["id"] for e in step], np.int64)
-    step_sizes = [e["bytes"] if e["action"] == "alloc" else 0 for e in step]
-    id_columns = [np.array([e["id"] for e in persistent], np.int64)]
-    for iteration in range(iterations):
-        starts.append(len(actions))
-        actions += step_actions
-        sizes += step_sizes
-        id_columns.append(step_ids + (iteration + 1) * id_span)
-    return (Trace(np.array(actions), np.concatenate(id_columns), np.array(sizes),
-                  np.zeros(len(actions)), name=f"{iterations} iterations"), starts, step_rows)
-
-
-def repeated_arena_plan(offsets: dict[int, int], sizes: dict[int, int], arena_bytes: int,
-                        trace: Trace, starts: list[int], step_rows: list[int]) -> ArenaPlan:
-    """A plan of one iteration (offsets by device-event row, as memo_ext.planner makes them)
-    for every iteration of :func:`repeated_iterations`' trace (request k = k-th ALLOC)."""
-    alloc_index = np.cumsum(trace.actions == _C.ALLOC) - 1
-    placements, planned_sizes = {}, {}
-    for start in starts:
-        for offset_in_step, row in enumerate(step_rows):
-            if row in offsets:
-                k = int(alloc_index[start + offset_in_step])
-                placements[k] = offsets[row]
-                planned_sizes[k] = sizes[row]
-    return ArenaPlan(placements, planned_sizes, arena_bytes, source="memo_ext.planner plan")
-
-
 # ------------------------------------------------------------------------------------ replay
 
 @dataclass
@@ -170,11 +120,8 @@ def replay_iterations(trace: EventTrace, policy: str, device_bytes: int, iterati
                          "larger device")
 
     def run(n: int, timelines: bool):
-        repeated, starts, step_rows = repeated_iterations(trace, n)
-        arena = None
-        if plan is not None:
-            arena = repeated_arena_plan(plan.offsets, plan.sizes, plan.arena_bytes, repeated,
-                                        starts, step_rows)
+        repeated, starts, _ = repeated_iterations(trace, n)
+        arena = None if plan is None else arena_plan(plan, trace, n)
         return replay(repeated, policy, capacity, plan=arena, timelines=timelines), starts
 
     start = time.perf_counter()

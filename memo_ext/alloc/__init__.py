@@ -23,6 +23,7 @@ from memo_ext.alloc.models import (
     load_plan,
     load_trace,
     reconstruct_initial_state,
+    repeated_iterations,
     replay,
     replay_policies,
     save_trace,
@@ -40,6 +41,7 @@ __all__ = [
     "POLICIES", "ArenaPlan", "DecisionMismatch", "DeviceSummary", "InitialState", "OomEvent",
     "OomInfo", "PlanError", "RecordedComparison", "ReplayResult", "SnapshotError", "Trace",
     "TraceError", "best_fit_plan", "compare_recorded", "infer_capacity", "load_plan",
-    "load_snapshot", "load_trace", "reconstruct_initial_state", "replay", "replay_policies",
+    "load_snapshot", "load_trace", "reconstruct_initial_state", "repeated_iterations", "replay",
+    "replay_policies",
     "save_trace", "snapshot_trace", "summarize_snapshot",
 ]

@@ -377,6 +377,36 @@ def _plan_arrays(trace: Trace, plan: ArenaPlan) -> tuple[np.ndarray, np.ndarray,
     return offsets, sizes, arena
 
 
+def repeated_iterations(trace, iterations: int) -> tuple[Trace, list[int], list[int]]:
+    """The allocator's view of ``iterations`` training iterations of a memo_ext.planner trace
+    (anything with ``.events``, dicts with id/action/bytes/phase/pool): the persistent
+    (``init``) allocations once, then the iteration's events ``iterations`` times with its
+    blocks renamed per iteration. Returns the trace, the row at which each iteration starts,
+    and for each row of one iteration its row among the trace's device events."""
+    device = [e for e in trace.events if e["pool"] == "device"]
+    persistent = [e for e in device if e["phase"] == "init"]
+    persistent_ids = {e["id"] for e in persistent}
+    step_rows = [row for row, e in enumerate(device) if e["phase"] != "init"]
+    step = [device[row] for row in step_rows]
+    if any(e["action"] == "free" and e["id"] in persistent_ids for e in step):
+        raise ValueError("the iteration frees a persistent allocation: cannot repeat it")
+    id_span = 1 + max((e["id"] for e in device), default=0)
+    actions = [ALLOC] * len(persistent)
+    sizes = [e["bytes"] for e in persistent]
+    starts = []
+    step_actions = [ALLOC if e["action"] == "alloc" else FREE for e in step]
+    step_ids = np.array([e["id"] for e in step], np.int64)
+    step_sizes = [e["bytes"] if e["action"] == "alloc" else 0 for e in step]
+    id_columns = [np.array([e["id"] for e in persistent], np.int64)]
+    for iteration in range(iterations):
+        starts.append(len(actions))
+        actions += step_actions
+        sizes += step_sizes
+        id_columns.append(step_ids + (iteration + 1) * id_span)
+    return (Trace(np.array(actions), np.concatenate(id_columns), np.array(sizes),
+                  np.zeros(len(actions)), name=f"{iterations} iterations"), starts, step_rows)
+
+
 # ------------------------------------------------------------------------------------ replay
 
 

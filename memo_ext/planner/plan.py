@@ -410,14 +410,30 @@ def plan_for_trace(path, trace: Trace) -> MemoryPlan:
     return plan
 
 
-def arena_plan(plan: MemoryPlan, trace: Trace):
-    """The plan as memo_ext.alloc's ArenaPlan for the same trace's device events (request k =
-    the k-th allocation), so the allocator models can replay it ("arena" policy)."""
-    from memo_ext.alloc import ArenaPlan
+def arena_plan(plan: MemoryPlan, trace: Trace, iterations: Optional[int] = None):
+    """The plan as memo_ext.alloc's ArenaPlan (request k = the k-th allocation), so the
+    allocator models can replay it ("arena" policy): for the trace's own device events, or,
+    with ``iterations``, for memo_ext.alloc.repeated_iterations(trace, iterations) (the same
+    offsets in every iteration; the persistent state is not planned)."""
+    import numpy as np
 
-    events = _device_events(trace)
-    k_of_row = {row: k for k, row in enumerate(
-        row for row, e in enumerate(events) if e["action"] == "alloc")}
-    return ArenaPlan({k_of_row[row]: offset for row, offset in plan.offsets.items()},
-                     {k_of_row[row]: plan.sizes[row] for row in plan.offsets},
-                     plan.arena_bytes, source="memo_ext.planner bi-level plan")
+    from memo_ext.alloc import ArenaPlan, repeated_iterations
+    from memo_ext.alloc.models import ALLOC
+
+    if iterations is None:
+        events = _device_events(trace)
+        k_of_row = {row: k for k, row in enumerate(
+            row for row, e in enumerate(events) if e["action"] == "alloc")}
+        return ArenaPlan({k_of_row[row]: offset for row, offset in plan.offsets.items()},
+                         {k_of_row[row]: plan.sizes[row] for row in plan.offsets},
+                         plan.arena_bytes, source="memo_ext.planner plan")
+    repeated, starts, step_rows = repeated_iterations(trace, iterations)
+    alloc_index = np.cumsum(repeated.actions == ALLOC) - 1
+    placements, sizes = {}, {}
+    for start in starts:
+        for position, row in enumerate(step_rows):
+            if row in plan.offsets:
+                k = int(alloc_index[start + position])
+                placements[k] = plan.offsets[row]
+                sizes[k] = plan.sizes[row]
+    return ArenaPlan(placements, sizes, plan.arena_bytes, source="memo_ext.planner plan")
