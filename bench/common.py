@@ -5,23 +5,17 @@ models."""
 
 from __future__ import annotations
 
-import shlex
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-
 from memo_ext.alloc import ReplayResult, repeated_iterations, replay
-from memo_ext.estimate import external_bytes
+# longest_fitting is re-exported for the bench scripts.
+from memo_ext.estimate import external_bytes, longest_fitting, trace_rank  # noqa: F401
 from memo_ext.planner.plan import arena_plan
 from memo_ext.planner.trace import Trace as EventTrace
-from memo_ext.planner.trace import read_trace
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TRACE_TOOL = REPO_ROOT / "tools" / "trace.py"
 MiB, GiB = 1 << 20, 1 << 30
 
 
@@ -33,33 +27,12 @@ def seq_label(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
-def longest_fitting(fits: Callable[[int], bool], step: int, maximum: int) -> int:
-    """Largest multiple of ``step`` <= ``maximum`` with fits(seq) (0 if none), by bisection
-    (assumes fitting is monotone in the sequence length)."""
-    lo, hi = 0, maximum // step + 1  # lo fits (0 trivially), hi does not (assumed)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * step):
-            lo = mid
-        else:
-            hi = mid
-    return lo * step
-
-
 # ------------------------------------------------------------------------------------ traces
 
 def record_trace(trace_argv: list[str], seq: int, workdir: Path) -> tuple[EventTrace, float]:
-    """Rank 0's trace at ``seq`` tokens from tools/trace.py (a subprocess per trace: each builds
-    its own fake world) and the seconds it took."""
-    path = workdir / f"trace_{seq}.jsonl.gz"
-    command = [sys.executable, str(TRACE_TOOL), *trace_argv, "--seq-length", str(seq),
-               "--quiet", "-o", str(path)]
+    """Rank 0's trace at ``seq`` tokens (memo_ext.estimate.trace_rank) and its seconds."""
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{shlex.join(command)} exited {result.returncode}:\n"
-                           f"{result.stderr[-3000:]}")
-    return read_trace(path), time.perf_counter() - start
+    return trace_rank(trace_argv, seq, workdir), time.perf_counter() - start
 
 
 class TraceCache:

@@ -15,9 +15,11 @@ from memo_ext.estimate.memory import (
     external_bytes,
     linear_trace,
     load_hardware,
+    longest_fitting,
     max_sequence_length,
     trace_rank,
 )
 
 __all__ = ["EstimateError", "LinearTrace", "MemoryEstimate", "estimate_at", "external_bytes",
-           "linear_trace", "load_hardware", "max_sequence_length", "trace_rank"]
+           "linear_trace", "load_hardware", "longest_fitting", "max_sequence_length",
+           "trace_rank"]

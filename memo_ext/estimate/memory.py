@@ -174,30 +174,30 @@ def estimate_at(trace: Trace, capacity_bytes: int, policy: str = "caching",
         peak_by_category=summary.peak_by_category, host_bytes=summary.host_peak_bytes)
 
 
-def max_sequence_length(estimate: Callable[[int], MemoryEstimate], step: int,
-                        maximum: int, fine_step: Optional[int] = None) -> int:
-    """Longest multiple of ``step`` (of ``fine_step`` below ``step``) that fits, by bisection;
-    0 when not even the smallest does."""
-    def fits(seq: int) -> bool:
-        return estimate(seq).fits
-
-    lo, hi = 0, maximum // step + 1
+def longest_fitting(fits: Callable[[int], bool], step: int, maximum: int) -> int:
+    """Largest multiple of ``step`` <= ``maximum`` with fits(seq) (0 if none), by bisection
+    (fitting is assumed monotone in the sequence length)."""
+    lo, hi = 0, maximum // step + 1  # lo fits (0 trivially), hi does not (assumed)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid * step):
             lo = mid
         else:
             hi = mid
-    if lo or not fine_step:
-        return lo * step
-    lo, hi = 0, step // fine_step
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * fine_step):
-            lo = mid
-        else:
-            hi = mid
-    return lo * fine_step
+    return lo * step
+
+
+def max_sequence_length(estimate: Callable[[int], MemoryEstimate], step: int,
+                        maximum: int, fine_step: Optional[int] = None) -> int:
+    """Longest multiple of ``step`` that fits (of ``fine_step`` when not even ``step`` does);
+    0 when nothing does."""
+    def fits(seq: int) -> bool:
+        return estimate(seq).fits
+
+    longest = longest_fitting(fits, step, maximum)
+    if longest or not fine_step:
+        return longest
+    return longest_fitting(fits, fine_step, step - fine_step)
 
 
 def linear_trace(trace_argv: list[str], seqs: tuple[int, int],
