@@ -75,7 +75,14 @@ BAD_INPUTS = [
      BASE + ["--memo-offload", "--recompute-granularity", "selective"], "--memo-offload"),
     ("memo_two_layers_per_stage", 2,
      BASE + ["--memo-offload", "--pipeline-model-parallel-size", "2"], "--memo-offload"),
+    ("memo_plan_missing_file", 1, BASE + ["--memo-plan", "/nonexistent/plan.json"],
+     "--memo-plan"),
 ]
+
+
+def test_memo_plan_is_refused_on_cuda_until_wired():
+    with pytest.raises(ArgumentValidationError, match="--memo-plan runs as a CPU shadow"):
+        parse_args(BASE + ["--memo-plan", "auto"], world_size=1, cuda_available=True)
 
 
 @pytest.mark.parametrize("case,world_size,argv,flag", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
