@@ -70,6 +70,18 @@ def test_hardware_profiles():
         load_hardware("nope")
 
 
+def test_hardware_file_adds_and_overrides_profiles(tmp_path):
+    extra = tmp_path / "gpus.json"
+    extra.write_text('{"mi300x": {"device_memory_bytes": 206158430208, "bf16_tflops": 1307}, '
+                     '"a800": {"device_memory_bytes": 1, "bf16_tflops": 1}}')
+    assert load_hardware("mi300x", extra)["bf16_tflops"] == 1307
+    assert load_hardware("a800", extra)["device_memory_bytes"] == 1
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(EstimateError, match="--hardware-file"):
+        load_hardware("a800", broken)
+
+
 def _estimate(argv):
     import importlib.util
 
