@@ -103,17 +103,23 @@ def test_check_placement_finds_overlaps_and_overflow():
 
 # ----------------------------------------------------------------------------- plans
 
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory):
-    """A 3-layer model's trace, with full recompute (so backward phases recompute)."""
-    path = tmp_path_factory.mktemp("planner") / "trace.jsonl.gz"
+def _trace_full_recompute(path, seq_length: int = 256):
+    """The small model's trace at ``seq_length`` tokens, with full recompute (so backward phases
+    recompute), written to ``path`` by tools/trace.py and read back."""
+    args = [str(seq_length) if a == "256" else a for a in TRACE_ARGS]
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "trace.py"), *TRACE_ARGS,
+        [sys.executable, str(REPO_ROOT / "tools" / "trace.py"), *args,
          "--recompute-granularity", "full", "--recompute-method", "uniform",
          "--recompute-num-layers", "1", "--quiet", "-o", str(path)],
         cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    return path, T.read_trace(path)
+    return T.read_trace(path)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    path = tmp_path_factory.mktemp("planner") / "trace.jsonl.gz"
+    return path, _trace_full_recompute(path)
 
 
 def test_layer_phases_and_level1_kinds(traced):
@@ -264,15 +270,7 @@ def test_runtime_arena_falls_back_on_a_longer_sequence_than_planned(traced, tmp_
 
     _, trace = traced
     plan = P.plan_trace(trace)
-    longer_path = tmp_path / "longer.jsonl.gz"
-    args = [a if a != "256" else "512" for a in TRACE_ARGS]
-    done = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "trace.py"), *args,
-         "--recompute-granularity", "full", "--recompute-method", "uniform",
-         "--recompute-num-layers", "1", "--quiet", "-o", str(longer_path)],
-        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    longer = T.read_trace(longer_path)
+    longer = _trace_full_recompute(tmp_path / "longer.jsonl.gz", seq_length=512)
     stats = _served_blocks_never_overlap(ArenaRuntime(plan), longer)
     assert stats["size_mismatches"] > 0
     with pytest.raises(ValueError, match="made for trace"):
