@@ -1,26 +1,34 @@
-"""Predict a training job's device memory per rank before launching it, on any machine.
+"""Predict a training job's device memory, step time and MFU before launching it, on any machine.
 
     python tools/estimate.py --model 7b --gpu a800 --tp 4 --cp 2 --seq-length 524288
     python tools/estimate.py --model 7b --gpu a800 --tp 4 --cp 2 --max-seq-length
-    python tools/estimate.py --model 7b --gpu a800 --tp 4 --cp 2 --policy memo --memo-alpha 0 \\
-        --max-seq-length
+    python tools/estimate.py --model 7b --gpus 8 --gpu a800 --policy memo --memo-alpha 0 \\
+        --tp 4 --cp 2 --max-seq-length
+    python tools/estimate.py --model 7b --gpus 8 --gpu a800 --recommend --max-seq-length
 
 Rank 0 of the layout is traced on fake tensors at two sequence lengths (tools/trace.py, about
-15-25 s each for 7B); every request size is linear in the sequence length, so the trace at any
-length follows, and is replayed (persistent state once, then three iterations) through the
-allocator model on the GPU's memory. Prints the predicted peak (reserved by the allocator plus
-the memory outside it: CUDA context, NCCL), the live bytes by category at the peak, and FITS or
-OOM; ``--max-seq-length`` searches the longest sequence that fits in steps of 128K (16K below
-128K) and ends with ``max sequence length: <tokens> tokens, ...``.
+15-25 s each for 7B, cached under ~/.cache/megatron-memo/traces); every request size is linear
+in the sequence length, so the trace at any length follows, and is replayed (persistent state
+once, then three iterations) through the allocator model on the GPU's memory. The work the
+trace counted (GEMM and attention FLOPs, bytes moved, collectives, PCIe copies) goes through the
+cost model (memo_ext/estimate/cost.py) for the step time and MFU.
+
+Prints the predicted peak (reserved by the allocator plus the memory outside it: CUDA context,
+NCCL), the live bytes by category at the peak, FITS or OOM (device or host), the step time with
+its breakdown and the MFU. ``--max-seq-length`` searches the longest sequence that fits in steps
+of 128K (16K below 128K) and ends with ``max sequence length: <tokens> tokens, predicted MFU
+<pct>%``. ``--recommend`` searches (TP, CP, PP, DP, micro-batch, policy, alpha) for ``--gpus``
+GPUs and prints the best layouts as a table.
 
 Policies: ``megatron`` is Megatron-LM with full recompute (uniform, 1 layer), ``megatron-none``
 without recompute, ``memo`` MEMO's offload at ``--memo-alpha``. Everything printed is predicted
-(allocator models, no GPU involved). The time side (step time, MFU) is not built yet.
+(allocator models and a cost model; no GPU is involved).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -30,21 +38,23 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 GiB = 1 << 30
-POLICIES = {
-    "megatron": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--recompute-num-layers", "1"],
-    "megatron-none": [],
-    "memo": None,  # --memo-offload --memo-alpha A
-}
-#: The two lengths the line is fitted through (multiples of every TP x CP x 2 used in practice).
-FIT_SEQS = (131072, 262144)
+MODELS = ("7b", "13b", "30b", "65b")
+#: Keys of a --model JSON file -> tools/trace.py flags.
+MODEL_FILE_KEYS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+                   "ffn_hidden_size": "--ffn-hidden-size",
+                   "num_attention_heads": "--num-attention-heads",
+                   "num_query_groups": "--num-query-groups", "vocab_size": "--vocab-size"}
 SEARCH_STEP, FINE_STEP = 131072, 16384
+#: memo.md's calibration runs: 16 sequences per iteration.
+DEFAULT_GLOBAL_BATCH = 16
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, choices=("7b", "13b", "30b", "65b"))
+    parser.add_argument("--model", required=True,
+                        help="7b, 13b, 30b, 65b (examples/configs) or a JSON file with "
+                             + ", ".join(MODEL_FILE_KEYS) + " (and swiglu: true/false)")
     parser.add_argument("--gpu", required=True, help="a profile of memo_ext/estimate/hardware.json")
     parser.add_argument("--hardware-file", type=Path, default=None,
                         help="extra GPU profiles (JSON, the keys of hardware.json)")
@@ -53,9 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--policy", choices=sorted(POLICIES), default="megatron")
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH,
+                        help="sequences per iteration (default 16, as memo.md's calibration)")
+    parser.add_argument("--policy", choices=("megatron", "megatron-none", "memo"),
+                        default="megatron")
     parser.add_argument("--memo-alpha", default="0", metavar="ALPHA",
                         help="with --policy memo: the offloaded fraction (a number in [0, 1])")
+    parser.add_argument("--host-memory-gb", type=float, default=None,
+                        help="host memory per node for MEMO's offload (default: the profile's)")
     parser.add_argument("--allocator", choices=("caching", "expandable", "arena"), default=None,
                         help="allocator model: caching (PyTorch's default), expandable "
                              "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or arena "
@@ -67,7 +83,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="search the longest sequence that fits")
     parser.add_argument("--search-max", type=int, default=8 * 1048576,
                         help="longest sequence the search tries (default 8M)")
+    search = parser.add_argument_group("recommender (--recommend)")
+    search.add_argument("--recommend", action="store_true",
+                        help="search layouts and policies for --gpus GPUs; print the best")
+    search.add_argument("--policies", default="megatron,megatron-none,memo",
+                        help="policies searched (comma-separated)")
+    search.add_argument("--alphas", default="0,1",
+                        help="MEMO alphas searched (comma-separated)")
+    search.add_argument("--pp-sizes", default="1",
+                        help="pipeline sizes searched (comma-separated; default 1)")
+    search.add_argument("--micro-batch-sizes", default="1",
+                        help="micro-batch sizes searched (comma-separated)")
+    search.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    parser.add_argument("--jobs", type=int, default=2, help="traces run in parallel")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="trace cache (default $MEMO_ESTIMATE_CACHE or "
+                             "~/.cache/megatron-memo/traces)")
+    parser.add_argument("--no-cache", action="store_true", help="trace afresh, keep nothing")
     return parser
+
+
+class UsageError(ValueError):
+    """Bad command-line input (one line)."""
 
 
 def _fail(message: str) -> int:
@@ -75,83 +112,183 @@ def _fail(message: str) -> int:
     return 2
 
 
-def trace_argv(opts: argparse.Namespace, dp: int) -> list[str]:
-    argv = ["--model", opts.model, "--tp", str(opts.tp), "--cp", str(opts.cp), "--pp",
-            str(opts.pp), "--dp", str(dp), "--bf16"]
-    if opts.policy == "memo":
-        return argv + ["--memo-offload", "--memo-alpha", opts.memo_alpha]
-    return argv + POLICIES[opts.policy]
+def _numbers(text: str, flag: str, kind=float) -> list:
+    try:
+        return [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text}: give comma-separated numbers") from None
 
 
-def describe(estimate, device_bytes: int) -> list[str]:
-    verdict = "FITS" if estimate.fits else (
-        f"OOM (a {estimate.oom_request_bytes / GiB:.2f} GiB request fails)"
-        if estimate.oom_request_bytes else "OOM")
-    lines = [f"seq {estimate.seq}: peak {estimate.peak_reserved_bytes / GiB:.2f} GiB reserved + "
-             f"{estimate.external_bytes / GiB:.2f} GiB outside the allocator = "
-             f"{estimate.peak_device_bytes / GiB:.2f} of {device_bytes / GiB:.2f} GiB per rank: "
-             f"{verdict}",
+def model_argv(name: str) -> tuple[list[str], dict]:
+    """tools/trace.py flags of the model and its shape (for the recommender's pruning)."""
+    if name in MODELS:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("memo_trace_tool",
+                                                      REPO_ROOT / "tools" / "trace.py")
+        tracer = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(tracer)
+        layers, hidden, ffn, heads = tracer.MODELS[name]
+        return ["--model", name], {"num_layers": layers, "hidden_size": hidden,
+                                   "ffn_hidden_size": ffn, "num_attention_heads": heads,
+                                   "vocab_size": tracer.DEFAULT_VOCAB_SIZE}
+    path = Path(name)
+    try:
+        shape = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--model {name}: neither {', '.join(MODELS)} nor a readable JSON "
+                         f"file ({exc.__class__.__name__})") from None
+    missing = [key for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+               if key not in shape]
+    if missing:
+        raise UsageError(f"--model {name}: the file lacks {', '.join(missing)}")
+    shape.setdefault("ffn_hidden_size", 4 * shape["hidden_size"])
+    argv = []
+    for key, flag in MODEL_FILE_KEYS.items():
+        if shape.get(key) is not None:
+            argv += [flag, str(int(shape[key]))]
+    if shape.get("swiglu"):
+        argv.append("--swiglu")
+    return argv, shape
+
+
+def describe(prediction, device_bytes: int) -> list[str]:
+    memory, step = prediction.memory, prediction.step
+    lines = [f"seq {prediction.seq}: peak {memory.peak_reserved_bytes / GiB:.2f} GiB reserved + "
+             f"{memory.external_bytes / GiB:.2f} GiB outside the allocator = "
+             f"{memory.peak_device_bytes / GiB:.2f} of {device_bytes / GiB:.2f} GiB per rank: "
+             f"{prediction.verdict()}",
              "  live at the peak: " + ", ".join(
                  f"{name} {nbytes / GiB:.2f} GiB"
-                 for name, nbytes in sorted(estimate.peak_by_category.items(),
+                 for name, nbytes in sorted(memory.peak_by_category.items(),
                                             key=lambda kv: -kv[1]) if nbytes),
-             f"  fragmentation {estimate.fragmentation:.1%}, reorganisations in 3 iterations "
-             f"{estimate.reorganisations}"]
-    if estimate.host_bytes:
-        lines.append(f"  host memory for offloaded activations: {estimate.host_bytes / GiB:.2f} "
-                     "GiB per rank")
+             f"  fragmentation {memory.fragmentation:.1%}, reorganisations in 3 iterations "
+             f"{memory.reorganisations}"]
+    if memory.host_bytes:
+        lines.append(f"  host memory for offloaded activations: {memory.host_bytes / GiB:.2f} "
+                     f"GiB per rank, {prediction.host_bytes_per_node / 1e9:.0f} of "
+                     f"{prediction.host_capacity_bytes / 1e9:.0f} GB per node")
+    lines.append(f"  time: {step.breakdown()}")
+    lines.append(f"  predicted MFU {step.mfu:.1%} ({prediction.layout.gpus} GPUs, "
+                 f"{step.microbatches * prediction.layout.dp * prediction.layout.micro_batch} "
+                 f"sequences per iteration)")
+    return lines
+
+
+def table(predictions, top: int) -> list[str]:
+    lines = ["| # | layout | seq | peak GiB/rank | host GB/node | step s | MFU | fits |",
+             "|---|---|---|---|---|---|---|---|"]
+    for index, p in enumerate(predictions[:top], 1):
+        lines.append(f"| {index} | {p.layout.describe()} | {p.seq} | "
+                     f"{p.memory.peak_device_bytes / GiB:.1f} | "
+                     f"{p.host_bytes_per_node / 1e9:.0f} | {p.step.step_s:.1f} | "
+                     f"{p.step.mfu:.1%} | {p.verdict()} |")
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
-    if opts.allocator is None:
-        opts.allocator = "arena" if opts.policy == "memo" else "caching"
-    from memo_ext.estimate import (
-        EstimateError,
-        estimate_at,
-        linear_trace,
-        load_hardware,
-        max_sequence_length,
+    from memo_ext.estimate import EstimateError, load_hardware
+    from memo_ext.estimate.cost import CostModelError
+    from memo_ext.estimate.layout import (
+        Layout,
+        LayoutModel,
+        TraceCache,
+        build_models,
+        candidate_layouts,
+        default_cache_dir,
+        rank_at,
+        rank_longest,
     )
 
-    model_parallel = opts.tp * opts.cp * opts.pp
-    gpus = opts.gpus or model_parallel
-    if gpus % model_parallel:
-        return _fail(f"--gpus {gpus} is not a multiple of TP x CP x PP = {model_parallel}")
-    if opts.policy == "memo":
-        try:
-            alpha = float(opts.memo_alpha)
-        except ValueError:
-            alpha = -1.0
-        if not 0.0 <= alpha <= 1.0:
-            return _fail(f"--memo-alpha {opts.memo_alpha}: give a number in [0, 1]")
     started = time.perf_counter()
     try:
+        shape_argv, shape = model_argv(opts.model)
         hardware = load_hardware(opts.gpu, opts.hardware_file)
         device = int(hardware["device_memory_bytes"])
-        line = linear_trace(trace_argv(opts, gpus // model_parallel), FIT_SEQS)
+        cache = TraceCache(None if opts.no_cache else (opts.cache_dir or default_cache_dir()))
+        if opts.recommend:
+            if not opts.gpus:
+                raise UsageError("--recommend needs --gpus N")
+            policies = [p.strip() for p in opts.policies.split(",") if p.strip()]
+            unknown = [p for p in policies if p not in ("megatron", "megatron-none", "memo")]
+            if unknown:
+                raise UsageError(f"--policies: unknown {', '.join(unknown)}")
+            alphas = _numbers(opts.alphas, "--alphas")
+            if any(not 0 <= a <= 1 for a in alphas):
+                raise UsageError(f"--alphas {opts.alphas}: each in [0, 1]")
+            layouts, dropped = candidate_layouts(
+                shape, opts.gpus, hardware, policies=policies, alphas=alphas,
+                micro_batches=_numbers(opts.micro_batch_sizes, "--micro-batch-sizes", int),
+                global_batch=opts.global_batch_size,
+                pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int))
+            print(f"recommend: {opts.model} on {opts.gpus} x {opts.gpu}, {len(layouts)} "
+                  f"layouts to predict ({len(dropped)} ruled out before tracing); SPPO is not "
+                  "searched (not built yet)")
+            models, failed = build_models(shape_argv, layouts, hardware,
+                                          global_batch=opts.global_batch_size, cache=cache,
+                                          jobs=opts.jobs,
+                                          host_memory_gb_per_node=opts.host_memory_gb,
+                                          log=lambda line: print(f"  {line}", flush=True))
+            for layout, reason in failed:
+                print(f"  not predicted: {layout.describe()}: {reason}")
+            if opts.max_seq_length:
+                ranked = rank_longest(models, SEARCH_STEP, opts.search_max, FINE_STEP)
+            else:
+                ranked = [p for p in rank_at(models, opts.seq_length) if p.fits]
+            for line in table(ranked, opts.top):
+                print(line)
+            print(f"estimated in {time.perf_counter() - started:.1f} s")
+            if not ranked:
+                print("no layout fits" + ("" if opts.max_seq_length
+                                          else f" at {opts.seq_length} tokens"))
+                return 1
+            best = ranked[0]
+            print(f"best: {best.layout.describe()}")
+            for text in describe(best, device):
+                print(text)
+            if opts.max_seq_length:
+                print(f"max sequence length: {best.seq} tokens, predicted MFU "
+                      f"{best.step.mfu * 100:.1f}%")
+            return 0
+
+        model_parallel = opts.tp * opts.cp * opts.pp
+        gpus = opts.gpus or model_parallel
+        if gpus % model_parallel:
+            raise UsageError(f"--gpus {gpus} is not a multiple of TP x CP x PP = "
+                             f"{model_parallel}")
+        alpha = None
+        if opts.policy == "memo":
+            try:
+                alpha = float(opts.memo_alpha)
+            except ValueError:
+                alpha = -1.0
+            if not 0.0 <= alpha <= 1.0:
+                raise UsageError(f"--memo-alpha {opts.memo_alpha}: give a number in [0, 1]")
+        layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
+                        opts.micro_batch_size)
+        model = LayoutModel.build(shape_argv, layout, hardware,
+                                  global_batch=opts.global_batch_size, cache=cache,
+                                  allocator=opts.allocator,
+                                  host_memory_gb_per_node=opts.host_memory_gb)
         print(f"estimate: {opts.model} on {opts.gpu} ({device / GiB:.2f} GiB per GPU), "
-              f"{gpus} GPUs: TP={opts.tp} CP={opts.cp} PP={opts.pp} DP={gpus // model_parallel}, "
-              f"policy {opts.policy}, {opts.allocator} allocator model, rank 0 (predicted; "
-              f"traces at {FIT_SEQS[0]} and {FIT_SEQS[1]} tokens)")
-
-        def estimate(seq: int):
-            return estimate_at(line.at(seq), device, opts.allocator)
-
+              f"{gpus} GPUs: {layout.describe()}, {model.allocator} allocator model, rank 0 "
+              f"(predicted; traces at 131072 and 262144 tokens)")
         if opts.seq_length is not None:
-            for text in describe(estimate(opts.seq_length), device):
+            for text in describe(model.predict(opts.seq_length), device):
                 print(text)
             return 0
-        longest = max_sequence_length(estimate, SEARCH_STEP, opts.search_max, FINE_STEP)
+        longest = model.longest(SEARCH_STEP, opts.search_max, FINE_STEP)
+        mfu = "n/a (nothing fits)"
         if longest:
-            for text in describe(estimate(longest), device):
+            prediction = model.predict(longest)
+            for text in describe(prediction, device):
                 print(text)
+            mfu = f"{prediction.step.mfu * 100:.1f}%"
         print(f"estimated in {time.perf_counter() - started:.1f} s")
-        print(f"max sequence length: {longest} tokens, predicted MFU n/a (the cost model is "
-              "not built yet)")
+        print(f"max sequence length: {longest} tokens, predicted MFU {mfu}")
         return 0
-    except EstimateError as exc:
+    except (UsageError, EstimateError, CostModelError) as exc:
         return _fail(str(exc))
 
 

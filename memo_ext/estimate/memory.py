@@ -44,7 +44,8 @@ class EstimateError(ValueError):
 
 
 def load_hardware(name: str, extra_file: Optional[Path] = None) -> dict:
-    """A GPU profile from hardware.json (or ``extra_file``, same keys, which wins)."""
+    """A GPU profile from hardware.json (or ``extra_file``, same keys, which wins), with the
+    cost model's default ``efficiency`` table unless the profile has its own."""
     profiles = json.loads(HARDWARE_FILE.read_text())
     if extra_file is not None:
         try:
@@ -53,11 +54,12 @@ def load_hardware(name: str, extra_file: Optional[Path] = None) -> dict:
             raise EstimateError(f"--hardware-file {extra_file}: not a readable JSON file of "
                                 f"GPU profiles ({exc.__class__.__name__})") from None
     profiles.pop("_comment", None)
+    efficiency = profiles.pop("efficiency")
     key = name.lower()
     if key not in profiles:
         raise EstimateError(f"--gpu {name}: unknown; use one of {', '.join(sorted(profiles))} "
                             "or add it with --hardware-file")
-    return profiles[key]
+    return {"efficiency": efficiency, **profiles[key]}
 
 
 def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 from torch.overrides import TorchFunctionMode
 
+from memo_ext.planner.work import WorkCounter
 from memo_ext.telemetry.tracker import DEVICE, HOST, DeviceMemoryTracker, storage_of
 
 # ---------------------------------------------------------------------------------- vocabulary
@@ -499,6 +500,8 @@ class AllocationRecorder(DeviceMemoryTracker):
         self._last_backward_tag: tuple[Optional[str], Optional[int]] = (None, None)
         self._op = threading.local()
         self.tagger = _GraphTagger(self)
+        #: FLOPs, bytes moved and collectives of the recorded iteration (the cost model's input).
+        self.work = WorkCounter()
 
     # ------------------------------------------------------------------ context
     @contextlib.contextmanager
@@ -585,6 +588,8 @@ class AllocationRecorder(DeviceMemoryTracker):
                 input_keys.add(st._cdata)
         name = str(func)
         out = func(*args, **kwargs)
+        if self.recording and not getattr(_TLS, "untraced", 0):
+            self.work.count(self._context()[0], func, args, kwargs, out, self.is_host)
         self._op.name = name
         category = HOST if getattr(self._host_depth, "n", 0) > 0 else DEVICE
         seen = set()
@@ -1058,12 +1063,14 @@ def record_iteration(
                 gc.collect()
                 _retag_megatron_workspaces(recorder)
                 recorder.promote_live_to_init(start)
+            recorder.work.reset()  # the work of the recorded iteration only
             _run_iteration(recorder, model, forward_step, microbatches, after_backward,
                            microbatch_backward_done, deallocate_pipeline_outputs)
             with recorder.phase_scope(OPTIMIZER_STEP):
                 gc.collect()
             _retag_megatron_workspaces(recorder)
             recorder.recording = False
+        header = {**(header or {}), "work": recorder.work.as_dict()}
         return recorder.trace(header)
     finally:
         recorder.recording = False

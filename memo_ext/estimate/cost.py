@@ -1,0 +1,279 @@
+"""Time side of the estimator: predicted step time and MFU of one iteration from the work a
+trace counted (memo_ext.planner.work), a GPU profile and efficiency factors.
+
+Every figure here is *predicted*: a roofline per class of work with efficiency factors, never a
+measurement (no GPU is involved). Per micro-batch on the traced rank:
+
+* compute, per phase (forward, recompute, backward): GEMM FLOPs / (peak · e_gemm) + attention
+  FLOPs / (peak · e_attention) + bytes moved by the other ops / (HBM bandwidth · e_memory);
+* tensor/context-parallel collectives the trace saw, by the ring algorithm's bytes on the wire
+  ((g-1)/g of the buffer for all-gather and reduce-scatter, twice that for all-reduce) over
+  NVLink when the group sits in one node, InfiniBand otherwise, times e_collective. Not
+  overlapped with compute: megatron-core without Transformer Engine's comm overlap runs them on
+  the compute stream;
+* MEMO's offload (forward) and prefetch (backward) over PCIe at e_pcie of the link, overlapped
+  with that phase's compute: only the excess is exposed (memo.md's LP keeps it hidden);
+* pipeline: (micro-batches + PP - 1) micro-batch times (1F1B's fill and drain) plus the stage
+  boundary's point-to-point sends;
+* per iteration: data-parallel gradient reduce-scatter and parameter all-gather (distributed
+  optimizer) or all-reduce, the optimizer's memory traffic, and the caching allocator's
+  reorganisations (each a device synchronisation, cudaFree of every cached block and cudaMalloc
+  again), which the allocator model counts.
+
+MFU follows memo.md's definition: (6·s·P + 6·n·h·s²) FLOPs per sequence over (GPUs · step time ·
+peak), so recomputation is not credited.
+
+Work at any sequence length comes from the work at two traced lengths: attention FLOPs are
+quadratic in the length, everything else linear (exact, as the allocation sizes are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from fractions import Fraction
+
+from memo_ext.planner.work import PHASE_FIELDS
+
+GB = 10**9
+
+def _wire_fraction(op: str, group_size: int) -> float:
+    """Fraction of the buffer each rank sends over its link (ring algorithms)."""
+    if op in ("all_gather", "reduce_scatter"):
+        return (group_size - 1) / group_size
+    if op == "all_reduce":
+        return 2 * (group_size - 1) / group_size
+    return 1.0
+
+
+class CostModelError(ValueError):
+    """A step time that cannot be predicted; one line naming the input at fault and the fix."""
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of a GPU's peak the kernels reach, and the cost of one allocator
+    reorganisation (seconds). Defaults and provenance: ``efficiency`` in hardware.json."""
+
+    gemm: float
+    attention: float
+    memory: float
+    collective: float
+    pcie: float
+    reorganisation_s: float
+
+    @classmethod
+    def from_profile(cls, profile: dict) -> "Efficiency":
+        values = profile.get("efficiency")
+        if not isinstance(values, dict):
+            raise CostModelError("the GPU profile has no 'efficiency' table; add one "
+                                 "(keys: " + ", ".join(f.name for f in fields(cls)) + ")")
+        missing = [f.name for f in fields(cls) if f.name not in values]
+        if missing:
+            raise CostModelError(f"the GPU profile's 'efficiency' lacks {', '.join(missing)}")
+        return cls(**{f.name: float(values[f.name]) for f in fields(cls)})
+
+
+# ----------------------------------------------------------------------------- work at any s
+
+def _collective_key(record: dict) -> tuple:
+    return record["phase"], record["op"], tuple(record["ranks"])
+
+
+@dataclass
+class WorkLine:
+    """Work of a rank's iteration as a function of the sequence length, fitted through two
+    traces' ``header["work"]``: attention FLOPs b·s + c·s² (causal pairs are s(s+1)/2),
+    everything else a + b·s."""
+
+    seqs: tuple[int, int]
+    phases: dict[str, dict[str, tuple[Fraction, Fraction]]]  # field -> (a, b), or (b, c) for s²
+    collectives: dict[tuple, tuple[Fraction, Fraction, int]]
+
+    @classmethod
+    def from_headers(cls, first: dict, second: dict) -> "WorkLine":
+        s1, s2 = first["model"]["seq_length"], second["model"]["seq_length"]
+        w1, w2 = first.get("work"), second.get("work")
+        if w1 is None or w2 is None:
+            raise CostModelError("a trace has no work counts (written before they existed); "
+                                 "trace it again with tools/trace.py")
+        if s1 == s2:
+            raise CostModelError("the two traces have the same sequence length")
+        phases: dict = {}
+        for phase in sorted(set(w1["phases"]) | set(w2["phases"])):
+            p1 = w1["phases"].get(phase, {})
+            p2 = w2["phases"].get(phase, {})
+            fitted = {}
+            for name in PHASE_FIELDS:
+                y1, y2 = p1.get(name, 0), p2.get(name, 0)
+                if name == "attention_flops":  # b·s + c·s² (causal pairs: s(s+1)/2)
+                    c = (Fraction(y2, s2) - Fraction(y1, s1)) / (s2 - s1)
+                    fitted[name] = (Fraction(y1, s1) - c * s1, c)
+                else:
+                    slope = Fraction(y2 - y1, s2 - s1)
+                    fitted[name] = (y1 - slope * s1, slope)
+            phases[phase] = fitted
+        c1 = {_collective_key(r): r for r in w1["collectives"]}
+        c2 = {_collective_key(r): r for r in w2["collectives"]}
+        if c1.keys() != c2.keys():
+            raise CostModelError("the collectives differ between the two traces; trace at the "
+                                 "target length instead")
+        collectives = {}
+        for key, r1 in c1.items():
+            r2 = c2[key]
+            slope = Fraction(r2["bytes"] - r1["bytes"], s2 - s1)
+            collectives[key] = (r1["bytes"] - slope * s1, slope, r1["calls"])
+        return cls((s1, s2), phases, collectives)
+
+    def at(self, seq: int) -> dict:
+        """``header["work"]`` as the trace at ``seq`` tokens would have it."""
+        phases = {}
+        for phase, fitted in self.phases.items():
+            phases[phase] = {name: max(0, round(a * seq + b * seq * seq
+                                                if name == "attention_flops" else a + b * seq))
+                             for name, (a, b) in fitted.items()}
+        collectives = [{"phase": p, "op": op, "ranks": list(ranks),
+                        "bytes": max(0, round(a + b * seq)), "calls": calls}
+                       for (p, op, ranks), (a, b, calls) in sorted(self.collectives.items())]
+        return {"phases": phases, "collectives": collectives}
+
+
+# ----------------------------------------------------------------------------- the model
+
+def parameter_count(model: dict) -> int:
+    """Parameters of the GPT (embedding tied to the output layer, megatron's default; biases
+    and norms left out): the P of memo.md's MFU formula."""
+    hidden, ffn, layers = model["hidden_size"], model["ffn_hidden_size"], model["num_layers"]
+    heads = model["num_attention_heads"]
+    head_dim = model.get("kv_channels") or hidden // heads
+    groups = model.get("num_query_groups") or heads
+    attention = hidden * heads * head_dim * 2 + hidden * groups * head_dim * 2
+    mlp = (3 if model.get("swiglu") else 2) * hidden * ffn
+    return layers * (attention + mlp) + model["vocab_size"] * hidden
+
+
+def model_flops_per_sequence(model: dict, seq: int) -> float:
+    """memo.md's MFU numerator: 6·s·P + 6·n·h·s² (causal attention, forward and backward)."""
+    return 6.0 * seq * parameter_count(model) + 6.0 * model["num_layers"] * \
+        model["hidden_size"] * seq * seq
+
+
+@dataclass
+class StepTime:
+    """One iteration's predicted time on the traced rank (seconds) and MFU (fraction)."""
+
+    seq: int
+    microbatches: int
+    forward_s: float          # per micro-batch, compute + collectives
+    recompute_s: float
+    backward_s: float
+    collectives_s: float      # per micro-batch, the part of the above spent in TP/CP collectives
+    offload_exposed_s: float  # per micro-batch, PCIe time not hidden under compute
+    pipeline_s: float         # per micro-batch, stage-boundary sends
+    bubble_s: float           # per iteration, pipeline fill and drain
+    data_parallel_s: float
+    optimizer_s: float
+    reorganisation_s: float
+    step_s: float
+    mfu: float
+
+    def breakdown(self) -> str:
+        """One line: where the step's time goes."""
+        per_mb = self.forward_s + self.recompute_s + self.backward_s + self.offload_exposed_s \
+            + self.pipeline_s
+        return (f"step {self.step_s:.2f} s = {self.microbatches} micro-batches x "
+                f"{per_mb:.3f} s (forward {self.forward_s:.3f}, recompute {self.recompute_s:.3f},"
+                f" backward {self.backward_s:.3f}; collectives {self.collectives_s:.3f}, exposed "
+                f"offload {self.offload_exposed_s:.3f}) + bubble {self.bubble_s:.2f} + data "
+                f"parallel {self.data_parallel_s:.2f} + optimizer {self.optimizer_s:.2f} + "
+                f"reorganisations {self.reorganisation_s:.2f}")
+
+
+def _link_bytes_per_s(ranks, hardware: dict) -> float:
+    per_node = int(hardware["gpus_per_node"])
+    nodes = {rank // per_node for rank in ranks}
+    return float(hardware["nvlink_gbps" if len(nodes) == 1 else "ib_gbps"]) * GB
+
+
+def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficiency, *,
+                 global_batch: int, persistent: dict, reorganisations_per_iteration: float = 0.0
+                 ) -> StepTime:
+    """Predicted time of one iteration of the traced rank's job.
+
+    ``work``: ``header["work"]`` at the sequence length (WorkLine.at); ``header``: the trace's
+    header (layout, model); ``persistent``: the rank's parameter, gradient and optimizer bytes
+    (trace "init" allocations by category); ``global_batch``: sequences per iteration."""
+    layout, model = header["layout"], header["model"]
+    seq = model["seq_length"]
+    tp, cp, pp, dp = layout["tp"], layout["cp"], layout["pp"], layout["dp"]
+    micro_batch = layout["micro_batch_size"]
+    traced_microbatches = layout.get("microbatches_in_flight", 1)
+    if global_batch % (dp * micro_batch):
+        raise CostModelError(f"--global-batch-size {global_batch} is not a multiple of DP x "
+                             f"micro-batch = {dp * micro_batch}")
+    microbatches = global_batch // (dp * micro_batch)
+    peak = float(hardware["bf16_tflops"]) * 1e12
+    hbm = float(hardware["hbm_gbps"]) * GB
+    pcie = float(hardware["pcie_gbps"]) * GB * efficiency.pcie
+
+    def compute_s(totals: dict) -> float:
+        return (totals.get("gemm_flops", 0) / (peak * efficiency.gemm)
+                + totals.get("attention_flops", 0) / (peak * efficiency.attention)
+                + totals.get("memory_bytes", 0) / (hbm * efficiency.memory))
+
+    collectives = dict.fromkeys(("forward", "recompute", "backward", "optimizer"), 0.0)
+    for record in work["collectives"]:
+        wire = _wire_fraction(record["op"], len(record["ranks"])) * record["bytes"]
+        seconds = wire / (_link_bytes_per_s(record["ranks"], hardware) * efficiency.collective)
+        collectives[record["phase"]] = collectives.get(record["phase"], 0.0) + seconds
+    phases = work["phases"]
+    per_mb = {}
+    for phase in ("forward", "recompute", "backward"):
+        totals = phases.get(phase, {})
+        per_mb[phase] = (compute_s(totals) + collectives[phase]) / traced_microbatches
+    forward, backward = phases.get("forward", {}), phases.get("backward", {})
+    offload_exposed = (max(0.0, forward.get("d2h_bytes", 0) / pcie - per_mb["forward"])
+                       + max(0.0, backward.get("h2d_bytes", 0) / pcie
+                             - per_mb["backward"] - per_mb["recompute"])) / traced_microbatches
+    element = 2 if "16" in model.get("params_dtype", "") else 4
+    pipeline = 0.0
+    if pp > 1:  # one activation out forward, one gradient back, per micro-batch
+        boundary = seq // cp // (tp if layout.get("sequence_parallel") else 1) * micro_batch \
+            * model["hidden_size"] * element
+        pipeline = 2 * boundary / _link_bytes_per_s((0, tp * cp), hardware) \
+            / efficiency.collective
+    microbatch_s = sum(per_mb.values()) + offload_exposed + pipeline
+    bubble = (pp - 1) * microbatch_s
+    data_parallel = 0.0
+    if dp > 1:
+        dp_ranks = range(0, tp * cp * dp, tp * cp)
+        wire = (dp - 1) / dp * (persistent["gradient"] + persistent["parameter"])
+        data_parallel = wire / (_link_bytes_per_s(dp_ranks, hardware) * efficiency.collective)
+    optimizer = (compute_s(phases.get("optimizer", {}))
+                 + (2 * persistent["optimizer"] + persistent["gradient"] / max(dp, 1)
+                    + persistent["parameter"]) / (hbm * efficiency.memory))
+    reorganisation = reorganisations_per_iteration * efficiency.reorganisation_s
+    step = microbatches * microbatch_s + bubble + data_parallel + optimizer + reorganisation
+    gpus = tp * cp * pp * dp
+    mfu = global_batch * model_flops_per_sequence(model, seq) / (gpus * step * peak)
+    return StepTime(seq=seq, microbatches=microbatches, forward_s=per_mb["forward"],
+                    recompute_s=per_mb["recompute"], backward_s=per_mb["backward"],
+                    collectives_s=sum(collectives[p] for p in ("forward", "recompute",
+                                                               "backward"))
+                    / traced_microbatches,
+                    offload_exposed_s=offload_exposed, pipeline_s=pipeline, bubble_s=bubble,
+                    data_parallel_s=data_parallel, optimizer_s=optimizer,
+                    reorganisation_s=reorganisation, step_s=step, mfu=mfu)
+
+
+def persistent_bytes(trace) -> dict:
+    """Parameter, gradient and optimizer bytes the rank allocates at init (trace events)."""
+    totals = {"parameter": 0, "gradient": 0, "optimizer": 0}
+    for event in trace.events:
+        if event["action"] == "alloc" and event["phase"] == "init" \
+                and event["category"] in totals:
+            totals[event["category"]] += event["bytes"]
+    return totals
+
+
+__all__ = ["CostModelError", "Efficiency", "StepTime", "WorkLine", "model_flops_per_sequence",
+           "parameter_count", "persistent_bytes", "predict_step"]

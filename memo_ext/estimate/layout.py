@@ -1,0 +1,333 @@
+"""One parallel layout of a job, predicted end to end (memory and time), and the search over
+layouts the recommender runs.
+
+A :class:`LayoutModel` traces the layout's rank 0 at two sequence lengths (tools/trace.py on fake
+tensors, cached on disk by :class:`TraceCache`), then answers at any length: the allocation
+trace through the allocator model (memory.py: fit or OOM, reorganisations) and the work through
+the cost model (cost.py: step time, MFU). Host memory is checked too: MEMO's offload slots of
+every rank of a node must fit the node's host memory.
+
+:func:`candidate_layouts` enumerates (TP, CP, PP, DP, policy, alpha, micro-batch) for a number
+of GPUs and drops, before any tracing, what cannot run: shapes that do not divide, and layouts
+whose parameters, gradients and optimizer state alone exceed the device (bytes per parameter
+below). :func:`recommend` predicts every candidate (tracing in parallel) and ranks them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from memo_ext.estimate.cost import (
+    CostModelError,
+    Efficiency,
+    StepTime,
+    WorkLine,
+    persistent_bytes,
+    predict_step,
+)
+from memo_ext.estimate.memory import (
+    REPO_ROOT,
+    EstimateError,
+    LinearTrace,
+    MemoryEstimate,
+    estimate_at,
+    max_sequence_length,
+    trace_rank,
+)
+from memo_ext.planner.trace import Trace, read_trace
+
+#: The two lengths every layout is traced at (multiples of TP x CP x 2 for any TP, CP <= 64).
+FIT_SEQS = (131072, 262144)
+#: Allocator iterations replayed per estimate (persistent state once, then these).
+REPLAY_ITERATIONS = 3
+
+#: Megatron-LM policies as trainer flags; MEMO's is --memo-offload --memo-alpha A.
+POLICY_FLAGS = {
+    "megatron": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"],
+    "megatron-none": [],
+    "memo": ["--memo-offload"],
+}
+POLICY_NAMES = {"megatron": "Megatron full recompute", "megatron-none": "Megatron no recompute",
+                "memo": "MEMO offload"}
+
+#: Persistent bytes per parameter of a bf16 run with megatron's defaults: bf16 weights (2) and
+#: fp32 gradient buffer (4) on every rank of the model-parallel shard; fp32 main weights, Adam
+#: m and v (12) sharded over DP by the distributed optimizer.
+WEIGHT_AND_GRAD_BYTES_PER_PARAM = 6
+OPTIMIZER_BYTES_PER_PARAM = 12
+
+#: Sources whose change changes a trace: part of every cache key.
+TRACER_SOURCES = ("tools/trace.py", "memo_ext/planner/trace.py", "memo_ext/planner/work.py",
+                  "memo_ext/offload/manager.py", "memo_ext/offload/layer.py",
+                  "megatron/training/layer_specs.py", "pretrain_gpt.py")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and memory policy (what a job's flags choose)."""
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    policy: str = "megatron"
+    alpha: Optional[float] = None  # MEMO's offloaded fraction
+    micro_batch: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def trace_argv(self, model_argv: list[str]) -> list[str]:
+        argv = [*model_argv, "--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp),
+                "--dp", str(self.dp), "--micro-batch-size", str(self.micro_batch), "--bf16",
+                *POLICY_FLAGS[self.policy]]
+        if self.policy == "memo":
+            argv += ["--memo-alpha", f"{self.alpha:g}"]
+        return argv
+
+    def describe(self) -> str:
+        policy = POLICY_NAMES[self.policy]
+        if self.policy == "memo":
+            policy += f" alpha {self.alpha:g}"
+        return (f"TP={self.tp} CP={self.cp} PP={self.pp} DP={self.dp} mbs={self.micro_batch} "
+                f"{policy}")
+
+
+class TraceCache:
+    """Traces on disk, keyed by the tracer's argv, the length and the tracer's sources, so a
+    repeated estimate or search costs no tracing. ``directory`` None: no cache."""
+
+    def __init__(self, directory: Optional[Path]) -> None:
+        self.directory = None if directory is None else Path(directory)
+        digest = hashlib.sha256()
+        for source in TRACER_SOURCES:
+            path = REPO_ROOT / source
+            digest.update(path.read_bytes() if path.exists() else b"")
+        self._sources_digest = digest.hexdigest()
+
+    def trace(self, argv: list[str], seq: int) -> Trace:
+        """The trace of ``argv`` at ``seq`` tokens, from the cache or traced now."""
+        if self.directory is None:
+            with tempfile.TemporaryDirectory(prefix="memo_estimate_") as workdir:
+                return trace_rank(argv, seq, Path(workdir))
+        key = hashlib.sha256(json.dumps([argv, seq, self._sources_digest]).encode()).hexdigest()
+        path = self.directory / f"{key[:32]}.jsonl.gz"
+        if path.exists():
+            try:
+                return read_trace(path)
+            except Exception:  # a damaged cache entry is traced again, never trusted
+                path.unlink(missing_ok=True)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.directory) as workdir:  # parallel-safe
+            trace = trace_rank(argv, seq, Path(workdir))
+            os.replace(Path(workdir) / f"trace_{seq}.jsonl.gz", path)
+        return trace
+
+
+def default_cache_dir() -> Path:
+    """$MEMO_ESTIMATE_CACHE, else ~/.cache/megatron-memo/traces."""
+    configured = os.environ.get("MEMO_ESTIMATE_CACHE")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron-memo" \
+        / "traces"
+
+
+@dataclass
+class Prediction:
+    """A layout at one sequence length: memory (per rank) and time (per iteration)."""
+
+    layout: Layout
+    seq: int
+    memory: MemoryEstimate
+    step: StepTime
+    host_bytes_per_node: int
+    host_capacity_bytes: int
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_bytes_per_node <= self.host_capacity_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits and self.host_fits
+
+    def verdict(self) -> str:
+        """FITS, or OOM and where: device (with the failing request) or host."""
+        if not self.memory.fits:
+            request = self.memory.oom_request_bytes
+            return "OOM on device" + (f" (a {request / (1 << 30):.2f} GiB request fails)"
+                                      if request else "")
+        if not self.host_fits:
+            return (f"OOM on host ({self.host_bytes_per_node / 1e9:.0f} GB of offloaded "
+                    f"activations per node > {self.host_capacity_bytes / 1e9:.0f} GB)")
+        return "FITS"
+
+
+@dataclass
+class LayoutModel:
+    """Predictions for one layout at any sequence length (two traces)."""
+
+    layout: Layout
+    hardware: dict
+    global_batch: int
+    allocator: str
+    host_capacity_bytes: int
+    line: LinearTrace
+    work: WorkLine
+    efficiency: Efficiency
+    _cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, model_argv: list[str], layout: Layout, hardware: dict, *, global_batch: int,
+              cache: TraceCache, allocator: Optional[str] = None,
+              host_memory_gb_per_node: Optional[float] = None) -> "LayoutModel":
+        argv = layout.trace_argv(model_argv)
+        first, second = (cache.trace(argv, seq) for seq in FIT_SEQS)
+        host = host_memory_gb_per_node or hardware["host_memory_gb_per_node"]
+        return cls(layout=layout, hardware=hardware, global_batch=global_batch,
+                   allocator=allocator or ("arena" if layout.policy == "memo" else "caching"),
+                   host_capacity_bytes=int(float(host) * 1e9),
+                   line=LinearTrace.from_traces(first, second),
+                   work=WorkLine.from_headers(first.header, second.header),
+                   efficiency=Efficiency.from_profile(hardware))
+
+    def predict(self, seq: int) -> Prediction:
+        """Memory and time at ``seq`` tokens (memoised)."""
+        if seq not in self._cache:
+            trace = self.line.at(seq)
+            memory = estimate_at(trace, int(self.hardware["device_memory_bytes"]),
+                                 self.allocator, REPLAY_ITERATIONS)
+            step = predict_step(
+                self.work.at(seq), trace.header, self.hardware, self.efficiency,
+                global_batch=self.global_batch, persistent=persistent_bytes(trace),
+                reorganisations_per_iteration=memory.reorganisations / REPLAY_ITERATIONS)
+            ranks_per_node = min(int(self.hardware["gpus_per_node"]), self.layout.gpus)
+            self._cache[seq] = Prediction(self.layout, seq, memory, step,
+                                          memory.host_bytes * ranks_per_node,
+                                          self.host_capacity_bytes)
+        return self._cache[seq]
+
+    def longest(self, step: int, maximum: int, fine_step: Optional[int] = None) -> int:
+        """Longest sequence that fits (device and host), in ``step`` tokens (0 if none)."""
+        multiple = 2 * self.layout.tp * self.layout.cp
+
+        def estimate(seq: int):
+            seq -= seq % multiple
+            return _FitOnly(self.predict(seq).fits if seq else True)
+
+        return max_sequence_length(estimate, step, maximum, fine_step)
+
+
+@dataclass
+class _FitOnly:
+    fits: bool
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[str],
+                      alphas: list[float], micro_batches: list[int], global_batch: int,
+                      pipeline_sizes: Optional[list[int]] = None
+                      ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """(layouts worth tracing, [(layout, why it was dropped)]) for ``gpus`` GPUs.
+
+    ``model``: num_layers, hidden_size, num_attention_heads, num_query_groups (optional),
+    parameters. TP stays within a node (megatron's advice: its collectives sit on the critical
+    path)."""
+    from memo_ext.estimate.cost import parameter_count
+
+    per_node = int(hardware["gpus_per_node"])
+    device = int(hardware["device_memory_bytes"])
+    params = parameter_count(model)
+    heads = model["num_attention_heads"]
+    groups = model.get("num_query_groups") or heads
+    kept, dropped = [], []
+    for tp in _divisors(gpus):
+        for cp in _divisors(gpus // tp):
+            for pp in _divisors(gpus // (tp * cp)):
+                if pipeline_sizes is not None and pp not in pipeline_sizes:
+                    continue
+                dp = gpus // (tp * cp * pp)
+                for policy in policies:
+                    for alpha in (alphas if policy == "memo" else [None]):
+                        for micro_batch in micro_batches:
+                            layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch)
+                            reason = _infeasible(layout, model, heads, groups, per_node,
+                                                 params, device, global_batch)
+                            (dropped.append((layout, reason)) if reason else kept.append(layout))
+    return kept, dropped
+
+
+def _infeasible(layout: Layout, model: dict, heads: int, groups: int, per_node: int,
+                params: int, device: int, global_batch: int) -> Optional[str]:
+    if layout.tp > per_node:
+        return f"TP {layout.tp} spans nodes of {per_node} GPUs"
+    if heads % layout.tp or groups % layout.tp:
+        return f"{heads} heads ({groups} groups) do not divide by TP {layout.tp}"
+    layers_per_stage, remainder = divmod(model["num_layers"], layout.pp)
+    if remainder:
+        return f"{model['num_layers']} layers do not divide by PP {layout.pp}"
+    if layout.policy == "memo" and layers_per_stage <= 2:
+        return "MEMO offload needs more than 2 layers per stage"
+    if global_batch % (layout.dp * layout.micro_batch):
+        return f"global batch {global_batch} does not divide by DP x micro-batch"
+    shard = params / (layout.tp * layout.pp)
+    persistent = shard * WEIGHT_AND_GRAD_BYTES_PER_PARAM + shard * OPTIMIZER_BYTES_PER_PARAM \
+        / layout.dp
+    if persistent >= device:
+        return (f"weights, gradients and optimizer state alone need {persistent / 2**30:.0f} "
+                f"GiB per rank")
+    return None
+
+
+def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *,
+                 global_batch: int, cache: TraceCache, jobs: int = 2,
+                 host_memory_gb_per_node: Optional[float] = None,
+                 log: Callable[[str], None] = lambda line: None
+                 ) -> tuple[list[LayoutModel], list[tuple[Layout, str]]]:
+    """A LayoutModel per layout, tracing ``jobs`` at a time; layouts whose tracing fails are
+    returned with the reason."""
+    def build(layout: Layout):
+        try:
+            model = LayoutModel.build(model_argv, layout, hardware, global_batch=global_batch,
+                                      cache=cache,
+                                      host_memory_gb_per_node=host_memory_gb_per_node)
+            log(f"traced {layout.describe()}")
+            return model, None
+        except (EstimateError, CostModelError) as exc:
+            return None, (layout, str(exc))
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(build, layouts))
+    return ([m for m, _ in results if m is not None],
+            [failure for _, failure in results if failure is not None])
+
+
+def rank_at(models: list[LayoutModel], seq: int) -> list[Prediction]:
+    """Every layout's prediction at ``seq`` tokens, fitting ones first, by MFU."""
+    predictions = [m.predict(seq - seq % (2 * m.layout.tp * m.layout.cp)) for m in models]
+    return sorted(predictions, key=lambda p: (not p.fits, -p.step.mfu))
+
+
+def rank_longest(models: list[LayoutModel], step: int, maximum: int,
+                 fine_step: Optional[int] = None) -> list[Prediction]:
+    """Every layout at its own longest fitting sequence, longest first, then by MFU."""
+    predictions = []
+    for model in models:
+        longest = model.longest(step, maximum, fine_step)
+        if longest:
+            predictions.append(model.predict(longest - longest % (2 * model.layout.tp
+                                                                  * model.layout.cp)))
+    return sorted(predictions, key=lambda p: (-p.seq, -p.step.mfu))

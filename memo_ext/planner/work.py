@@ -1,0 +1,193 @@
+"""The work one traced iteration does, counted op by op while it is traced: the input of the
+estimator's cost model (memo_ext.estimate.cost).
+
+Per phase (forward, recompute, backward, optimizer):
+
+* ``gemm_flops``: matrix multiplications, by ``torch.utils.flop_counter``'s formulas (the same
+  registry ``FlopCounterMode`` uses; it works on fake tensors since it needs shapes only).
+* ``attention_flops``: the traced flash-attention custom op, which the registry does not know.
+  Counted exactly for the (query, key) pairs the kernel computes: causal pairs of this rank's
+  load-balanced context-parallel positions against all keys; 4·d FLOPs per pair and head
+  forward, 10·d backward (flash attention's backward recomputes the scores: five GEMMs).
+* ``memory_bytes``: bytes read and written by every other op that computes something (not
+  views, not factories that only allocate): input plus output bytes. On a GPU these ops are
+  bandwidth-bound, so their time is bytes over HBM bandwidth.
+* ``d2h_bytes``/``h2d_bytes``: copies into/out of host storages (MEMO's offload and prefetch).
+* ``collectives``: bytes per (collective, group ranks) as the fake process group sees them:
+  all-gather output bytes, reduce-scatter input bytes, all-reduce bytes.
+
+Hand-written because FlopCounterMode is a dispatch mode of its own: stacking it under the
+allocation recorder would dispatch every op twice (the trace's cost is dispatch), and it has no
+notion of phases, custom attention ops, memory traffic or collectives. The FLOP formulas
+themselves are torch's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import flop_registry
+
+#: Ops that allocate without reading or writing data (or touch no data at all).
+_NO_TRAFFIC = frozenset({
+    "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
+    "aten.new_empty.default", "aten.new_empty_strided.default", "aten._local_scalar_dense.default",
+    "prim.device.default", "aten.lift_fresh.default", "aten.detach.default",
+    "aten.alias.default", "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset",
+    "aten.resize_.default", "aten.record_stream.default",
+})
+
+#: c10d op -> (collective name, index of the tensor whose bytes define the transfer).
+_COLLECTIVES = {
+    "c10d._allgather_base_.default": ("all_gather", 0),        # output
+    "c10d.allgather_.default": ("all_gather", 0),
+    "c10d.allgather_into_tensor_coalesced_.default": ("all_gather", 0),
+    "c10d._reduce_scatter_base_.default": ("reduce_scatter", 1),  # input
+    "c10d.reduce_scatter_.default": ("reduce_scatter", 1),
+    "c10d.reduce_scatter_tensor_coalesced_.default": ("reduce_scatter", 1),
+    "c10d.allreduce_.default": ("all_reduce", 0),
+    "c10d.allreduce_coalesced_.default": ("all_reduce", 0),
+    "c10d.broadcast_.default": ("broadcast", 0),
+    "c10d.send.default": ("send", 0),
+    "c10d.recv_.default": ("recv", 0),
+}
+
+_ATTENTION_FORWARD = "memo_planner.flash_attn_fwd.default"
+_ATTENTION_BACKWARD = "memo_planner.flash_attn_bwd.default"
+#: FLOPs per (query, key) pair per head per head-dimension unit: QK^T and PV forward; the
+#: backward recomputes QK^T and does dV, dP, dQ, dK.
+ATTENTION_FORWARD_FLOPS_PER_PAIR_DIM = 4
+ATTENTION_BACKWARD_FLOPS_PER_PAIR_DIM = 10
+
+PHASE_FIELDS = ("gemm_flops", "attention_flops", "memory_bytes", "d2h_bytes", "h2d_bytes")
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def causal_pairs(local_queries: int, cp_rank: int, cp_size: int) -> int:
+    """(query, key) pairs a causal kernel computes for this rank's queries against every key of
+    the sequence, under megatron's load-balanced CP sharding (chunks r and 2·cp-1-r of 2·cp):
+    the sum over its query positions p of p + 1."""
+    if cp_size == 1:
+        return local_queries * (local_queries + 1) // 2
+    chunk = local_queries // 2
+    pairs = 0
+    for index in (cp_rank, 2 * cp_size - 1 - cp_rank):
+        first = index * chunk
+        pairs += chunk * first + chunk * (chunk + 1) // 2
+    return pairs
+
+
+def attention_flops(name: str, args: tuple) -> int:
+    """FLOPs of one call of the flash-attention custom op ([s, b, heads, d] layouts)."""
+    q, k = args[0], args[1]
+    if name == _ATTENTION_BACKWARD:  # (dout, q, k, v, out, lse, scale, causal, cp_rank, ...)
+        q, k = args[1], args[2]
+        causal, cp_rank, cp_size = args[7], args[8], args[9]
+        per_pair = ATTENTION_BACKWARD_FLOPS_PER_PAIR_DIM
+    else:  # (q, k, v, scale, causal, cp_rank, cp_size)
+        causal, cp_rank, cp_size = args[4], args[5], args[6]
+        per_pair = ATTENTION_FORWARD_FLOPS_PER_PAIR_DIM
+    seq_q, batch, heads, dim = q.shape
+    pairs = causal_pairs(seq_q, cp_rank, cp_size) if causal else seq_q * k.shape[0]
+    return per_pair * batch * heads * dim * pairs
+
+
+def _group_ranks(args: tuple) -> Optional[list[int]]:
+    from torch._C._distributed_c10d import ProcessGroup
+
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                group = ProcessGroup.unbox(arg)
+            except RuntimeError:  # a ReduceOp or another c10d class
+                continue
+            return dist.get_process_group_ranks(group)
+    return None
+
+
+class WorkCounter:
+    """Accumulates the work of ops by phase (see the module docstring). Plain data out:
+    :meth:`as_dict`."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict[str, int]] = {}
+        self.collectives: dict[tuple[str, str, tuple], list[int]] = {}
+
+    def reset(self) -> None:
+        self.phases.clear()
+        self.collectives.clear()
+
+    def _phase(self, phase: str) -> dict[str, int]:
+        totals = self.phases.get(phase)
+        if totals is None:
+            totals = self.phases[phase] = dict.fromkeys(PHASE_FIELDS, 0)
+        return totals
+
+    def count(self, phase: str, func, args: tuple, kwargs: dict, out,
+              is_host: callable) -> None:
+        """Add one op. ``is_host(tensor)`` tells whether a tensor lives in host memory."""
+        name = str(func)
+        if name in _NO_TRAFFIC:
+            return
+        collective = _COLLECTIVES.get(name)
+        if collective is not None:
+            kind, index = collective
+            tensors = list(_tensors(args[index]))
+            ranks = _group_ranks(args)
+            if tensors and ranks is not None:
+                key = (phase, kind, tuple(ranks))
+                entry = self.collectives.setdefault(key, [0, 0])
+                entry[0] += sum(_nbytes(t) for t in tensors)
+                entry[1] += 1
+            return
+        totals = self._phase(phase)
+        if name in (_ATTENTION_FORWARD, _ATTENTION_BACKWARD):
+            totals["attention_flops"] += attention_flops(name, args)
+            return
+        packet = func.overloadpacket
+        if packet in flop_registry:
+            totals["gemm_flops"] += int(flop_registry[packet](*args, **kwargs, out_val=out))
+            return
+        if func.is_view:
+            return
+        if packet is torch.ops.aten.copy_:
+            dst, src = args[0], args[1]
+            if is_host(dst) and not is_host(src):
+                totals["d2h_bytes"] += _nbytes(dst)
+                return
+            if is_host(src) and not is_host(dst):
+                totals["h2d_bytes"] += _nbytes(dst)
+                return
+        seen = set()
+        moved = 0
+        for tensor in (*_tensors((args, kwargs)), *_tensors(out)):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                moved += _nbytes(tensor)
+        totals["memory_bytes"] += moved
+
+    def as_dict(self) -> dict:
+        """{"phases": {phase: {field: int}}, "collectives": [{phase, op, ranks, bytes, calls}]}"""
+        return {
+            "phases": {phase: dict(totals) for phase, totals in self.phases.items()},
+            "collectives": [
+                {"phase": phase, "op": kind, "ranks": list(ranks), "bytes": nbytes,
+                 "calls": calls}
+                for (phase, kind, ranks), (nbytes, calls) in sorted(self.collectives.items())],
+        }
