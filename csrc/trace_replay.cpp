@@ -149,15 +149,17 @@ py::dict replay_live_bytes(const Int64Array& actions, const Int64Array& addrs,
 
 }  // namespace
 
-// Defined in allocator_models.cpp and planned_arena.cpp (every csrc/*.cpp builds into this one
-// module).
+// Defined in allocator_models.cpp, planned_arena.cpp and stitching_host.cpp (every csrc/*.cpp
+// builds into this one module).
 void register_allocator_models(py::module_& m);
 void register_planned_arena(py::module_& m);
+void register_stitching_allocator(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Megatron-MEMO C++ kernels (trace replay).";
   register_allocator_models(m);
   register_planned_arena(m);
+  register_stitching_allocator(m);
   m.attr("ALLOC") = static_cast<int64_t>(kAlloc);
   m.attr("FREE") = static_cast<int64_t>(kFree);
   m.attr("SEGMENT_ALLOC") = static_cast<int64_t>(kSegmentAlloc);

@@ -1,0 +1,955 @@
+// GMLake virtual memory stitching allocator (Guo et al., ASPLOS'24), the real one: every block it
+// hands out is a readable, writable virtual range backed by physical memory, and a stitched
+// block is one contiguous virtual range mapped onto several non-contiguous physical pieces.
+//
+// The decisions are those of the "stitching" allocator model (csrc/allocator_models.cpp,
+// docs/allocator_models.md), rule for rule and in the same order, so that on any trace the real
+// allocator makes the model's physical allocations and releases: the same BestFit S1-S5, the
+// same slot numbering of primitive and stitched blocks (which breaks ties), and the same
+// embedded caching path for requests below the fragmentation limit (PyTorch's caching rules with
+// max_split_size unset). tests/unit/test_stitching_allocator.py replays every real snapshot
+// through both and compares their decision logs.
+//
+// Physical memory comes from a PhysicalBackend (below), implemented twice:
+//   csrc/stitching_host_backend.h  Linux host memory: memfd_create + mmap(MAP_FIXED|MAP_SHARED)
+//   csrc/cuda/stitching_cuda.cpp   CUDA VMM: cuMemCreate / cuMemAddressReserve / cuMemMap
+//
+// Structure:
+//   Segment  one physical allocation (backend handle) with a virtual range of its own, mapped
+//            1:1 when it is created. Primitive blocks and normal-path blocks are pieces of it.
+//   pBlock   primitive block: a piece [offset, offset + size) of one segment, seen through the
+//            segment's own range. Split at 2 MiB boundaries without any mapping call.
+//   sBlock   stitched block: a virtual range of its own, mapped part by part onto the physical
+//            pieces of several pBlocks (the same physical bytes are then mapped twice: reserved
+//            bytes count physical memory only, mapped_bytes counts every view).
+//   NBlock   a block of the normal (caching) path, inside a segment like PyTorch's blocks.
+// Physical memory is released only by release_cached() (a reorganisation or empty_cache) and at
+// teardown: a pBlock's piece is unmapped and handed back to the backend; a segment's range is
+// released when nothing of it is left.
+//
+// Not thread-safe: callers serialise (the Python binding holds the GIL, the CUDA hooks a mutex).
+// Nothing here depends on pybind11 or CUDA.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <limits>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace memo_stitch {
+
+// ------------------------------------------------------------------------------------ constants
+constexpr int64_t kMiB = int64_t{1} << 20;
+// GMLake's physical chunk: stitched requests are rounded up to it, and pBlocks are split only at
+// multiples of it (cuMemCreate's granularity on NVIDIA GPUs).
+constexpr int64_t kGranularity = 2 * kMiB;
+// Requests below this always take the normal path (GMLake: "requests < 2 MiB go the normal
+// path"); requests below the fragmentation limit too.
+constexpr int64_t kNormalPathLimit = 2 * kMiB;
+// Default fragmentation limit: requests below it take the normal path, free pBlocks below it are
+// never stitched (S3).
+constexpr int64_t kDefaultFragLimit = 128 * kMiB;
+// StitchFree: above this many stitched blocks, the least recently used inactive one is dropped.
+constexpr int64_t kDefaultMaxSBlocks = 1024;
+// The normal path's constants: PyTorch's CUDACachingAllocator, as in allocator_models.cpp.
+constexpr int64_t kMinBlockSize = 512;       // requests round up to this
+constexpr int64_t kSmallSize = kMiB;         // small pool: rounded requests up to this
+constexpr int64_t kSmallBuffer = 2 * kMiB;   // small-pool segment
+constexpr int64_t kLargeBuffer = 20 * kMiB;  // large-pool segment below kMinLargeAlloc
+constexpr int64_t kMinLargeAlloc = 10 * kMiB;
+constexpr int64_t kRoundLarge = 2 * kMiB;    // larger requests: own segment rounded to this
+// Segments are ordered as the model orders its invented addresses: segment keys start here and
+// advance by each segment's size rounded up to kRoundLarge.
+constexpr int64_t kKeyBase = int64_t{1} << 56;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t round_request(int64_t requested) {
+  return requested < kMinBlockSize ? kMinBlockSize : round_up(requested, kMinBlockSize);
+}
+
+// Decision codes of the log, the same numbers as memo_columns::kSegmentAlloc / kSegmentFree.
+constexpr int64_t kLogCreate = 2;
+constexpr int64_t kLogRelease = 3;
+
+// ------------------------------------------------------------------------- physical backends
+// Where physical memory and virtual ranges come from. Sizes and offsets are bytes, multiples of
+// granularity(). Handles name physical allocations; a handle's bytes may be released piece by
+// piece, and the backend destroys it when the last piece goes.
+class PhysicalBackend {
+ public:
+  virtual ~PhysicalBackend() = default;
+  virtual int64_t granularity() const = 0;
+  // A physical allocation of `bytes` bytes; -1 when the backend has no memory for it.
+  virtual int64_t create(int64_t bytes) = 0;
+  // Give back bytes [offset, offset + bytes) of handle `h` (no longer mapped anywhere).
+  virtual void release(int64_t h, int64_t offset, int64_t bytes) = 0;
+  // A virtual range of `bytes` bytes, inaccessible until mapped. Throws std::runtime_error.
+  virtual uintptr_t reserve(int64_t bytes) = 0;
+  virtual void unreserve(uintptr_t va, int64_t bytes) = 0;
+  // Map bytes [offset, offset + bytes) of handle `h` at `va`, readable and writable. Throws.
+  virtual void map(uintptr_t va, int64_t h, int64_t offset, int64_t bytes) = 0;
+  // Unmap [va, va + bytes); the range stays reserved.
+  virtual void unmap(uintptr_t va, int64_t bytes) = 0;
+};
+
+// What the allocator counts. Bytes, counts, seconds.
+struct Stats {
+  int64_t reserved_bytes = 0;       // physical bytes held (each physical byte once)
+  int64_t peak_reserved_bytes = 0;
+  int64_t active_bytes = 0;         // bytes of the blocks in use (their full block sizes)
+  int64_t peak_active_bytes = 0;
+  int64_t requested_bytes = 0;      // bytes asked for by the blocks in use
+  int64_t live_blocks = 0;
+  int64_t mapped_bytes = 0;         // bytes of every mapped view: segments + stitched blocks
+  int64_t peak_mapped_bytes = 0;
+  int64_t sblocks_alive = 0;        // stitched blocks cached or in use
+  int64_t segments_alive = 0;       // physical allocations (each with its own range)
+  int64_t normal_path_segments = 0; // of which the normal path's
+  int64_t allocs = 0;               // successful malloc calls
+  int64_t frees = 0;
+  int64_t normal_allocs = 0;        // of which served by the normal path
+  int64_t exact_hits = 0;           // S1
+  int64_t splits = 0;               // pBlock splits (S2, and S3's overshoot)
+  int64_t stitches = 0;             // stitched blocks created
+  int64_t stitched_bytes = 0;       // bytes they map
+  int64_t new_pblocks = 0;          // physical allocations of the stitching pools (S4)
+  int64_t sblocks_dropped = 0;      // StitchFree and reorganisations
+  int64_t reorganisations = 0;      // failed physical allocations answered by release_cached()
+  int64_t ooms = 0;                 // requests refused after the retry
+  int64_t physical_creates = 0;     // backend create() calls that succeeded (model: mallocs)
+  int64_t physical_releases = 0;    // pieces handed back (model: frees)
+  int64_t map_calls = 0;            // map + unmap calls (each may cover several chunks)
+  int64_t reserve_calls = 0;        // reserve + unreserve calls
+  double map_seconds = 0;           // wall time in map and unmap
+  double reserve_seconds = 0;       // wall time in reserve and unreserve
+  double create_seconds = 0;        // wall time in create and release
+};
+
+// One piece of a block as the backend sees it: bytes [block_offset, block_offset + bytes) of the
+// block are physical bytes [phys_offset, ...) of `handle`, also visible at `va` (the pBlock's or
+// segment's own view).
+struct View {
+  int64_t block_offset;
+  uintptr_t va;
+  int64_t bytes;
+  int64_t handle;
+  int64_t phys_offset;
+};
+
+struct Options {
+  int64_t capacity = 0;  // bytes of physical memory it may hold; <= 0: unlimited
+  int64_t frag_limit = kDefaultFragLimit;
+  int64_t max_sblocks = kDefaultMaxSBlocks;
+  bool log = false;      // keep a log of physical creates/releases (tests compare it)
+};
+
+struct LogEntry {
+  int64_t event;  // set_event() at the time
+  int64_t kind;   // kLogCreate or kLogRelease
+  int64_t bytes;
+};
+
+// Index of a fresh (value-initialised) item: a recycled index from `spare` (last in, first
+// out), else a new one at the end - the model's numbering.
+template <class T>
+int32_t fresh_slot(std::vector<T>& items, std::vector<int32_t>& spare) {
+  if (!spare.empty()) {
+    const int32_t i = spare.back();
+    spare.pop_back();
+    items[i] = T{};
+    return i;
+  }
+  items.emplace_back();
+  return static_cast<int32_t>(items.size() - 1);
+}
+
+class StitchingAllocator {
+ public:
+  StitchingAllocator(PhysicalBackend& backend, Options options)
+      : be_(backend), opt_(options) {
+    if (be_.granularity() <= 0 || kGranularity % be_.granularity() != 0) {
+      throw std::invalid_argument("the backend's granularity must divide 2 MiB");
+    }
+    if (opt_.frag_limit < 0) throw std::invalid_argument("frag_limit must be >= 0 bytes");
+    if (opt_.max_sblocks < 0) throw std::invalid_argument("max_sblocks must be >= 0");
+  }
+  StitchingAllocator(const StitchingAllocator&) = delete;
+  StitchingAllocator& operator=(const StitchingAllocator&) = delete;
+  ~StitchingAllocator() {
+    try {
+      teardown();
+    } catch (...) {
+    }
+  }
+
+  // A block of at least `requested` bytes for `stream`; 0 when physical memory ran out even
+  // after release_cached() (the request is counted in stats().ooms).
+  uintptr_t malloc(int64_t requested, int64_t stream) {
+    if (requested < 0) throw std::invalid_argument("requested bytes must be >= 0");
+    if (torn_down_) throw std::logic_error("the allocator has been torn down");
+    Live live;
+    live.requested = requested;
+    uintptr_t ptr = 0;
+    int64_t block_bytes = 0;
+    if (round_request(requested) < std::max(kNormalPathLimit, opt_.frag_limit)) {
+      NBlock* b = normal_malloc(requested, stream);
+      if (!b) return refuse();
+      live.kind = Live::kNormal;
+      live.nblock = b;
+      ptr = nva(b);
+      block_bytes = b->size;
+      ++st_.normal_allocs;
+    } else {
+      const int64_t size = round_up(requested, kGranularity);
+      Handle h = best_fit(size, stream);
+      if (h.index < 0) {  // no physical memory left: drop the cache and retry
+        ++st_.reorganisations;
+        release_cached();
+        h = best_fit(size, stream);
+        if (h.index < 0) return refuse();
+      }
+      live.kind = h.stitched ? Live::kStitched : Live::kPrimitive;
+      live.index = h.index;
+      ptr = h.stitched ? sblocks_[h.index].va : pva(h.index);
+      block_bytes = size;
+    }
+    live.bytes = block_bytes;
+    live_[ptr] = live;
+    ++st_.allocs;
+    ++st_.live_blocks;
+    st_.active_bytes += block_bytes;
+    st_.peak_active_bytes = std::max(st_.peak_active_bytes, st_.active_bytes);
+    st_.requested_bytes += requested;
+    return ptr;
+  }
+
+  // Return the block at `ptr`. Returns its requested bytes, or -1 when no block starts there.
+  int64_t free(uintptr_t ptr) {
+    auto it = live_.find(ptr);
+    if (it == live_.end()) return -1;
+    const Live live = it->second;
+    live_.erase(it);
+    ++st_.frees;
+    --st_.live_blocks;
+    st_.active_bytes -= live.bytes;
+    st_.requested_bytes -= live.requested;
+    switch (live.kind) {
+      case Live::kNormal:
+        normal_free(live.nblock);
+        break;
+      case Live::kStitched: {
+        SBlock& s = sblocks_[live.index];
+        s.active = false;
+        for (int32_t p : s.parts) deactivate_p(p);
+        break;
+      }
+      case Live::kPrimitive:
+        deactivate_p(live.index);
+        break;
+    }
+    return live.requested;
+  }
+
+  // Drop every inactive stitched block, give back every free primitive block, then the normal
+  // path's unused segments (GMLake's only release of physical memory; empty_cache()).
+  void release_cached() {
+    for (int32_t s = 0; s < static_cast<int32_t>(sblocks_.size()); ++s) {
+      if (sblocks_[s].alive && !sblocks_[s].active) drop_s(s);
+    }
+    for (auto it = pfree_.begin(); it != pfree_.end();) {
+      const int32_t p = std::get<2>(*it);
+      it = pfree_.erase(it);
+      release_p(p);
+    }
+    normal_release_cached();
+  }
+
+  // Release everything, blocks in use included (their pointers become invalid): what the
+  // destructor does. Afterwards the backend holds nothing of this allocator.
+  void teardown() {
+    if (torn_down_) return;
+    torn_down_ = true;
+    for (int32_t s = 0; s < static_cast<int32_t>(sblocks_.size()); ++s) {
+      if (sblocks_[s].alive) drop_s(s);
+    }
+    pfree_.clear();
+    savail_.clear();
+    for (int32_t p = 0; p < static_cast<int32_t>(pblocks_.size()); ++p) {
+      if (pblocks_[p].alive) release_p(p);
+    }
+    for (int32_t g = 0; g < static_cast<int32_t>(segments_.size()); ++g) {
+      if (segments_[g].alive) release_segment(g, segments_[g].live);
+    }
+    small_.clear();
+    large_.clear();
+    live_.clear();
+    st_.live_blocks = st_.active_bytes = st_.requested_bytes = 0;
+  }
+
+  // The pieces of the block at `ptr` (empty when no block starts there): one for a primitive or
+  // normal-path block, one per part for a stitched block, in block order.
+  std::vector<View> views(uintptr_t ptr) const {
+    std::vector<View> out;
+    auto it = live_.find(ptr);
+    if (it == live_.end()) return out;
+    const Live& live = it->second;
+    if (live.kind == Live::kNormal) {
+      const NBlock* b = live.nblock;
+      const Segment& g = segments_[b->seg];
+      out.push_back(View{0, nva(b), b->size, g.handle, b->key - g.key});
+    } else if (live.kind == Live::kPrimitive) {
+      const PBlock& p = pblocks_[live.index];
+      out.push_back(View{0, pva(live.index), p.size, segments_[p.seg].handle, p.offset});
+    } else {
+      int64_t off = 0;
+      for (int32_t q : sblocks_[live.index].parts) {
+        const PBlock& p = pblocks_[q];
+        out.push_back(View{off, pva(q), p.size, segments_[p.seg].handle, p.offset});
+        off += p.size;
+      }
+    }
+    return out;
+  }
+
+  // "normal", "primitive" or "stitched" for a live block; "" when no block starts at `ptr`.
+  const char* kind(uintptr_t ptr) const {
+    auto it = live_.find(ptr);
+    if (it == live_.end()) return "";
+    static const char* names[] = {"normal", "primitive", "stitched"};
+    return names[it->second.kind];
+  }
+
+  // Bytes of the block at `ptr` (-1: none): what the caller may use.
+  int64_t block_bytes(uintptr_t ptr) const {
+    auto it = live_.find(ptr);
+    return it == live_.end() ? -1 : it->second.bytes;
+  }
+
+  const Stats& stats() const { return st_; }
+  const std::vector<LogEntry>& log() const { return log_; }
+  void set_event(int64_t event) { event_ = event; }
+  const Options& options() const { return opt_; }
+
+  // Check every internal invariant; returns "" or a description of the first one broken.
+  // O(blocks): the fuzzer calls it every few hundred operations.
+  std::string check_invariants() const {
+    int64_t reserved = 0, segs = 0, normal_segs = 0, mapped = 0;
+    for (const Segment& g : segments_) {
+      if (!g.alive) continue;
+      reserved += g.live;
+      ++segs;
+      mapped += g.live;
+      if (g.normal) ++normal_segs;
+    }
+    if (reserved != st_.reserved_bytes) return "reserved bytes disagree with the segments";
+    if (segs != st_.segments_alive || normal_segs != st_.normal_path_segments) {
+      return "segment counts disagree";
+    }
+    // pBlocks: alive ones cover their segment's live bytes (with the normal-path blocks)
+    std::map<int32_t, int64_t> seg_bytes;
+    size_t free_p = 0;
+    for (int32_t p = 0; p < static_cast<int32_t>(pblocks_.size()); ++p) {
+      const PBlock& pb = pblocks_[p];
+      if (!pb.alive) continue;
+      seg_bytes[pb.seg] += pb.size;
+      if (pb.size <= 0 || pb.size % be_.granularity()) return "pBlock size off granularity";
+      const bool listed = pfree_.count(PKey{pb.stream, pb.size, p}) != 0;
+      if (listed == pb.active) return "pBlock free list disagrees with its state";
+      if (!pb.active) ++free_p;
+      for (int32_t s : pb.sblocks) {
+        const auto& parts = sblocks_[s].parts;
+        if (!sblocks_[s].alive || std::find(parts.begin(), parts.end(), p) == parts.end()) {
+          return "pBlock names a stitched block that does not map it";
+        }
+      }
+    }
+    if (free_p != pfree_.size()) return "free pBlock list has stale entries";
+    int64_t alive_s = 0;
+    size_t avail = 0;
+    for (int32_t s = 0; s < static_cast<int32_t>(sblocks_.size()); ++s) {
+      const SBlock& sb = sblocks_[s];
+      if (!sb.alive) continue;
+      ++alive_s;
+      mapped += sb.size;
+      int64_t size = 0, busy = 0;
+      for (int32_t p : sb.parts) {
+        const PBlock& pb = pblocks_[p];
+        if (!pb.alive) return "stitched block maps a released pBlock";
+        size += pb.size;
+        if (pb.active) ++busy;
+        if (sb.active && !pb.active) return "active stitched block has an inactive part";
+      }
+      if (size != sb.size) return "stitched block size differs from its parts";
+      if (busy != sb.busy) return "stitched block busy count is wrong";
+      const bool available = !sb.active && sb.busy == 0;
+      auto it = savail_.find(std::make_pair(sb.stream, sb.size));
+      const bool listed = it != savail_.end() && it->second.count(s) != 0;
+      if (listed != available) return "stitched block availability list is wrong";
+      if (available) ++avail;
+    }
+    size_t listed_total = 0;
+    for (const auto& kv : savail_) listed_total += kv.second.size();
+    if (listed_total != avail) return "stitched availability list has stale entries";
+    if (alive_s != st_.sblocks_alive) return "stitched block count is wrong";
+    if (mapped != st_.mapped_bytes) return "mapped bytes disagree";
+    // normal path: each segment's block chain covers it; free blocks are in their pool, merged
+    for (int32_t g = 0; g < static_cast<int32_t>(segments_.size()); ++g) {
+      const Segment& seg = segments_[g];
+      if (!seg.alive || !seg.normal) continue;
+      const NBlock* b = seg.first;
+      if (!b || b->prev || b->key != seg.key) return "normal segment chain does not start it";
+      int64_t cursor = seg.key;
+      for (; b; b = b->next) {
+        if (b->key != cursor || b->seg != g) return "normal segment chain has a gap";
+        if (b->next && b->next->prev != b) return "normal segment chain links are broken";
+        if (!b->allocated) {
+          const FreeSet& set = b->small ? small_ : large_;
+          if (!set.count(const_cast<NBlock*>(b))) return "free normal block not in its pool";
+          if (b->next && !b->next->allocated) return "two free normal neighbours not merged";
+        }
+        cursor += b->size;
+      }
+      if (cursor != seg.key + seg.size) return "normal segment chain does not end it";
+      seg_bytes[g] += seg.size;
+    }
+    for (const auto& kv : seg_bytes) {
+      if (segments_[kv.first].live != kv.second) return "segment live bytes disagree";
+    }
+    int64_t active = 0;
+    for (const auto& kv : live_) active += kv.second.bytes;
+    if (active != st_.active_bytes) return "active bytes disagree with the live blocks";
+    return "";
+  }
+
+ private:
+  // ----------------------------------------------------------------------------- segments
+  struct NBlock;
+  struct Segment {
+    int64_t handle = -1;
+    uintptr_t va = 0;
+    int64_t size = 0;
+    int64_t live = 0;  // bytes not yet released
+    int64_t key = 0;   // the model's address of its first byte
+    bool alive = false;
+    bool normal = false;
+    NBlock* first = nullptr;  // normal path: the block at its start
+  };
+
+  template <class F>
+  auto timed(double& seconds, F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    struct Add {
+      double& s;
+      std::chrono::steady_clock::time_point t0;
+      ~Add() {
+        s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+    } add{seconds, t0};
+    return f();
+  }
+
+  bool fits(int64_t bytes) const {
+    return opt_.capacity <= 0 || st_.reserved_bytes + bytes <= opt_.capacity;
+  }
+
+  // A new physical allocation of `bytes` with its own range, mapped; -1 when there is no
+  // memory for it (capacity or backend).
+  int32_t create_segment(int64_t bytes, bool normal) {
+    if (!fits(bytes)) return -1;
+    const int64_t h = timed(st_.create_seconds, [&] { return be_.create(bytes); });
+    if (h < 0) return -1;
+    uintptr_t va = 0;
+    try {
+      va = timed(st_.reserve_seconds, [&] { return be_.reserve(bytes); });
+      ++st_.reserve_calls;
+      timed(st_.map_seconds, [&] { be_.map(va, h, 0, bytes); });
+      ++st_.map_calls;
+    } catch (...) {
+      if (va) be_.unreserve(va, bytes);
+      be_.release(h, 0, bytes);
+      throw;
+    }
+    const int32_t g = fresh_slot(segments_, spare_seg_);
+    Segment& seg = segments_[g];
+    seg.handle = h;
+    seg.va = va;
+    seg.size = seg.live = bytes;
+    seg.alive = true;
+    seg.normal = normal;
+    seg.key = next_key_;
+    next_key_ += round_up(bytes, kRoundLarge);
+    st_.reserved_bytes += bytes;
+    st_.peak_reserved_bytes = std::max(st_.peak_reserved_bytes, st_.reserved_bytes);
+    st_.mapped_bytes += bytes;
+    st_.peak_mapped_bytes = std::max(st_.peak_mapped_bytes, st_.mapped_bytes);
+    ++st_.segments_alive;
+    if (normal) ++st_.normal_path_segments;
+    ++st_.physical_creates;
+    add_log(kLogCreate, bytes);
+    return g;
+  }
+
+  // Hand back `bytes` at `offset` of segment g (unmapped first); the range goes with the last.
+  void release_piece(int32_t g, int64_t offset, int64_t bytes) {
+    Segment& seg = segments_[g];
+    const bool last = seg.live == bytes;
+    // unmapped even when the range goes too: cuMemAddressFree wants a range with no mappings
+    timed(st_.map_seconds, [&] { be_.unmap(seg.va + offset, bytes); });
+    ++st_.map_calls;
+    timed(st_.create_seconds, [&] { be_.release(seg.handle, offset, bytes); });
+    seg.live -= bytes;
+    st_.reserved_bytes -= bytes;
+    st_.mapped_bytes -= bytes;
+    ++st_.physical_releases;
+    add_log(kLogRelease, bytes);
+    if (last) {
+      timed(st_.reserve_seconds, [&] { be_.unreserve(seg.va, seg.size); });
+      ++st_.reserve_calls;
+      seg.alive = false;
+      --st_.segments_alive;
+      if (seg.normal) --st_.normal_path_segments;
+      spare_seg_.push_back(g);
+    }
+  }
+
+  void release_segment(int32_t g, int64_t bytes) { release_piece(g, 0, bytes); }
+
+  void add_log(int64_t kind, int64_t bytes) {
+    if (opt_.log) log_.push_back(LogEntry{event_, kind, bytes});
+  }
+
+  uintptr_t refuse() {
+    ++st_.ooms;
+    return 0;
+  }
+
+  // ------------------------------------------------------------------------- normal path
+  // PyTorch's caching allocator (max_split_size unset) over segments of this backend, as
+  // allocator_models.cpp's CachingAllocator: blocks ordered by (stream, size, model address).
+  struct NBlock {
+    int64_t key = 0;  // model address
+    int64_t size = 0;
+    int64_t stream = 0;
+    int32_t seg = -1;
+    bool small = false;
+    bool allocated = false;
+    NBlock* prev = nullptr;
+    NBlock* next = nullptr;
+  };
+  struct BySize {
+    bool operator()(const NBlock* a, const NBlock* b) const {
+      if (a->stream != b->stream) return a->stream < b->stream;
+      if (a->size != b->size) return a->size < b->size;
+      return a->key < b->key;
+    }
+  };
+  using FreeSet = std::set<NBlock*, BySize>;
+
+  uintptr_t nva(const NBlock* b) const {
+    const Segment& g = segments_[b->seg];
+    return g.va + static_cast<uintptr_t>(b->key - g.key);
+  }
+
+  NBlock* make_nblock() {
+    if (!spare_nblocks_.empty()) {
+      NBlock* b = spare_nblocks_.back();
+      spare_nblocks_.pop_back();
+      *b = NBlock{};
+      return b;
+    }
+    nblocks_.emplace_back();
+    return &nblocks_.back();
+  }
+
+  FreeSet& pool(bool small) { return small ? small_ : large_; }
+
+  static int64_t segment_size(int64_t size) {
+    if (size <= kSmallSize) return kSmallBuffer;
+    if (size < kMinLargeAlloc) return kLargeBuffer;
+    return round_up(size, kRoundLarge);
+  }
+
+  NBlock* new_nsegment(int64_t size, int64_t stream, bool small) {
+    const int32_t g = create_segment(size, true);
+    if (g < 0) return nullptr;
+    NBlock* b = make_nblock();
+    b->key = segments_[g].key;
+    b->size = size;
+    b->stream = stream;
+    b->seg = g;
+    b->small = small;
+    segments_[g].first = b;
+    return b;
+  }
+
+  NBlock* normal_malloc(int64_t requested, int64_t stream) {
+    const int64_t size = round_request(requested);
+    const bool small = size <= kSmallSize;
+    FreeSet& free_blocks = pool(small);
+    NBlock key;
+    key.stream = stream;
+    key.size = size;
+    key.key = std::numeric_limits<int64_t>::min();
+    auto it = free_blocks.lower_bound(&key);
+    NBlock* b = nullptr;
+    if (it != free_blocks.end() && (*it)->stream == stream) {
+      b = *it;
+      free_blocks.erase(it);
+    } else {
+      const int64_t seg = segment_size(size);
+      b = new_nsegment(seg, stream, small);
+      if (!b) {  // the physical allocation failed: free the unused segments and retry
+        ++st_.reorganisations;
+        normal_release_cached();
+        b = new_nsegment(seg, stream, small);
+        if (!b) return nullptr;
+      }
+    }
+    const int64_t remaining = b->size - size;
+    if (small ? remaining >= kMinBlockSize : remaining > kSmallSize) {
+      NBlock* rest = make_nblock();
+      rest->key = b->key + size;
+      rest->size = remaining;
+      rest->stream = b->stream;
+      rest->seg = b->seg;
+      rest->small = b->small;
+      rest->prev = b;
+      rest->next = b->next;
+      if (b->next) b->next->prev = rest;
+      b->next = rest;
+      b->size = size;
+      free_blocks.insert(rest);
+    }
+    b->allocated = true;
+    return b;
+  }
+
+  void normal_free(NBlock* b) {
+    b->allocated = false;
+    FreeSet& free_blocks = pool(b->small);
+    if (NBlock* p = b->prev; p && !p->allocated) {
+      free_blocks.erase(p);
+      b->key = p->key;
+      b->size += p->size;
+      b->prev = p->prev;
+      if (b->prev) b->prev->next = b;
+      spare_nblocks_.push_back(p);
+    }
+    if (NBlock* n = b->next; n && !n->allocated) {
+      free_blocks.erase(n);
+      b->size += n->size;
+      b->next = n->next;
+      if (b->next) b->next->prev = b;
+      spare_nblocks_.push_back(n);
+    }
+    if (!b->prev) segments_[b->seg].first = b;
+    free_blocks.insert(b);
+  }
+
+  // Free every normal segment that holds no allocated block: large pool first, then small,
+  // each in best-fit order (the model's order).
+  void normal_release_cached() {
+    for (int small = 0; small < 2; ++small) {
+      FreeSet& free_blocks = pool(small != 0);
+      for (auto it = free_blocks.begin(); it != free_blocks.end();) {
+        NBlock* b = *it;
+        if (b->prev || b->next) {
+          ++it;
+          continue;
+        }
+        it = free_blocks.erase(it);
+        release_segment(b->seg, segments_[b->seg].size);
+        spare_nblocks_.push_back(b);
+      }
+    }
+  }
+
+  // ------------------------------------------------------------------------ stitching pools
+  struct PBlock {
+    int32_t seg = -1;
+    int64_t offset = 0;  // in its segment
+    int64_t size = 0;
+    int64_t stream = 0;
+    bool active = false;
+    bool alive = true;
+    std::vector<int32_t> sblocks;  // stitched blocks that map this one
+  };
+  struct SBlock {
+    int64_t size = 0;
+    int64_t stream = 0;
+    uintptr_t va = 0;
+    std::vector<int32_t> parts;
+    int32_t busy = 0;  // parts in use
+    bool active = false;
+    bool alive = true;
+    int64_t last_use = 0;
+  };
+  struct Handle {
+    int32_t index = -1;
+    bool stitched = false;
+  };
+  struct Live {
+    enum Kind : int { kNormal = 0, kPrimitive = 1, kStitched = 2 } kind = kNormal;
+    int32_t index = -1;        // pBlock or sBlock
+    NBlock* nblock = nullptr;  // normal path
+    int64_t bytes = 0;
+    int64_t requested = 0;
+  };
+  using PKey = std::tuple<int64_t, int64_t, int32_t>;  // stream, size, index
+
+  uintptr_t pva(int32_t p) const {
+    const PBlock& pb = pblocks_[p];
+    return segments_[pb.seg].va + static_cast<uintptr_t>(pb.offset);
+  }
+
+  void set_available(int32_t s, bool available) {
+    SBlock& sb = sblocks_[s];
+    auto key = std::make_pair(sb.stream, sb.size);
+    if (available) {
+      savail_[key].insert(s);
+    } else {
+      auto it = savail_.find(key);
+      if (it != savail_.end()) {
+        it->second.erase(s);
+        if (it->second.empty()) savail_.erase(it);
+      }
+    }
+  }
+
+  void activate_p(int32_t p) {
+    PBlock& pb = pblocks_[p];
+    pb.active = true;
+    pfree_.erase(PKey{pb.stream, pb.size, p});
+    for (int32_t s : pb.sblocks) {
+      if (sblocks_[s].busy++ == 0 && !sblocks_[s].active) set_available(s, false);
+    }
+  }
+
+  void deactivate_p(int32_t p) {
+    PBlock& pb = pblocks_[p];
+    pb.active = false;
+    pfree_.insert(PKey{pb.stream, pb.size, p});
+    for (int32_t s : pb.sblocks) {
+      if (--sblocks_[s].busy == 0 && !sblocks_[s].active) set_available(s, true);
+    }
+  }
+
+  void activate_s(int32_t s) {
+    SBlock& sb = sblocks_[s];
+    sb.active = true;
+    sb.last_use = ++clock_;
+    set_available(s, false);
+    for (int32_t p : sb.parts) activate_p(p);
+  }
+
+  // A new primitive block: one physical allocation of `size` bytes; -1 when there is none.
+  int32_t new_p(int64_t size, int64_t stream) {
+    const int32_t g = create_segment(size, false);
+    if (g < 0) return -1;
+    const int32_t p = fresh_slot(pblocks_, spare_p_);
+    PBlock& pb = pblocks_[p];
+    pb.seg = g;
+    pb.size = size;
+    pb.stream = stream;
+    pfree_.insert(PKey{stream, size, p});
+    ++st_.new_pblocks;
+    return p;
+  }
+
+  // Split free pBlock p so that it keeps its first `size` bytes; returns the rest (free). Every
+  // sBlock that maps p now maps both pieces (its mapping is unchanged: same physical bytes).
+  int32_t split_p(int32_t p, int64_t size) {
+    ++st_.splits;
+    const int32_t q = fresh_slot(pblocks_, spare_p_);
+    PBlock& pb = pblocks_[p];
+    PBlock& qb = pblocks_[q];
+    pfree_.erase(PKey{pb.stream, pb.size, p});
+    qb.seg = pb.seg;
+    qb.offset = pb.offset + size;
+    qb.size = pb.size - size;
+    qb.stream = pb.stream;
+    qb.sblocks = pb.sblocks;
+    pb.size = size;
+    pfree_.insert(PKey{pb.stream, pb.size, p});
+    pfree_.insert(PKey{qb.stream, qb.size, q});
+    for (int32_t s : qb.sblocks) {
+      auto& parts = sblocks_[s].parts;
+      parts.insert(std::find(parts.begin(), parts.end(), p) + 1, q);
+    }
+    return q;
+  }
+
+  // A virtual range mapped onto `parts` in order. Returns its index.
+  int32_t stitch(const std::vector<int32_t>& parts, int64_t stream) {
+    int64_t total = 0;
+    for (int32_t p : parts) total += pblocks_[p].size;
+    const uintptr_t va = timed(st_.reserve_seconds, [&] { return be_.reserve(total); });
+    ++st_.reserve_calls;
+    int64_t off = 0;
+    try {
+      for (int32_t p : parts) {
+        const PBlock& pb = pblocks_[p];
+        timed(st_.map_seconds,
+              [&] { be_.map(va + off, segments_[pb.seg].handle, pb.offset, pb.size); });
+        ++st_.map_calls;
+        off += pb.size;
+      }
+    } catch (...) {
+      if (off) be_.unmap(va, off);
+      be_.unreserve(va, total);
+      throw;
+    }
+    const int32_t s = fresh_slot(sblocks_, spare_s_);
+    SBlock& sb = sblocks_[s];
+    sb.stream = stream;
+    sb.parts = parts;
+    sb.va = va;
+    for (int32_t p : parts) {
+      sb.size += pblocks_[p].size;
+      pblocks_[p].sblocks.push_back(s);
+      if (pblocks_[p].active) ++sb.busy;
+    }
+    sb.last_use = ++clock_;
+    if (sb.busy == 0) set_available(s, true);
+    ++st_.stitches;
+    st_.stitched_bytes += sb.size;
+    st_.mapped_bytes += sb.size;
+    st_.peak_mapped_bytes = std::max(st_.peak_mapped_bytes, st_.mapped_bytes);
+    if (++st_.sblocks_alive > opt_.max_sblocks) drop_least_recently_used(s);
+    return s;
+  }
+
+  void drop_s(int32_t s) {
+    SBlock& sb = sblocks_[s];
+    if (sb.busy == 0 && !sb.active) set_available(s, false);
+    for (int32_t p : sb.parts) {
+      auto& v = pblocks_[p].sblocks;
+      v.erase(std::find(v.begin(), v.end(), s));
+    }
+    timed(st_.map_seconds, [&] { be_.unmap(sb.va, sb.size); });
+    ++st_.map_calls;
+    timed(st_.reserve_seconds, [&] { be_.unreserve(sb.va, sb.size); });
+    ++st_.reserve_calls;
+    st_.mapped_bytes -= sb.size;
+    sb.alive = false;
+    sb.parts.clear();
+    spare_s_.push_back(s);
+    --st_.sblocks_alive;
+    ++st_.sblocks_dropped;
+  }
+
+  void drop_least_recently_used(int32_t keep) {
+    int32_t victim = -1;
+    for (int32_t s = 0; s < static_cast<int32_t>(sblocks_.size()); ++s) {
+      const SBlock& sb = sblocks_[s];
+      if (s == keep || !sb.alive || sb.active) continue;
+      if (victim < 0 || sb.last_use < sblocks_[victim].last_use) victim = s;
+    }
+    if (victim >= 0) drop_s(victim);
+  }
+
+  // Release free pBlock p's physical piece (no alive sBlock maps it: release_cached() drops
+  // the inactive ones first, and an active one's parts are all active).
+  void release_p(int32_t p) {
+    PBlock& pb = pblocks_[p];
+    release_piece(pb.seg, pb.offset, pb.size);
+    pb.alive = false;
+    pb.sblocks.clear();
+    spare_p_.push_back(p);
+  }
+
+  // GMLake's BestFit. Returns index -1 when physical memory ran out.
+  Handle best_fit(int64_t size, int64_t stream) {
+    Handle h;
+    // S1: an exact match, primitive first, then stitched
+    auto it = pfree_.lower_bound(PKey{stream, size, -1});
+    if (it != pfree_.end() && std::get<0>(*it) == stream && std::get<1>(*it) == size) {
+      h.index = std::get<2>(*it);
+      activate_p(h.index);
+      ++st_.exact_hits;
+      return h;
+    }
+    if (auto s = savail_.find(std::make_pair(stream, size)); s != savail_.end()) {
+      h.index = *s->second.begin();
+      h.stitched = true;
+      activate_s(h.index);
+      ++st_.exact_hits;
+      return h;
+    }
+    // S2: the smallest larger primitive block: split it, stitch the pieces back for later
+    it = pfree_.upper_bound(PKey{stream, size, std::numeric_limits<int32_t>::max()});
+    if (it != pfree_.end() && std::get<0>(*it) == stream) {
+      const int32_t p = std::get<2>(*it);
+      const int32_t q = split_p(p, size);
+      stitch({p, q}, stream);
+      activate_p(p);
+      h.index = p;
+      return h;
+    }
+    // S3/S4: free primitive blocks of at least the limit, largest first, stitched together,
+    // topped up with a new primitive block when they are not enough
+    std::vector<int32_t> parts;
+    int64_t total = 0;
+    for (auto r = pfree_.lower_bound(PKey{stream, std::numeric_limits<int64_t>::max(), -1});
+         total < size && r != pfree_.begin();) {
+      --r;
+      if (std::get<0>(*r) != stream || std::get<1>(*r) < opt_.frag_limit) break;
+      parts.push_back(std::get<2>(*r));
+      total += std::get<1>(*r);
+    }
+    if (total > size) {  // the last one overshoots: keep only what is needed
+      const int32_t last = parts.back();
+      split_p(last, pblocks_[last].size - (total - size));
+      total = size;
+    }
+    if (total < size) {
+      const int32_t p = new_p(size - total, stream);
+      if (p < 0) return h;
+      parts.push_back(p);
+    }
+    if (parts.size() == 1) {
+      h.index = parts[0];
+      activate_p(h.index);
+      return h;
+    }
+    h.index = stitch(parts, stream);
+    h.stitched = true;
+    activate_s(h.index);
+    return h;
+  }
+
+  PhysicalBackend& be_;
+  const Options opt_;
+  Stats st_;
+  std::vector<LogEntry> log_;
+  int64_t event_ = -1;
+  bool torn_down_ = false;
+  // segments
+  std::vector<Segment> segments_;
+  std::vector<int32_t> spare_seg_;
+  int64_t next_key_ = kKeyBase;
+  // normal path
+  std::deque<NBlock> nblocks_;
+  std::vector<NBlock*> spare_nblocks_;
+  FreeSet small_, large_;
+  // stitching pools
+  std::vector<PBlock> pblocks_;
+  std::vector<SBlock> sblocks_;
+  std::vector<int32_t> spare_p_, spare_s_;
+  std::set<PKey> pfree_;
+  std::map<std::pair<int64_t, int64_t>, std::set<int32_t>> savail_;
+  int64_t clock_ = 0;
+  // blocks in use, by address
+  std::unordered_map<uintptr_t, Live> live_;
+};
+
+}  // namespace memo_stitch
