@@ -283,3 +283,81 @@ class PlanConfig:
         if self.mode == "file" and not os.path.isfile(self.plan):
             raise MemoConfigError(f"--memo-plan {self.plan}: no such plan file; use off, auto, "
                                   "or a plan from tools/memo_plan.py")
+
+
+@dataclass
+class TelemetryConfig:
+    """Training-time memory telemetry: per-step, per-rank device memory by category, gathered
+    to rank 0 every --log-interval, fail-fast near capacity, OOM reports (docs/telemetry.md)."""
+
+    telemetry: bool = memo_field(
+        False, flag="--memo-telemetry",
+        help="Measure every training step's device memory on every rank (CUDA: the caching "
+             "allocator's allocated/reserved/peak; CPU: memo_ext.telemetry's tracker, which "
+             "counts tensor storages), by category where known (params, grads, optimizer, "
+             "activations, backward, offload, comm); every --log-interval steps rank 0 prints "
+             "the max/mean over ranks, the skew and the worst rank. An out-of-memory error "
+             "writes a report (rank, phase, layer, micro-batch, categories) and a snapshot.")
+    device_capacity_gb: Optional[float] = memo_field(
+        None, flag="--memo-device-capacity-gb", metavar="GB",
+        help="Device memory per rank, in GB (1e9 bytes), for the fail-fast check and the OOM "
+             "report. On CPU it is the simulated device's capacity: a step that would hold more "
+             "tracked bytes fails with an out-of-memory report. On CUDA it caps the caching "
+             "allocator (torch.cuda.set_per_process_memory_fraction). Default: the GPU's total "
+             "memory on CUDA; unlimited (no fail-fast) on CPU. Not MEMO's --memo-device-memory-gb, "
+             "which only budgets MEMO's own buffers.")
+    telemetry_warmup_steps: int = memo_field(
+        3, flag="--memo-telemetry-warmup-steps", metavar="STEPS",
+        help="Steps after which the fail-fast check starts (peaks are reached in the first "
+             "iterations: optimizer state appears at the first step, MEMO sizes its buffers "
+             "after its measuring iterations). The check then runs at that step and at every "
+             "--log-interval.")
+    telemetry_fail_fast_margin: float = memo_field(
+        0.05, flag="--memo-telemetry-fail-fast-margin", metavar="FRACTION",
+        help="Stop training (exit status 3, with a report) once the worst rank's peak reaches "
+             "(1 - FRACTION) x capacity after the warm-up, instead of running on into an OOM "
+             "hours later. 0 turns the check off. Needs a known capacity (CUDA, or "
+             "--memo-device-capacity-gb).")
+    oom_report_dir: str = memo_field(
+        "memo_oom_reports", flag="--memo-oom-report-dir", metavar="DIR",
+        help="Where out-of-memory and fail-fast reports go: oom_rank<R>_iter<I>.json (+ the "
+             "allocation trace .jsonl.gz and a PyTorch-snapshot .pickle for memory_viz on CPU; "
+             "torch.cuda.memory._dump_snapshot's pickle on CUDA). Created on demand.")
+    estimated_peak_gb: Optional[float] = memo_field(
+        None, flag="--memo-estimated-peak-gb", metavar="GB",
+        help="The per-rank peak tools/estimate.py predicted for this run, in GB (1e9 bytes); "
+             "the telemetry lines and the OOM report show it beside the measured peak.")
+
+    @property
+    def device_capacity_bytes(self) -> int | None:
+        """``--memo-device-capacity-gb`` in bytes, or None when not given."""
+        return None if self.device_capacity_gb is None else int(self.device_capacity_gb * BYTES_PER_GB)
+
+    @property
+    def estimated_peak_bytes(self) -> int | None:
+        """``--memo-estimated-peak-gb`` in bytes, or None when not given."""
+        return None if self.estimated_peak_gb is None else int(self.estimated_peak_gb * BYTES_PER_GB)
+
+    def validate(self) -> None:
+        """Raise MemoConfigError (one line: the flag and the fix) on any unusable value; the
+        other flags need --memo-telemetry (given = differs from the default)."""
+        for name in ("device_capacity_gb", "estimated_peak_gb"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise MemoConfigError(f"{arg_flag(name)} {_fmt(value)} must be a positive number "
+                                      "of GB; give the bytes per rank in GB or drop the flag")
+        if self.telemetry_warmup_steps < 0:
+            raise MemoConfigError(f"--memo-telemetry-warmup-steps {self.telemetry_warmup_steps} "
+                                  "must be >= 0")
+        if not 0.0 <= self.telemetry_fail_fast_margin < 1.0:  # also rejects nan
+            raise MemoConfigError(f"--memo-telemetry-fail-fast-margin "
+                                  f"{_fmt(self.telemetry_fail_fast_margin)} is outside [0, 1); "
+                                  "use e.g. 0.05 (stop at 95% of capacity) or 0 (no check)")
+        if not self.oom_report_dir:
+            raise MemoConfigError("--memo-oom-report-dir is empty; give a directory")
+        if not self.telemetry:
+            for field in dataclasses.fields(self):
+                if field.name != "telemetry" and getattr(self, field.name) != field.default:
+                    raise MemoConfigError(f"{arg_flag(field.name)} {_fmt(getattr(self, field.name))} "
+                                          "has no effect without --memo-telemetry; add "
+                                          "--memo-telemetry or drop it")

@@ -21,9 +21,11 @@ from memo_ext.config import (
     MemoConfigError,
     OffloadConfig,
     PlanConfig,
+    TelemetryConfig,
     add_config_arguments,
     config_from_args,
 )
+from memo_ext.telemetry.monitor import MEMORY_EXIT_STATUS, MemoryBudgetExceeded
 
 TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -266,6 +268,7 @@ def _add_memo_args(parser: argparse.ArgumentParser) -> None:
     """--memo-* flags, generated from memo_ext's config dataclasses (one definition per flag)."""
     add_config_arguments(parser, OffloadConfig, title="MEMO activation offloading")
     add_config_arguments(parser, PlanConfig, title="MEMO memory planning")
+    add_config_arguments(parser, TelemetryConfig, title="MEMO memory telemetry")
 
 
 ArgsProvider = Callable[[argparse.ArgumentParser], None]
@@ -319,7 +322,9 @@ def silence_expected_cpu_warnings() -> None:
 
 def run_main(main: Callable[[list[str]], None], argv: Optional[Sequence[str]] = None) -> None:
     """Run an entry point's ``main(argv)``; an ArgumentValidationError becomes one line on
-    stderr (rank 0 only) and exit status 2."""
+    stderr (rank 0 only) and exit status 2; a memory stop of --memo-telemetry (out of memory or
+    fail-fast, its report already written) one line on the stopping rank's stderr and exit
+    status 3."""
     if not torch.cuda.is_available():
         silence_expected_cpu_warnings()
     try:
@@ -328,6 +333,14 @@ def run_main(main: Callable[[list[str]], None], argv: Optional[Sequence[str]] = 
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except MemoryBudgetExceeded as error:  # --memo-telemetry: OOM or fail-fast, report written
+        print(f"error: rank {os.environ.get('RANK', '0')}: {error}", file=sys.stderr, flush=True)
+        if error.peers_waiting:
+            # Peers may be blocked in a collective with this rank: no teardown, exit now (the
+            # launcher then stops them).
+            sys.stdout.flush()
+            os._exit(MEMORY_EXIT_STATUS)
+        sys.exit(MEMORY_EXIT_STATUS)
     finally:
         import torch.distributed as dist
 
@@ -615,6 +628,7 @@ def _validate_memo(args: argparse.Namespace) -> None:
     try:
         offload.validate()
         config_from_args(PlanConfig, args).validate()
+        config_from_args(TelemetryConfig, args).validate()
     except MemoConfigError as error:
         raise ArgumentValidationError(str(error)) from None
     if not offload.offload:

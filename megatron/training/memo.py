@@ -1,5 +1,6 @@
-"""Builds MEMO's runtime for the trainer from the --memo-* flags (memo_ext.offload's entry
-point and config dataclass are all the trainer knows of it)."""
+"""Builds MEMO's runtime for the trainer from the --memo-* flags (memo_ext.offload's,
+memo_ext.planner's and memo_ext.telemetry's entry points and config dataclasses are all the
+trainer knows of them)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from memo_ext.config import OffloadConfig, PlanConfig, config_from_args
+from memo_ext.config import OffloadConfig, PlanConfig, TelemetryConfig, config_from_args
 from memo_ext.device import CopyEngine, cuda_memory_headroom, measure_offload_bandwidth
 from memo_ext.offload import ActivationShape, MemoOffload
 from memo_ext.offload.alpha import default_host_memory_bytes, microbatches_in_flight
+from memo_ext.telemetry import MemoryTelemetry
 
 BYTES_PER_GB = 1e9
 
@@ -26,14 +28,65 @@ def _all_ranks_minimum(value: float) -> float:
     return tensor.item()
 
 
-def build_memo_offload(args: argparse.Namespace, log) -> Optional[MemoOffload]:
+class _LabelledCopyEngine(CopyEngine):
+    """A CopyEngine whose device buffers (MEMO's rounding buffers) telemetry counts as
+    "offload"."""
+
+    def __init__(self, device, telemetry: MemoryTelemetry):
+        super().__init__(device)
+        self._telemetry = telemetry
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        with self._telemetry.offload_allocations():
+            return super().alloc_device(nbytes)
+
+
+def build_memo_telemetry(args: argparse.Namespace, log) -> Optional[MemoryTelemetry]:
+    """--memo-telemetry's per-rank memory telemetry (memo_ext.telemetry), or None when off.
+    Built before the model so that MEMO's buffers can be attributed; call
+    :func:`attach_memo_telemetry` once the model exists."""
+    config = config_from_args(TelemetryConfig, args)
+    if not config.telemetry:
+        return None
+    telemetry = MemoryTelemetry(config, log_interval=args.log_interval, log=log)
+    capacity = (f"{telemetry.capacity_bytes / BYTES_PER_GB:.3f} GB per rank"
+                if telemetry.capacity_bytes else "unlimited (no fail-fast)")
+    log(f"> memory telemetry: {'CUDA caching allocator' if telemetry.cuda else 'CPU tracker'} "
+        f"| capacity {capacity} | fail-fast margin {config.telemetry_fail_fast_margin:g} after "
+        f"{config.telemetry_warmup_steps} steps | reports in {config.oom_report_dir}")
+    return telemetry
+
+
+def attach_memo_telemetry(telemetry: Optional[MemoryTelemetry], model: list) -> None:
+    """Register the model's parameters and gradient buffers and hook its chunks."""
+    if telemetry is None:
+        return
+    from memo_ext.planner.trace import persistent_tensors
+
+    params, grads = [], []
+    for chunk in model:
+        chunk_params, chunk_grads = persistent_tensors(chunk)
+        params += [tensor for _, tensor in chunk_params]
+        grads += [tensor for _, tensor in chunk_grads]
+
+    def comm_buffers() -> list:
+        buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+        return list(getattr(buffer, "buffer", {}).values())
+
+    telemetry.attach(model, params, grads, comm_buffers)
+
+
+def build_memo_offload(args: argparse.Namespace, log,
+                       telemetry: Optional[MemoryTelemetry] = None) -> Optional[MemoOffload]:
     """MEMO's runtime for this rank, or None without --memo-offload. Collective (measures the
-    node's D2H bandwidth with every rank copying at once unless --memo-pcie-gbps is given)."""
+    node's D2H bandwidth with every rank copying at once unless --memo-pcie-gbps is given).
+    With ``telemetry``, its tracker counts the host slots as host memory and the rounding
+    buffers as "offload", and on CPU its simulated capacity is MEMO's device headroom."""
     config = config_from_args(OffloadConfig, args)
     if not config.offload:
         return None
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    engine = CopyEngine(device)
+    engine = CopyEngine(device) if telemetry is None else _LabelledCopyEngine(device, telemetry)
     bandwidth = config.pcie_bytes_per_s
     bandwidth_source = "--memo-pcie-gbps"
     if bandwidth is None:
@@ -58,12 +111,23 @@ def build_memo_offload(args: argparse.Namespace, log) -> Optional[MemoOffload]:
         config, engine, layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
         microbatches_in_flight=in_flight, shape=shape, host_memory_bytes=host_memory,
         bandwidth_bytes_per_s=bandwidth, log=log, agree_on_alpha=_all_ranks_minimum,
-        device_headroom=(lambda: cuda_memory_headroom(device)) if device.type == "cuda" else None,
+        device_headroom=_device_headroom(device, telemetry),
+        **({} if telemetry is None else {"host_allocation_scope": telemetry.tracker.host_allocations}),
     )
     log(f"> MEMO offload: alpha {config.alpha} | D2H bandwidth {bandwidth / BYTES_PER_GB:.2f} GB/s "
         f"per rank ({bandwidth_source}) | host memory {host_memory / BYTES_PER_GB:.2f} GB per rank "
         f"| {in_flight} micro-batch(es) in flight on this stage")
     return memo
+
+
+def _device_headroom(device: torch.device, telemetry: Optional[MemoryTelemetry]):
+    """What MEMO's alpha LP reads as free device memory: CUDA's, or on CPU the telemetry
+    tracker's simulated capacity less its peak (None: no device row)."""
+    if device.type == "cuda":
+        return lambda: cuda_memory_headroom(device)
+    if telemetry is not None and telemetry.tracker.capacity_bytes is not None:
+        return telemetry.tracker.headroom_bytes
+    return None
 
 
 def build_memo_planner(args: argparse.Namespace, model: list, log):

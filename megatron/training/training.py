@@ -28,7 +28,12 @@ from megatron.training import checkpointing, metrics
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import initialize_megatron
-from megatron.training.memo import build_memo_offload, build_memo_planner
+from megatron.training.memo import (
+    attach_memo_telemetry,
+    build_memo_offload,
+    build_memo_planner,
+    build_memo_telemetry,
+)
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
 
@@ -151,8 +156,11 @@ def run_schedule(forward_step: ForwardStep, data_iterator, model: list,
 
 
 def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer, scheduler,
-               args: argparse.Namespace) -> tuple[dict[str, float], float, bool]:
-    """One global batch: forward/backward over all micro-batches, then the optimizer step.
+               args: argparse.Namespace,
+               optimizer_phase: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+               ) -> tuple[dict[str, float], float, bool]:
+    """One global batch: forward/backward over all micro-batches, then the optimizer step
+    (inside ``optimizer_phase()``: telemetry attributes its allocations).
 
     Returns (losses, grad norm, skipped) -- skipped is True when fp16 overflowed.
     """
@@ -160,7 +168,8 @@ def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer,
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     loss_dicts = run_schedule(forward_step, data_iterator, model, args, forward_only=False)
-    update_successful, grad_norm, _ = optimizer.step()
+    with optimizer_phase():
+        update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
     return reduce_losses(loss_dicts), grad_norm if grad_norm is not None else 0.0, not update_successful
@@ -267,8 +276,10 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     config = core_transformer_config_from_args(args)
-    memo = build_memo_offload(args, log=print_rank_0)
+    telemetry = build_memo_telemetry(args, log=print_rank_0)
+    memo = build_memo_offload(args, log=print_rank_0, telemetry=telemetry)
     model = build_model(args, config, model_provider, memo)
+    attach_memo_telemetry(telemetry, model)
     optimizer, scheduler = build_optimizer(args, model)
     planner = build_memo_planner(args, model, log=print_rank_0)
     config.finalize_model_grads_func = finalize_model_grads
@@ -297,12 +308,21 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     logger = TrainingLogger(args, flops_per_iteration, peak_tflops)
     signal_handler = DistributedSignalHandler(args.exit_signal) if args.exit_signal_handler else None
 
+    train_forward_step = forward_step
+    optimizer_phase = contextlib.nullcontext
+    if telemetry is not None:
+        train_forward_step = telemetry.wrap_forward_step(forward_step)
+        optimizer_phase = lambda: telemetry.phase("optimizer")  # noqa: E731
+
     for chunk in model:
         chunk.train()
     while state.iteration < args.train_iters:
-        with planner.iteration() if planner is not None else contextlib.nullcontext():
+        # An out-of-memory error in the step becomes a report and MemoryBudgetExceeded.
+        with telemetry.step(state.iteration + 1) if telemetry is not None else contextlib.nullcontext(), \
+                planner.iteration() if planner is not None else contextlib.nullcontext():
             losses, grad_norm, skipped = train_step(
-                forward_step, train_iterator, model, optimizer, scheduler, args
+                train_forward_step, train_iterator, model, optimizer, scheduler, args,
+                optimizer_phase,
             )
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
@@ -312,6 +332,8 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
             state.losses.append(losses["lm loss"])
         logger.log(state.iteration, losses, scheduler.get_lr(optimizer.param_groups[0]),
                    grad_norm, skipped)
+        if telemetry is not None:  # collective; raises MemoryBudgetExceeded on fail-fast
+            telemetry.after_step(state.iteration)
         if planner is not None and state.iteration % args.log_interval == 0:
             print_rank_0(f"> {planner.stats_line()}")
 
