@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--position-embedding-type", default="rope",
                        choices=("rope", "learned_absolute"))
     model.add_argument("--disable-bias-linear", action="store_true")
+    model.add_argument("--tie-embeddings", action="store_true",
+                       help="Share the input embedding and output layer weights (megatron's "
+                            "default; the trainer without --untie-embeddings-and-output-weights). "
+                            "Default: untied, as examples/configs.")
     model.add_argument("--attention-dropout", type=float, default=0.0)
     model.add_argument("--hidden-dropout", type=float, default=0.0)
 
@@ -126,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "'forward'.")
     trace.add_argument("--no-flash-workspace", action="store_true",
                        help="Do not model flash-attention's backward workspaces.")
+    trace.add_argument("--core-attention", choices=("flash", "sdpa"), default="flash",
+                       help="'flash': memo_planner's flash custom op (what TE / flash-attn "
+                            "allocate on GPUs; q, k, v made contiguous). 'sdpa': the trainer's "
+                            "CPU core attention (megatron.training.compat SDPACoreAttention), "
+                            "to predict a CPU run: it saves v as a view of the fused QKV "
+                            "output, which keeps that whole output alive until backward.")
     trace.add_argument("--no-cuda-semantics", action="store_true",
                        help="Record CPU op output sizes as they are (layer-norm statistics in "
                             "16 bits) instead of the CUDA kernels' (fp32).")
@@ -164,7 +174,8 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
         "--global-batch-size", str(opts.micro_batch_size * opts.dp * opts.microbatches_in_flight),
         "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--vocab-size", str(opts.vocab_size),
         "--position-embedding-type", opts.position_embedding_type,
-        "--normalization", opts.normalization, "--untie-embeddings-and-output-weights",
+        "--normalization", opts.normalization,
+        *([] if opts.tie_embeddings else ["--untie-embeddings-and-output-weights"]),
         "--attention-dropout", str(opts.attention_dropout),
         "--hidden-dropout", str(opts.hidden_dropout),
         "--tensor-model-parallel-size", str(opts.tp),
@@ -204,15 +215,17 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
 
 
 @contextlib.contextmanager
-def flash_attention_layer_spec():
-    """Build models with memo_ext.planner's flash core attention in the local layer spec (and
-    the local spec even where Transformer Engine exists): patches the two names
-    megatron.training.layer_specs looks up while a model is built."""
+def flash_attention_layer_spec(core_attention: str = "flash"):
+    """Build models with memo_ext.planner's flash core attention (``core_attention`` "flash";
+    "sdpa" keeps the trainer's CPU attention) in the local layer spec (and the local spec even
+    where Transformer Engine exists): patches the two names megatron.training.layer_specs looks
+    up while a model is built."""
     from megatron.training import layer_specs
     from memo_ext.planner.trace import FlashCoreAttention
 
     saved = layer_specs.SDPACoreAttention, layer_specs.transformer_engine_available
-    layer_specs.SDPACoreAttention = FlashCoreAttention
+    if core_attention == "flash":
+        layer_specs.SDPACoreAttention = FlashCoreAttention
     layer_specs.transformer_engine_available = lambda: False
     try:
         yield
@@ -367,7 +380,7 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
         memo = None
         if opts.memo_offload:
             memo = build_memo(args, recorder, stack, opts.microbatches_in_flight)
-        with flash_attention_layer_spec():
+        with flash_attention_layer_spec(opts.core_attention):
             model = pretrain_gpt.model_provider(
                 config, args, pre_process=parallel_state.is_pipeline_first_stage(),
                 post_process=parallel_state.is_pipeline_last_stage(), memo=memo)
@@ -501,7 +514,9 @@ def trace_header(opts, args, coordinates: dict, constants) -> dict:
                     "warmup": warmup_mode(opts),
                     "flash_workspace": not opts.no_flash_workspace,
                     "cuda_semantics": not opts.no_cuda_semantics,
-                    "attention": "memo_planner flash custom op (K/V all-gather CP)"},
+                    "attention": ("memo_planner flash custom op (K/V all-gather CP)"
+                                  if opts.core_attention == "flash"
+                                  else "trainer's CPU SDPA (megatron.training.compat)")},
         "constants": dataclasses.asdict(constants),
         "versions": {"torch": torch.__version__, "megatron_core": package_info.__version__},
         "trainer_argv": trainer_argv(opts),
