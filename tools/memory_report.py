@@ -3,7 +3,7 @@ allocator models.
 
     python tools/memory_report.py SNAPSHOT_OR_TRACE [--device N] [--capacity-gb G]
         [--policies caching,expandable,stitching,arena] [--plan PLAN.json] [--max-split-mb M]
-        [--compare-recorded] [--plot out.png]
+        [--compare-recorded] [--no-host-stitching] [--plot out.png]
 
 Input: a snapshot pickle from torch.cuda.memory._dump_snapshot (read with memo_ext.alloc's
 restricted unpickler: no code from the file runs), or one of our trace files (.npz, or JSON
@@ -15,7 +15,10 @@ GiB (initial = before the trace's first event, which starts mid-run; peak over t
 final = at the dump), fragmentation = 1 - peak allocated / peak reserved, segment events, OOMs.
 Then one table per policy (default: all four) with what the model reserves at --capacity-gb
 (default: unlimited); a snapshot's blocks live before the recording are allocated first. The
-arena policy uses --plan, or a best-fit plan of the trace itself. --compare-recorded (snapshots
+arena policy uses --plan, or a best-fit plan of the trace itself. The stitching policy also
+drives the real GMLake allocator on host memory (memo_ext.alloc.replay_host: memfd chunks,
+stitched mmap views, every block filled with a pattern and verified at its free) and prints its
+table beside the model's, unless --no-host-stitching. --compare-recorded (snapshots
 only) replays the recorded events through the model of the recording allocator from the
 reconstructed starting state and prints `recorded segment decisions matched: K/N`. --plot
 writes OUT.png (the recorded timeline of a snapshot, or every policy's reserved bytes for a
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ is not a 
 from memo_ext.alloc import (  # noqa: E402  (needs the sys.path line above)
     POLICIES,
     DeviceSummary,
+    HostReplayResult,
     RecordedComparison,
     ReplayResult,
     compare_recorded,
@@ -41,6 +45,7 @@ from memo_ext.alloc import (  # noqa: E402  (needs the sys.path line above)
     load_snapshot,
     load_trace,
     replay,
+    replay_host,
     snapshot_trace,
     summarize_snapshot,
 )
@@ -112,6 +117,35 @@ def policy_table(policy: str, results: list[ReplayResult], capacity: int | None)
             f"| {_gib(r.peak_reserved_bytes)} | {r.fragmentation:.1%} "
             f"| {r.device_mallocs}/{r.device_frees} | {r.reorganisations} | {oom} "
             f"| {_notes(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def host_stitching_table(results: list[HostReplayResult], model: list[ReplayResult],
+                         capacity: int | None) -> str:
+    """The real host allocator's replay per device, the model's peak reserved beside it."""
+    cap = "unlimited" if capacity is None else f"{_gib(capacity)} GiB"
+    lines = [
+        f"\n### policy stitching: real allocator on host memory (capacity {cap})\n",
+        "| device | peak alloc GiB | peak reserved GiB | model peak reserved GiB "
+        "| peak mapped GiB | physical create/release | stitches | map calls (ms) "
+        "| reorganisations | OOMs | blocks verified (stitched) | data errors | leaked |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r, m in zip(results, model):
+        st = r.stats
+        leaked = "none" if not any(r.leaked.values()) else \
+            ", ".join(f"{k} {v}" for k, v in r.leaked.items() if v)
+        oom = r.oom.count if r.oom is not None else 0
+        errors = f"{r.data_errors}" + (f" ({r.first_error})" if r.data_errors else "")
+        if r.invariant_error:
+            errors += f"; invariant broken: {r.invariant_error}"
+        lines.append(
+            f"| {r.device} | {_gib(r.peak_allocated_bytes)} | {_gib(r.peak_reserved_bytes)} "
+            f"| {_gib(m.peak_reserved_bytes)} | {_gib(r.peak_mapped_bytes)} "
+            f"| {r.physical_creates}/{r.physical_releases} | {st['stitches']} "
+            f"| {st['map_calls']} ({st['map_seconds'] * 1e3:.1f}) | {r.reorganisations} "
+            f"| {oom} | {r.checked_blocks} ({r.stitched_checked}) | {errors} | {leaked} |"
         )
     return "\n".join(lines)
 
@@ -279,6 +313,9 @@ def main(argv=None) -> int:
     parser.add_argument("--compare-recorded", action="store_true",
                         help="replay a snapshot through the model of its allocator and count "
                              "the recorded segment decisions it reproduces")
+    parser.add_argument("--no-host-stitching", action="store_true",
+                        help="stitching policy: replay through the model only, not also "
+                             "through the real allocator on host memory")
     parser.add_argument("--plot", type=Path, metavar="OUT.png",
                         help="write timeline plots (OUT.png and OUT_<policy>.png)")
     args = parser.parse_args(argv)
@@ -308,6 +345,8 @@ def main(argv=None) -> int:
                        plan=plan if p == "arena" else None) for t in traces]
             for p in args.policies
         }
+        host = ([replay_host(t, capacity) for t in traces]
+                if "stitching" in by_policy and not args.no_host_stitching else None)
         comparisons = (compare_recorded(snapshot, device=args.device, capacity_bytes=capacity)
                        if args.compare_recorded else None)
     except OSError as exc:
@@ -327,6 +366,8 @@ def main(argv=None) -> int:
               f"{len(np.unique(t.streams))} stream(s)")
     for p, results in by_policy.items():
         print(policy_table(p, results, capacity))
+        if p == "stitching" and host is not None:
+            print(host_stitching_table(host, results, capacity))
     if comparisons is not None:
         print(comparison_report(comparisons))
     if args.plot is not None:

@@ -4,7 +4,9 @@ planned arena).
 
 Entry points: ``summarize_snapshot(load_snapshot(path))`` (memo_ext.alloc.snapshot);
 ``replay(trace, policy, capacity_bytes)`` and ``compare_recorded(snapshot)``
-(memo_ext.alloc.models, rules in docs/allocator_models.md).
+(memo_ext.alloc.models, rules in docs/allocator_models.md); the real GMLake stitching
+allocator on host memory: ``HostStitchingAllocator`` and ``replay_host(trace)``
+(memo_ext.alloc.stitching, docs/stitching.md).
 """
 from memo_ext.alloc.models import (
     POLICIES,
@@ -36,12 +38,14 @@ from memo_ext.alloc.snapshot import (
     load_snapshot,
     summarize_snapshot,
 )
+from memo_ext.alloc.stitching import HostReplayResult, HostStitchingAllocator, replay_host
 
 __all__ = [
-    "POLICIES", "ArenaPlan", "DecisionMismatch", "DeviceSummary", "InitialState", "OomEvent",
+    "POLICIES", "ArenaPlan", "DecisionMismatch", "DeviceSummary", "HostReplayResult",
+    "HostStitchingAllocator", "InitialState", "OomEvent",
     "OomInfo", "PlanError", "RecordedComparison", "ReplayResult", "SnapshotError", "Trace",
     "TraceError", "best_fit_plan", "compare_recorded", "infer_capacity", "load_plan",
     "load_snapshot", "load_trace", "reconstruct_initial_state", "repeated_iterations", "replay",
-    "replay_policies",
+    "replay_host", "replay_policies",
     "save_trace", "snapshot_trace", "summarize_snapshot",
 ]
