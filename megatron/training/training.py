@@ -254,6 +254,11 @@ class TrainingLogger:
         self._write({"iteration": iteration,
                      **{f"validation_{k.replace(' ', '_')}": v for k, v in losses.items()}})
 
+    def log_memory(self, record: dict) -> None:
+        """Write a --memo-telemetry record (already printed by rank 0) to the metrics files."""
+        if self.is_writer:
+            self._write(record)
+
     def _write(self, record: dict) -> None:
         if self.tensorboard is not None:
             for key, value in record.items():
@@ -333,7 +338,9 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
         logger.log(state.iteration, losses, scheduler.get_lr(optimizer.param_groups[0]),
                    grad_norm, skipped)
         if telemetry is not None:  # collective; raises MemoryBudgetExceeded on fail-fast
-            telemetry.after_step(state.iteration)
+            gathered = telemetry.after_step(state.iteration)
+            if gathered is not None:
+                logger.log_memory(gathered.as_record())
         if planner is not None and state.iteration % args.log_interval == 0:
             print_rank_0(f"> {planner.stats_line()}")
 

@@ -130,9 +130,13 @@ class AttributedTracker(DeviceMemoryTracker):
     def context(self) -> MemoryContext:
         """Phase, layer and micro-batch running now (this thread)."""
         if torch._C._current_autograd_node() is not None:
+            # Until the model output's gradient arrives (the loss's own backward), the backward
+            # is that of the last forward (the last pipeline stage runs F then B per micro-batch).
+            microbatch = (self._backward_microbatch if self._backward_microbatch is not None
+                          else self.microbatch)
             if self._layers:
-                return MemoryContext("recompute", self._layers[-1], self._backward_microbatch)
-            return MemoryContext("backward", self._backward_layer, self._backward_microbatch)
+                return MemoryContext("recompute", self._layers[-1], microbatch)
+            return MemoryContext("backward", self._backward_layer, microbatch)
         layer = self._layers[-1] if self._layers else None
         return MemoryContext(self.phase, layer, self.microbatch)
 
@@ -173,6 +177,7 @@ class AttributedTracker(DeviceMemoryTracker):
         """A micro-batch's forward step starts (outside the autograd engine)."""
         self.phase = "forward"
         self.microbatch = self._forward_count
+        self._backward_microbatch = self._backward_layer = None
         self._forward_count += 1
 
     def register(self, tensors: Iterable[torch.Tensor], category: str) -> None:

@@ -118,7 +118,8 @@ class GatheredMemory:
     def as_record(self) -> dict:
         """Plain data for metrics files (MiB)."""
         worst = self.samples[self.worst_rank]
-        return {"iteration": self.step, "mem_peak_max_mib": self.max_peak / MiB,
+        return {"iteration": self.step, "mem_peak_max_bytes": self.max_peak,
+                "mem_peak_max_mib": self.max_peak / MiB,
                 "mem_peak_mean_mib": self.mean_peak / MiB, "mem_peak_skew": self.skew,
                 "mem_peak_worst_rank": self.worst_rank,
                 "mem_peak_per_rank_mib": [s.peak / MiB for s in self.samples],
