@@ -1,0 +1,143 @@
+"""GMLake stitching on the GPU: build ``csrc/cuda/stitching_cuda.cpp`` (the allocator core of
+csrc/stitching_allocator.h over cuMemCreate / cuMemAddressReserve / cuMemMap / cuMemSetAccess /
+cuMemUnmap / cuMemRelease) and install it as PyTorch's CUDA allocator through
+``torch.cuda.memory.CUDAPluggableAllocator``, without rebuilding PyTorch.
+
+    from memo_ext.alloc.stitching_cuda import install
+    stitching = install(frag_limit_bytes=128 << 20)  # before the first CUDA tensor
+    ...
+    print(stitching.stats())
+
+The library is compiled with the host C++ compiler against the CUDA toolkit's ``cuda.h`` only
+(the driver is opened at run time), on the machine that uses it. Status: exercised on a CPU
+machine against a fake driver (tests/unit/test_stitching_cuda_backend.py); the GPU test
+(tests/gpu/test_stitching_cuda.py) has not run in this project. See docs/stitching.md.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+__all__ = ["CudaStitchingAllocator", "build_library", "cuda_home", "install"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SOURCE = REPO_ROOT / "csrc" / "cuda" / "stitching_cuda.cpp"
+HEADERS = (REPO_ROOT / "csrc" / "stitching_allocator.h",)
+LIBRARY_NAME = "libmemo_stitching_cuda.so"
+DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "stitching_cuda"
+
+
+def cuda_home(explicit: str | os.PathLike | None = None) -> Path:
+    """The CUDA toolkit directory holding include/cuda.h: ``explicit``, $CUDA_HOME, $CUDA_PATH,
+    torch's CUDA_HOME, or /usr/local/cuda. Raises RuntimeError when none has it."""
+    candidates = [explicit, os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+        candidates.append(CUDA_HOME)
+    except ImportError:  # torch is optional for building
+        pass
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if c and (Path(c) / "include" / "cuda.h").is_file():
+            return Path(c)
+    raise RuntimeError("no CUDA toolkit with include/cuda.h found: set CUDA_HOME to the toolkit "
+                       "directory (tried " + ", ".join(str(c) for c in candidates if c) + ")")
+
+
+def build_library(out_dir: str | os.PathLike | None = None, *,
+                  cuda_home_dir: str | os.PathLike | None = None,
+                  cxx: str | None = None, force: bool = False) -> Path:
+    """Compile the CUDA stitching allocator into ``out_dir``/libmemo_stitching_cuda.so (default
+    build/stitching_cuda/ in the repository) and return its path. Skips the build when the
+    library is newer than its sources, unless ``force``. cxx: the compiler ($CXX, else g++).
+    Raises RuntimeError naming what is missing or the compiler's error."""
+    out = Path(out_dir) if out_dir is not None else DEFAULT_BUILD_DIR
+    lib = out / LIBRARY_NAME
+    newest = max(p.stat().st_mtime for p in (SOURCE, *HEADERS))
+    if lib.is_file() and lib.stat().st_mtime >= newest and not force:
+        return lib
+    compiler = cxx or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found: install g++ or set CXX")
+    include = cuda_home(cuda_home_dir) / "include"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{LIBRARY_NAME}.{os.getpid()}"
+    cmd = [compiler, "-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden",
+           f"-I{REPO_ROOT / 'csrc'}", f"-I{include}", str(SOURCE), "-o", str(tmp), "-ldl"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building {SOURCE} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+    os.replace(tmp, lib)  # atomic: a concurrent loader never sees half a file
+    return lib
+
+
+class CudaStitchingAllocator:
+    """The installed (or merely loaded) library: statistics and cache control per device."""
+
+    def __init__(self, library: str | os.PathLike, pluggable=None):
+        self.path = Path(library)
+        self.lib = ctypes.CDLL(str(self.path))
+        self.lib.memo_stitch_stats.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
+                                               ctypes.c_int]
+        self.lib.memo_stitch_stat_names.restype = ctypes.c_char_p
+        self.lib.memo_stitch_last_error.restype = ctypes.c_char_p
+        self.lib.memo_stitch_configure.argtypes = [ctypes.c_int64] * 3
+        self.lib.memo_stitch_malloc.restype = ctypes.c_void_p
+        self.lib.memo_stitch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        self.lib.memo_stitch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
+                                              ctypes.c_void_p]
+        self.pluggable = pluggable  # keeps PyTorch's allocator object alive
+
+    def configure(self, frag_limit_bytes: int | None = None, max_sblocks: int | None = None,
+                  capacity_bytes: int | None = None) -> None:
+        """Options for the per-device allocators (None: the default: 128 MiB, 1024,
+        unlimited). Raises RuntimeError once an allocator exists."""
+        args = [-1 if v is None else int(v) for v in (frag_limit_bytes, max_sblocks,
+                                                     capacity_bytes)]
+        if self.lib.memo_stitch_configure(*args) != 0:
+            raise RuntimeError("the stitching allocator already serves a device: configure it "
+                               "before the first CUDA allocation")
+
+    def stats(self, device: int = 0) -> dict:
+        """Counters of ``device`` (bytes, counts; map_nanoseconds): {} before its first
+        allocation."""
+        names = self.lib.memo_stitch_stat_names().decode().split(",")
+        buf = (ctypes.c_int64 * len(names))()
+        n = self.lib.memo_stitch_stats(device, buf, len(names))
+        return dict(zip(names[:n], buf[:n]))
+
+    def empty_cache(self, device: int = 0) -> None:
+        """Drop unused stitched blocks and release free physical memory of ``device``
+        (torch.cuda.empty_cache() does not reach a pluggable allocator)."""
+        self.lib.memo_stitch_empty_cache(device)
+
+    def last_error(self) -> str:
+        return self.lib.memo_stitch_last_error().decode()
+
+
+def install(frag_limit_bytes: int | None = None, max_sblocks: int | None = None,
+            capacity_bytes: int | None = None,
+            library: str | os.PathLike | None = None) -> CudaStitchingAllocator:
+    """Build (if needed) and install the stitching allocator as the process's CUDA allocator.
+
+    Must run before the first CUDA allocation (PyTorch refuses to change an allocator in use).
+    frag_limit_bytes: requests below it take the embedded caching path (default 128 MiB);
+    max_sblocks: stitched blocks cached (default 1024); capacity_bytes: physical memory it may
+    hold (default: whatever cuMemCreate gives). library: a prebuilt .so (default:
+    :func:`build_library`). Raises RuntimeError without CUDA or when too late.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("install() needs CUDA: this process sees no GPU")
+    path = Path(library) if library is not None else build_library()
+    handle = CudaStitchingAllocator(path)
+    handle.configure(frag_limit_bytes, max_sblocks, capacity_bytes)
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(path), "memo_stitch_malloc",
+                                                         "memo_stitch_free")
+    torch.cuda.memory.change_current_allocator(pluggable)
+    handle.pluggable = pluggable
+    return handle
