@@ -1,0 +1,204 @@
+"""The estimator's time side: the work a trace counts (exact FLOPs against the model's shapes,
+exact at any length from two lengths), the cost model's arithmetic, the layout search and the
+recommender's command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+from contextlib import redirect_stdout
+
+import pytest
+
+from memo_ext.estimate import load_hardware, trace_rank
+from memo_ext.estimate.cost import (
+    CostModelError,
+    Efficiency,
+    WorkLine,
+    model_flops_per_sequence,
+    parameter_count,
+    persistent_bytes,
+    predict_step,
+)
+from memo_ext.estimate.layout import Layout, TraceCache, candidate_layouts
+from memo_ext.planner.trace import load_balanced_positions
+from memo_ext.planner.work import causal_pairs
+from tests.conftest import REPO_ROOT
+
+LAYERS, HIDDEN, FFN, HEADS, VOCAB = 2, 64, 256, 4, 512
+SMALL = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--ffn-hidden-size",
+         str(FFN), "--num-attention-heads", str(HEADS), "--vocab-size", str(VOCAB),
+         "--tp", "2", "--cp", "2", "--bf16", "--cuda-context-mib", "1",
+         "--nccl-mib-per-communicator", "1"]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("cost")
+    return {seq: trace_rank(SMALL + FULL_RECOMPUTE, seq, workdir) for seq in (1024, 2048, 8192)}
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_causal_pairs_match_the_load_balanced_positions(cp_size):
+    local = 64
+    keys = 2 * cp_size * (local // 2)
+    for cp_rank in range(cp_size):
+        positions = load_balanced_positions(local, cp_rank, cp_size) if cp_size > 1 else \
+            range(local)
+        brute = sum(int(p) + 1 for p in positions if p < keys)
+        assert causal_pairs(local, cp_rank, cp_size) == brute
+
+
+def test_gemm_and_attention_flops_are_the_models(traces):
+    """Rank 0 of TP=2 CP=2 at 2048 tokens: every forward GEMM of the model, by hand."""
+    work = traces[2048].header["work"]["phases"]
+    tokens = 2048 // 2  # this CP rank's tokens; SP gathers them over TP for the GEMMs
+    per_layer = 2 * tokens * (HIDDEN * 3 * HIDDEN + HIDDEN * HIDDEN + 2 * HIDDEN * FFN) // 2
+    padded_vocab = 512  # a multiple of 128 x TP already
+    logits = 2 * tokens * HIDDEN * padded_vocab // 2
+    assert work["forward"]["gemm_flops"] == LAYERS * per_layer + logits
+    # Full recompute runs each layer's forward again; backward is twice the forward.
+    assert work["recompute"]["gemm_flops"] == LAYERS * per_layer
+    assert work["backward"]["gemm_flops"] == 2 * (LAYERS * per_layer + logits)
+    heads_here = HEADS // 2
+    head_dim = HIDDEN // HEADS
+    pairs = causal_pairs(tokens, 0, 2)
+    assert work["forward"]["attention_flops"] == LAYERS * 4 * heads_here * head_dim * pairs
+    assert work["backward"]["attention_flops"] == LAYERS * 10 * heads_here * head_dim * pairs
+    assert work["forward"]["memory_bytes"] > 0
+
+
+def test_work_at_any_length_from_two_lengths_is_exact(traces):
+    line = WorkLine.from_headers(traces[1024].header, traces[2048].header)
+    assert line.at(8192) == traces[8192].header["work"]
+
+
+def test_collectives_are_counted_per_group(traces):
+    collectives = traces[2048].header["work"]["collectives"]
+    groups = {tuple(c["ranks"]) for c in collectives}
+    assert (0, 1) in groups and (0, 2) in groups  # TP and CP groups of rank 0
+    forward = {(c["op"], tuple(c["ranks"])): c for c in collectives if c["phase"] == "forward"}
+    # Sequence parallelism: one all-gather before each of QKV and FC1 per layer, plus one
+    # before the output layer; CP all-gathers K and V per layer.
+    assert forward[("all_gather", (0, 1))]["calls"] == 2 * LAYERS + 1
+    assert forward[("all_gather", (0, 2))]["calls"] == 2 * LAYERS
+
+
+def test_work_line_refuses_traces_without_work(traces):
+    bare = {key: value for key, value in traces[1024].header.items() if key != "work"}
+    with pytest.raises(CostModelError, match="no work counts"):
+        WorkLine.from_headers(bare, traces[2048].header)
+
+
+def _step(trace, hardware, **changes):
+    efficiency = dataclasses.replace(Efficiency.from_profile(hardware), **changes)
+    return predict_step(trace.header["work"], trace.header, hardware, efficiency,
+                        global_batch=8, persistent=persistent_bytes(trace))
+
+
+def test_step_time_follows_the_hardware_and_efficiencies(traces):
+    a800 = load_hardware("a800")
+    trace = traces[8192]
+    base = _step(trace, a800)
+    assert base.step_s > 0 and 0 < base.mfu < 1
+    assert base.microbatches == 8  # DP 1, micro-batch 1
+    faster = _step(trace, {**a800, "bf16_tflops": 2 * a800["bf16_tflops"]})
+    assert faster.forward_s < base.forward_s
+    slower_links = _step(trace, a800, collective=a800["efficiency"]["collective"] / 2)
+    assert slower_links.collectives_s == pytest.approx(2 * base.collectives_s)
+    reorganising = predict_step(trace.header["work"], trace.header, a800,
+                                Efficiency.from_profile(a800), global_batch=8,
+                                persistent=persistent_bytes(trace),
+                                reorganisations_per_iteration=3)
+    assert reorganising.step_s == pytest.approx(
+        base.step_s + 3 * a800["efficiency"]["reorganisation_s"])
+    two_replicas = {**trace.header, "layout": {**trace.header["layout"], "dp": 2}}
+    with pytest.raises(CostModelError, match="--global-batch-size 7"):
+        predict_step(trace.header["work"], two_replicas, a800, Efficiency.from_profile(a800),
+                     global_batch=7, persistent=persistent_bytes(trace))
+
+
+def test_mfu_uses_memo_papers_definition():
+    model = {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 16384,
+             "num_attention_heads": 32, "vocab_size": 50257}
+    assert parameter_count(model) == 32 * (4 * 4096**2 + 2 * 4096 * 16384) + 50257 * 4096
+    s = 1 << 20
+    assert model_flops_per_sequence(model, s) == 6 * s * parameter_count(model) + \
+        6 * 32 * 4096 * s * s
+
+
+def test_candidate_layouts_rule_out_what_cannot_run():
+    a800 = load_hardware("a800")
+    model = {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 16384,
+             "num_attention_heads": 32, "vocab_size": 50257}
+    kept, dropped = candidate_layouts(model, 8, a800, policies=["megatron", "memo"],
+                                      alphas=[0.0, 1.0], micro_batches=[1], global_batch=16,
+                                      pipeline_sizes=[1, 2])
+    reasons = {layout: reason for layout, reason in dropped}
+    assert all(layout.gpus == 8 for layout in kept)
+    # 7B unsharded: 6.65e9 parameters x 18 bytes = 111 GiB of weights, gradients and Adam.
+    assert "alone need 111 GiB" in reasons[Layout(1, 8, 1, 1, "megatron")]
+    # Sharding Adam over 8 data-parallel ranks leaves 37 + 9 GiB: traced, not ruled out.
+    assert Layout(1, 1, 1, 8, "megatron") in kept
+    assert Layout(4, 2, 1, 1, "memo", 0.0) in kept and Layout(8, 1, 1, 1, "megatron") in kept
+    assert len({(l.tp, l.cp, l.pp, l.dp) for l in kept}) >= 8
+
+
+def _estimate(argv):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("estimate_cli",
+                                                  REPO_ROOT / "tools" / "estimate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = module.main(argv)
+    return code, out.getvalue()
+
+
+def test_recommend_ranks_layouts_and_reuses_its_trace_cache(tmp_path):
+    model_file = tmp_path / "small.json"
+    model_file.write_text(json.dumps({"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256,
+                                      "num_attention_heads": 4, "vocab_size": 512}))
+    cache = tmp_path / "cache"
+    argv = ["--model", str(model_file), "--gpu", "a100-40gb", "--gpus", "2", "--recommend",
+            "--seq-length", "262144", "--policies", "megatron,megatron-none",
+            "--cache-dir", str(cache), "--global-batch-size", "4"]
+    code, out = _estimate(argv)
+    assert code == 0, out
+    rows = re.findall(r"^\| (\d+) \| (TP=\d+ CP=\d+ PP=\d+ DP=\d+.*?) \|.*\| ([\d.]+)% \| FITS \|$",
+                      out, re.M)
+    assert len(rows) == 6, out  # (TP, CP, DP) in (1, 1, 2), (1, 2, 1), (2, 1, 1) x 2 policies
+    mfus = [float(mfu) for _, _, mfu in rows]
+    assert mfus == sorted(mfus, reverse=True)
+    assert re.search(r"^best: TP=", out, re.M) and "predicted MFU" in out
+    cached = sorted(cache.glob("*.jsonl.gz"))
+    assert len(cached) == 2 * len(re.findall(r"^  traced ", out, re.M))
+    code, again = _estimate(argv)
+    assert code == 0 and sorted(cache.glob("*.jsonl.gz")) == cached
+    assert again.split("estimated in")[0].count("|") == out.split("estimated in")[0].count("|")
+
+
+def test_cli_refuses_bad_recommender_input(tmp_path):
+    base = ["--model", "7b", "--gpu", "a800", "--seq-length", "1024"]
+    assert _estimate(base + ["--recommend"])[0] == 2  # no --gpus
+    assert _estimate(base + ["--recommend", "--gpus", "8", "--policies", "deepspeed"])[0] == 2
+    assert _estimate(base + ["--recommend", "--gpus", "8", "--alphas", "2"])[0] == 2
+    bad_model = tmp_path / "model.json"
+    bad_model.write_text('{"hidden_size": 64}')
+    assert _estimate(["--model", str(bad_model), "--gpu", "a800", "--seq-length", "1024"])[0] == 2
+
+
+def test_trace_cache_never_trusts_a_damaged_entry(tmp_path):
+    cache = TraceCache(tmp_path)
+    argv = SMALL
+    first = cache.trace(argv, 1024)
+    (entry,) = tmp_path.glob("*.jsonl.gz")
+    entry.write_bytes(b"not gzip")
+    again = cache.trace(argv, 1024)
+    assert [e["bytes"] for e in again.events] == [e["bytes"] for e in first.events]
