@@ -1,6 +1,6 @@
 """The real GMLake stitching allocator on host memory, replaying every real snapshot.
 
-    python bench/stitching.py                 # all snapshots, 3 fragmentation limits: ~1-2 min
+    python bench/stitching.py                 # all snapshots, 3 fragmentation limits: ~20 s
     python bench/stitching.py --quick -o DIR  # one small snapshot, a short fuzz: seconds
 
 For each device trace of each snapshot in ../shared/data/snapshots (blocks live before the
@@ -34,9 +34,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.common import GiB, MiB, gib  # noqa: E402
 from memo_ext import _C  # noqa: E402
 from memo_ext.alloc import load_snapshot, replay, replay_host, snapshot_trace  # noqa: E402
+
+# bench.common has these too, but importing it loads torch and megatron (~8 s on 2 cores) for
+# what this bench does not need.
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def gib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / GiB:.2f}"
+
 
 SNAPSHOTS = REPO_ROOT.parent / "shared" / "data" / "snapshots"
 REPORT_MD = "stitching.md"

@@ -49,10 +49,11 @@ def cuda_home(explicit: str | os.PathLike | None = None) -> Path:
 
 def build_library(out_dir: str | os.PathLike | None = None, *,
                   cuda_home_dir: str | os.PathLike | None = None,
-                  cxx: str | None = None, force: bool = False) -> Path:
+                  cxx: str | None = None, force: bool = False, optimize: str = "-O3") -> Path:
     """Compile the CUDA stitching allocator into ``out_dir``/libmemo_stitching_cuda.so (default
     build/stitching_cuda/ in the repository) and return its path. Skips the build when the
-    library is newer than its sources, unless ``force``. cxx: the compiler ($CXX, else g++).
+    library is newer than its sources, unless ``force``. cxx: the compiler ($CXX, else g++);
+    optimize: its optimisation flag.
     Raises RuntimeError naming what is missing or the compiler's error."""
     out = Path(out_dir) if out_dir is not None else DEFAULT_BUILD_DIR
     lib = out / LIBRARY_NAME
@@ -65,7 +66,7 @@ def build_library(out_dir: str | os.PathLike | None = None, *,
     include = cuda_home(cuda_home_dir) / "include"
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{LIBRARY_NAME}.{os.getpid()}"
-    cmd = [compiler, "-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden",
+    cmd = [compiler, "-std=c++17", optimize, "-shared", "-fPIC", "-fvisibility=hidden",
            f"-I{REPO_ROOT / 'csrc'}", f"-I{include}", str(SOURCE), "-o", str(tmp), "-ldl"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
