@@ -246,6 +246,7 @@ __attribute__((visibility("default"))) void memo_stitch_free(void* ptr, ssize_t 
                                                            void* stream) {
   (void)size;
   (void)stream;
+  if (!ptr) return;  // what a zero-byte or failed allocation handed out
   std::lock_guard<std::mutex> lock(g_mutex);
   try {
     auto it = g_devices.find(device);
