@@ -196,6 +196,41 @@ def test_stitch_free_drops_the_least_recently_used_views():
     assert real.ok and real.stitched_checked == 3
 
 
+def _random_trace(seed: int, events: int = 4000) -> Trace:
+    """Mixed sizes on 3 streams, with frees, empty_cache calls and a few duplicate ids."""
+    rng = np.random.default_rng(seed)
+    live, rows, next_id = [], [], 0
+    for _ in range(events):
+        roll = rng.random()
+        if roll < 0.005:
+            rows.append((_C.EMPTY_CACHE, 0, 0, 0))
+        elif live and (roll < 0.45 or len(live) > 40):
+            rows.append((FREE, live.pop(int(rng.integers(len(live)))), 0, 0))
+        else:
+            kind = rng.integers(4)
+            size = int([rng.integers(1, MiB), rng.integers(MiB, 24 * MiB),
+                        rng.integers(1, 40) * 2 * MiB, rng.integers(100 * MiB, 300 * MiB)][kind])
+            rows.append((ALLOC, next_id, size, int(rng.integers(3))))
+            live.append(next_id)
+            next_id += 1
+    a = np.array(rows, np.int64)
+    return Trace(a[:, 0], a[:, 1], a[:, 2], a[:, 3], name=f"random {seed}")
+
+
+@pytest.mark.parametrize("seed,capacity,frag_limit", [
+    (1, None, 4 * MiB), (2, None, None), (3, 1 << 30, 4 * MiB), (4, 2 << 30, 16 * MiB)])
+def test_real_allocator_makes_the_models_decisions_on_random_traces(seed, capacity, frag_limit):
+    t = _random_trace(seed)
+    real = replay_host(t, capacity, frag_limit=frag_limit, log=True)
+    model = replay(t, "stitching", capacity, frag_limit=frag_limit)
+    assert_same_decisions(real, model)
+    assert real.reorganisations == model.reorganisations
+    assert (real.oom is None) == (model.oom is None)
+    if capacity:
+        assert real.reorganisations > 0 and real.peak_reserved_bytes <= capacity
+    assert real.ok, (real.first_error, real.invariant_error, real.leaked)
+
+
 # -------------------------------------------------------------------------- real snapshots
 
 
