@@ -49,7 +49,7 @@ def build_memo_telemetry(args: argparse.Namespace, log) -> Optional[MemoryTeleme
     if not config.telemetry:
         return None
     telemetry = MemoryTelemetry(config, log_interval=args.log_interval, log=log)
-    capacity = (f"{telemetry.capacity_bytes / BYTES_PER_GB:.3f} GB per rank"
+    capacity = (f"{telemetry.capacity_bytes / BYTES_PER_GB:.4g} GB per rank"
                 if telemetry.capacity_bytes else "unlimited (no fail-fast)")
     log(f"> memory telemetry: {'CUDA caching allocator' if telemetry.cuda else 'CPU tracker'} "
         f"| capacity {capacity} | fail-fast margin {config.telemetry_fail_fast_margin:g} after "

@@ -331,8 +331,9 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
             )
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
-        if memo is not None:
-            memo.after_iteration()
+        if memo is not None:  # may resize MEMO's device buffers: telemetry must see them
+            with telemetry.between_steps() if telemetry is not None else contextlib.nullcontext():
+                memo.after_iteration()
         if "lm loss" in losses:
             state.losses.append(losses["lm loss"])
         logger.log(state.iteration, losses, scheduler.get_lr(optimizer.param_groups[0]),

@@ -253,6 +253,13 @@ class MemoryTelemetry:
             self.tracker.phase = "idle"
         self._sample(iteration)
 
+    @contextlib.contextmanager
+    def between_steps(self) -> Iterator[None]:
+        """Track allocations made between steps (e.g. MEMO resizing its buffers after solving
+        alpha), without starting a step: they count from then on."""
+        with self.tracker:
+            yield
+
     def _sample(self, iteration: int) -> None:
         for tensor in self._comm_buffers():
             self.tracker.relabel(tensor, COMM)
