@@ -199,7 +199,8 @@ class MemoryTelemetry:
                                                            device)
             else:
                 self.capacity_bytes = total
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            # For the OOM snapshot; Python stacks only (C++ symbolisation is the costly part).
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
         # On CUDA the allocator enforces the capacity; the tracker only attributes.
         self.tracker = AttributedTracker(None if self.cuda else self.capacity_bytes)
         self.estimated_peak_bytes = config.estimated_peak_bytes

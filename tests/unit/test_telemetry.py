@@ -220,3 +220,20 @@ def test_cuda_samples_come_from_the_caching_allocator(tmp_path):
         model(torch.randn(128, 64, device="cuda")).sum().backward()
     gathered = telemetry.after_step(1)
     assert gathered.max_peak == torch.cuda.max_memory_allocated()
+
+
+def test_telemetry_modules_do_not_import_megatron_training():
+    """memo_ext never imports the trainer (static check)."""
+    import ast
+
+    from tests.conftest import REPO_ROOT
+
+    for path in sorted((REPO_ROOT / "memo_ext" / "telemetry").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not any(n.startswith("megatron.training") for n in names), (path, names)
