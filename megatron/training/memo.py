@@ -122,11 +122,12 @@ def build_memo_offload(args: argparse.Namespace, log,
 
 def _device_headroom(device: torch.device, telemetry: Optional[MemoryTelemetry]):
     """What MEMO's alpha LP reads as free device memory: CUDA's, or on CPU the telemetry
-    tracker's simulated capacity less its peak (None: no device row)."""
+    tracker's simulated capacity, less the fail-fast margin, less its peak (None: no device
+    row)."""
     if device.type == "cuda":
         return lambda: cuda_memory_headroom(device)
     if telemetry is not None and telemetry.tracker.capacity_bytes is not None:
-        return telemetry.tracker.headroom_bytes
+        return telemetry.headroom_bytes
     return None
 
 

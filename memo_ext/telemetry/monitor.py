@@ -254,6 +254,16 @@ class MemoryTelemetry:
             self.tracker.phase = "idle"
         self._sample(iteration)
 
+    def headroom_bytes(self) -> Optional[int]:
+        """Device bytes still usable above this step's tracked peak (CPU tracker), or None
+        without a capacity: the fail-fast limit (1 - margin) x capacity less the peak, so that
+        MEMO's --memo-alpha auto, which fills the headroom it is given, stays below the limit
+        the fail-fast check enforces."""
+        if self.tracker.capacity_bytes is None:
+            return None
+        limit = int((1.0 - self.config.telemetry_fail_fast_margin) * self.tracker.capacity_bytes)
+        return limit - self.tracker.stats()["peak_device_bytes"]
+
     @contextlib.contextmanager
     def between_steps(self) -> Iterator[None]:
         """Track allocations made between steps (e.g. MEMO resizing its buffers after solving

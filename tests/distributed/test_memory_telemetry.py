@@ -135,3 +135,19 @@ def test_estimated_peak_matches_the_measured_peak_of_the_demo_model(run_extra, t
     predicted = estimate_at(trace, capacity_bytes=1 << 40).peak_allocated_bytes
     # Measured on this CPU: 82.3 MiB (plain) and 55.9 MiB (MEMO) both ways, within 0.1%.
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+
+
+def test_memo_auto_alpha_fills_the_simulated_device_up_to_the_fail_fast_limit(tmp_path):
+    """On CPU the telemetry's capacity, less the fail-fast margin, is the device headroom
+    MEMO's alpha LP reads: alpha is cut to fit, the run comes close to the limit and goes on."""
+    metrics = tmp_path / "metrics.jsonl"
+    result = run_torchrun(2, DEMO_ARGS + [
+        "--memo-offload", "--memo-alpha", "auto", "--memo-pcie-gbps", "3",
+        "--train-iters", "4", "--log-interval", "2", "--memo-telemetry",
+        "--memo-device-capacity-gb", "0.062", "--memo-oom-report-dir", str(tmp_path / "r"),
+        "--log-metrics-jsonl", str(metrics)])
+    alpha = re.search(r"MEMO alpha=([\d.]+) limited by device memory", result.stdout)
+    assert alpha and 0 < float(alpha.group(1)) < 1, result.stdout[-3000:]
+    peaks = [r["mem_peak_max_bytes"] for r in read_records(metrics) if "mem_peak_max_bytes" in r]
+    assert 0.90 * 62e6 < peaks[-1] < 0.95 * 62e6
+    assert re.search(r"memory \[step 4\].*offload \d", result.stdout)
