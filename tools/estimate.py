@@ -60,16 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="extra GPU profiles (JSON, the keys of hardware.json)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs of the job (default TP x CP x PP); DP = GPUs / (TP x CP x PP)")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel size; with --gpus and no --tp/--cp/--pp, the "
+                             "layout is searched for --policy")
+    parser.add_argument("--cp", type=int, default=None)
+    parser.add_argument("--pp", type=int, default=None)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH,
                         help="sequences per iteration (default 16, as memo.md's calibration)")
     parser.add_argument("--policy", choices=("megatron", "megatron-none", "memo"),
                         default="megatron")
-    parser.add_argument("--memo-alpha", default="0", metavar="ALPHA",
-                        help="with --policy memo: the offloaded fraction (a number in [0, 1])")
+    parser.add_argument("--memo-alpha", default=None, metavar="ALPHA",
+                        help="with --policy memo: the offloaded fraction (a number in [0, 1]; "
+                             "default 0, or --alphas when the layout is searched)")
     parser.add_argument("--host-memory-gb", type=float, default=None,
                         help="host memory per node for MEMO's offload (default: the profile's)")
     parser.add_argument("--allocator", choices=("caching", "expandable", "arena"), default=None,
@@ -89,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--policies", default="megatron,megatron-none,memo",
                         help="policies searched (comma-separated)")
     search.add_argument("--alphas", default="0,1",
-                        help="MEMO alphas searched (comma-separated)")
+                        help="MEMO alphas searched (comma-separated, default 0,1)")
     search.add_argument("--pp-sizes", default="1",
                         help="pipeline sizes searched (comma-separated; default 1)")
     search.add_argument("--micro-batch-sizes", default="1",
@@ -207,10 +210,16 @@ def main(argv: list[str] | None = None) -> int:
         hardware = load_hardware(opts.gpu, opts.hardware_file)
         device = int(hardware["device_memory_bytes"])
         cache = TraceCache(None if opts.no_cache else (opts.cache_dir or default_cache_dir()))
-        if opts.recommend:
+        fixed_layout = any(v is not None for v in (opts.tp, opts.cp, opts.pp))
+        if opts.recommend or (opts.gpus and not fixed_layout):
             if not opts.gpus:
                 raise UsageError("--recommend needs --gpus N")
-            policies = [p.strip() for p in opts.policies.split(",") if p.strip()]
+            if opts.recommend:
+                policies = [p.strip() for p in opts.policies.split(",") if p.strip()]
+            else:  # the best layout for --policy
+                policies = [opts.policy]
+                if opts.memo_alpha is not None:
+                    opts.alphas = opts.memo_alpha
             unknown = [p for p in policies if p not in ("megatron", "megatron-none", "memo")]
             if unknown:
                 raise UsageError(f"--policies: unknown {', '.join(unknown)}")
@@ -222,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 micro_batches=_numbers(opts.micro_batch_sizes, "--micro-batch-sizes", int),
                 global_batch=opts.global_batch_size,
                 pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int))
-            print(f"recommend: {opts.model} on {opts.gpus} x {opts.gpu}, {len(layouts)} "
+            print(f"{'recommend' if opts.recommend else 'layout search'}: {opts.model} on "
+                  f"{opts.gpus} x {opts.gpu}, policies {', '.join(policies)}, {len(layouts)} "
                   f"layouts to predict ({len(dropped)} ruled out before tracing); SPPO is not "
                   "searched (not built yet)")
             models, failed = build_models(shape_argv, layouts, hardware,
@@ -252,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{best.step.mfu * 100:.1f}%")
             return 0
 
+        opts.tp, opts.cp, opts.pp = opts.tp or 1, opts.cp or 1, opts.pp or 1
         model_parallel = opts.tp * opts.cp * opts.pp
         gpus = opts.gpus or model_parallel
         if gpus % model_parallel:
@@ -260,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         alpha = None
         if opts.policy == "memo":
             try:
-                alpha = float(opts.memo_alpha)
+                alpha = float(opts.memo_alpha or 0)
             except ValueError:
                 alpha = -1.0
             if not 0.0 <= alpha <= 1.0:

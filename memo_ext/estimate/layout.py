@@ -201,21 +201,23 @@ class LayoutModel:
                    work=WorkLine.from_headers(first.header, second.header),
                    efficiency=Efficiency.from_profile(hardware))
 
-    def predict(self, seq: int) -> Prediction:
-        """Memory and time at ``seq`` tokens (memoised)."""
+    def predict(self, seq: int, efficiency: Optional[Efficiency] = None) -> Prediction:
+        """Memory and time at ``seq`` tokens; ``efficiency`` overrides the profile's (the
+        memory side, which does not depend on it, is memoised per length)."""
         if seq not in self._cache:
             trace = self.line.at(seq)
             memory = estimate_at(trace, int(self.hardware["device_memory_bytes"]),
                                  self.allocator, REPLAY_ITERATIONS)
-            step = predict_step(
-                self.work.at(seq), trace.header, self.hardware, self.efficiency,
-                global_batch=self.global_batch, persistent=persistent_bytes(trace),
-                reorganisations_per_iteration=memory.reorganisations / REPLAY_ITERATIONS)
-            ranks_per_node = min(int(self.hardware["gpus_per_node"]), self.layout.gpus)
-            self._cache[seq] = Prediction(self.layout, seq, memory, step,
-                                          memory.host_bytes * ranks_per_node,
-                                          self.host_capacity_bytes)
-        return self._cache[seq]
+            self._cache[seq] = (trace.header, persistent_bytes(trace), self.work.at(seq),
+                                memory)
+        header, persistent, work, memory = self._cache[seq]
+        step = predict_step(
+            work, header, self.hardware, efficiency or self.efficiency,
+            global_batch=self.global_batch, persistent=persistent,
+            reorganisations_per_iteration=memory.reorganisations / REPLAY_ITERATIONS)
+        ranks_per_node = min(int(self.hardware["gpus_per_node"]), self.layout.gpus)
+        return Prediction(self.layout, seq, memory, step, memory.host_bytes * ranks_per_node,
+                          self.host_capacity_bytes)
 
     def longest(self, step: int, maximum: int, fine_step: Optional[int] = None) -> int:
         """Longest sequence that fits (device and host), in ``step`` tokens (0 if none)."""

@@ -243,6 +243,10 @@ def place(requests: Sequence[Request], time_limit_s: float = DEFAULT_TIME_LIMIT_
     elif _peak(blocks, block_offsets) > bound and use_mip:
         pairs = _pairs(blocks)
         solved, status = _solve_mip(blocks, pairs, block_offsets, bound, time_limit_s)
+        if solved is not None and not _valid(blocks, solved):
+            # HiGHS accepts a binary within its integrality tolerance of 0/1; times the big-M
+            # that slack can let two blocks overlap once offsets are rounded.
+            solved, status = None, f"{status}, solution overlaps after rounding: discarded"
         if solved is not None and _peak(blocks, solved) < _peak(blocks, block_offsets):
             block_offsets, method = solved, "mip"
         elif status == "Optimal":
@@ -262,6 +266,14 @@ def place(requests: Sequence[Request], time_limit_s: float = DEFAULT_TIME_LIMIT_
                           num_blocks=len(blocks), num_pairs=len(pairs))
     check_placement(requests, placement.offsets, placement.peak)
     return placement
+
+
+def _valid(blocks: Sequence[Request], offsets: Sequence[int]) -> bool:
+    try:
+        check_placement(blocks, offsets, _peak(blocks, offsets))
+    except ValueError:
+        return False
+    return True
 
 
 def check_placement(requests: Sequence[Request], offsets: Sequence[int], arena_bytes: int) -> None:

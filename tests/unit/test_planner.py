@@ -79,6 +79,18 @@ def test_mip_improves_on_a_greedy_trap_and_matches_the_optimum():
     assert solved.gap == 0.0
 
 
+def test_a_mip_solution_that_overlaps_after_rounding_is_discarded(monkeypatch):
+    """HiGHS accepts binaries within its integrality tolerance; times the big-M that let two
+    blocks overlap in a 7B plan at 4M tokens. Such a solution must never reach the arena."""
+    requests = [dsa.Request(size * KiB, start, end) for size, start, end in
+                [(5, 0, 2), (3, 2, 5), (1, 5, 9), (4, 2, 6), (1, 3, 6), (3, 1, 4)]]
+    monkeypatch.setattr(dsa, "_solve_mip", lambda blocks, *a: ([0] * len(blocks), "Optimal"))
+    placement = dsa.place(requests, time_limit_s=5)
+    dsa.check_placement(requests, placement.offsets, placement.peak)
+    assert placement.peak == 12 * KiB and placement.method.startswith("greedy")
+    assert "overlaps after rounding" in placement.status
+
+
 def _stacked_peak(requests, order):
     offsets = {}
     for i in order:
