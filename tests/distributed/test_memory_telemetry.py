@@ -137,6 +137,7 @@ def test_estimated_peak_matches_the_measured_peak_of_the_demo_model(run_extra, t
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 
 
+@pytest.mark.slow  # ~35 s; the default suite keeps the fail-fast and tiny-capacity stops
 def test_memo_auto_alpha_fills_the_simulated_device_up_to_the_fail_fast_limit(tmp_path):
     """On CPU the telemetry's capacity, less the fail-fast margin, is the device headroom
     MEMO's alpha LP reads: alpha is cut to fit, the run comes close to the limit and goes on."""
