@@ -90,3 +90,19 @@ def run_memory_report(*args) -> subprocess.CompletedProcess:
     """tools/memory_report.py with ``args`` in a subprocess (text output captured)."""
     return subprocess.run([sys.executable, str(MEMORY_REPORT), *map(str, args)],
                           capture_output=True, text=True, timeout=300)
+
+
+def run_estimate_cli(argv: list[str]) -> tuple[int, str]:
+    """tools/estimate.py's main(argv) in this process: (exit code, stdout)."""
+    import importlib.util
+    import io
+    from contextlib import redirect_stdout
+
+    spec = importlib.util.spec_from_file_location("estimate_cli",
+                                                  REPO_ROOT / "tools" / "estimate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = module.main(argv)
+    return code, out.getvalue()

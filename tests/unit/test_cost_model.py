@@ -5,10 +5,8 @@ recommender's command line."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import re
-from contextlib import redirect_stdout
 
 import pytest
 
@@ -25,7 +23,7 @@ from memo_ext.estimate.cost import (
 from memo_ext.estimate.layout import Layout, TraceCache, candidate_layouts
 from memo_ext.planner.trace import load_balanced_positions
 from memo_ext.planner.work import causal_pairs
-from tests.conftest import REPO_ROOT
+from tests.conftest import run_estimate_cli
 
 LAYERS, HIDDEN, FFN, HEADS, VOCAB = 2, 64, 256, 4, 512
 SMALL = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--ffn-hidden-size",
@@ -148,19 +146,6 @@ def test_candidate_layouts_rule_out_what_cannot_run():
     assert len({(l.tp, l.cp, l.pp, l.dp) for l in kept}) >= 8
 
 
-def _estimate(argv):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("estimate_cli",
-                                                  REPO_ROOT / "tools" / "estimate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = io.StringIO()
-    with redirect_stdout(out):
-        code = module.main(argv)
-    return code, out.getvalue()
-
-
 def test_recommend_ranks_layouts_and_reuses_its_trace_cache(tmp_path):
     model_file = tmp_path / "small.json"
     model_file.write_text(json.dumps({"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256,
@@ -169,7 +154,7 @@ def test_recommend_ranks_layouts_and_reuses_its_trace_cache(tmp_path):
     argv = ["--model", str(model_file), "--gpu", "a100-40gb", "--gpus", "2", "--recommend",
             "--seq-length", "262144", "--policies", "megatron,megatron-none",
             "--cache-dir", str(cache), "--global-batch-size", "4"]
-    code, out = _estimate(argv)
+    code, out = run_estimate_cli(argv)
     assert code == 0, out
     rows = re.findall(r"^\| (\d+) \| (TP=\d+ CP=\d+ PP=\d+ DP=\d+.*?) \|.*\| ([\d.]+)% \| FITS \|$",
                       out, re.M)
@@ -179,19 +164,19 @@ def test_recommend_ranks_layouts_and_reuses_its_trace_cache(tmp_path):
     assert re.search(r"^best: TP=", out, re.M) and "predicted MFU" in out
     cached = sorted(cache.glob("*.jsonl.gz"))
     assert len(cached) == 2 * len(re.findall(r"^  traced ", out, re.M))
-    code, again = _estimate(argv)
+    code, again = run_estimate_cli(argv)
     assert code == 0 and sorted(cache.glob("*.jsonl.gz")) == cached
     assert again.split("estimated in")[0].count("|") == out.split("estimated in")[0].count("|")
 
 
 def test_cli_refuses_bad_recommender_input(tmp_path):
     base = ["--model", "7b", "--gpu", "a800", "--seq-length", "1024"]
-    assert _estimate(base + ["--recommend"])[0] == 2  # no --gpus
-    assert _estimate(base + ["--recommend", "--gpus", "8", "--policies", "deepspeed"])[0] == 2
-    assert _estimate(base + ["--recommend", "--gpus", "8", "--alphas", "2"])[0] == 2
+    assert run_estimate_cli(base + ["--recommend"])[0] == 2  # no --gpus
+    assert run_estimate_cli(base + ["--recommend", "--gpus", "8", "--policies", "deepspeed"])[0] == 2
+    assert run_estimate_cli(base + ["--recommend", "--gpus", "8", "--alphas", "2"])[0] == 2
     bad_model = tmp_path / "model.json"
     bad_model.write_text('{"hidden_size": 64}')
-    assert _estimate(["--model", str(bad_model), "--gpu", "a800", "--seq-length", "1024"])[0] == 2
+    assert run_estimate_cli(["--model", str(bad_model), "--gpu", "a800", "--seq-length", "1024"])[0] == 2
 
 
 def test_trace_cache_never_trusts_a_damaged_entry(tmp_path):

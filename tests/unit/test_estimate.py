@@ -4,9 +4,7 @@ longest sequence. The 7B checks against the MEMO paper are marked slow (two 7B t
 
 from __future__ import annotations
 
-import io
 import re
-from contextlib import redirect_stdout
 
 import pytest
 
@@ -18,7 +16,7 @@ from memo_ext.estimate import (
     max_sequence_length,
     trace_rank,
 )
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_estimate_cli
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--vocab-size", "512", "--tp", "2", "--cp", "2", "--bf16",
@@ -82,23 +80,10 @@ def test_hardware_file_adds_and_overrides_profiles(tmp_path):
         load_hardware("a800", broken)
 
 
-def _estimate(argv):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("estimate_cli",
-                                                  REPO_ROOT / "tools" / "estimate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = io.StringIO()
-    with redirect_stdout(out):
-        code = module.main(argv)
-    return code, out.getvalue()
-
-
 def test_cli_refuses_bad_input():
-    assert _estimate(["--model", "7b", "--gpu", "a800", "--tp", "4", "--gpus", "6",
+    assert run_estimate_cli(["--model", "7b", "--gpu", "a800", "--tp", "4", "--gpus", "6",
                       "--seq-length", "1024"])[0] == 2
-    assert _estimate(["--model", "7b", "--gpu", "a800", "--policy", "memo", "--memo-alpha",
+    assert run_estimate_cli(["--model", "7b", "--gpu", "a800", "--policy", "memo", "--memo-alpha",
                       "2", "--seq-length", "1024"])[0] == 2
 
 
@@ -111,7 +96,7 @@ def _max_seq(out: str) -> int:
 @pytest.mark.slow
 def test_7b_megatron_full_recompute_longest_sequence_is_the_papers_640k():
     """MEMO paper, 7B on 8 A800-80GB: Megatron-LM trains 640K and fails at 768K."""
-    code, out = _estimate(["--model", "7b", "--gpu", "a800", "--tp", "4", "--cp", "2",
+    code, out = run_estimate_cli(["--model", "7b", "--gpu", "a800", "--tp", "4", "--cp", "2",
                            "--max-seq-length"])
     assert code == 0
     assert abs(_max_seq(out) - 640 * 1024) <= 128 * 1024
@@ -119,7 +104,7 @@ def test_7b_megatron_full_recompute_longest_sequence_is_the_papers_640k():
 
 @pytest.mark.slow
 def test_7b_memo_longest_sequence_reaches_the_papers_1024k():
-    code, out = _estimate(["--model", "7b", "--gpu", "a800", "--tp", "4", "--cp", "2",
+    code, out = run_estimate_cli(["--model", "7b", "--gpu", "a800", "--tp", "4", "--cp", "2",
                            "--policy", "memo", "--memo-alpha", "0", "--max-seq-length"])
     assert code == 0
     assert _max_seq(out) >= 1024 * 1024
@@ -195,7 +180,7 @@ def test_megatron_mfu_within_5_points_of_the_paper_at_every_length(calibration):
 @pytest.mark.slow
 def test_memo_policy_on_8_a800s_prints_its_longest_sequence_and_mfu():
     """Issue 9's command: the layout is searched for the policy."""
-    code, out = _estimate(["--model", "7b", "--gpus", "8", "--gpu", "a800", "--host-memory-gb",
+    code, out = run_estimate_cli(["--model", "7b", "--gpus", "8", "--gpu", "a800", "--host-memory-gb",
                            "2048", "--max-seq-length", "--policy", "memo"])
     assert code == 0, out
     match = re.search(r"^max sequence length: (\d+) tokens, predicted MFU ([\d.]+)%$", out, re.M)
