@@ -361,3 +361,89 @@ class TelemetryConfig:
                     raise MemoConfigError(f"{arg_flag(field.name)} {_fmt(getattr(self, field.name))} "
                                           "has no effect without --memo-telemetry; add "
                                           "--memo-telemetry or drop it")
+
+
+SPPO_AUTO = "auto"
+SPPO_OFFLOAD_NONE = "none"
+
+
+@dataclass
+class SPPOConfig:
+    """SPPO: a sequence cut into subsequences that flow through the pipeline as micro-batches,
+    with per-subsequence offload ratios (sppo.md; docs/sppo.md)."""
+
+    sppo: bool = memo_field(
+        False, flag="--memo-sppo",
+        help="Run each sequence as subsequences through the pipeline stages (SPPO): forward on "
+             "subsequences 0..N-1, backward on N-1..0, each layer keeping the K/V of earlier "
+             "subsequences on device. Bubble (p-1)/N instead of (p-1)/micro-batches, so long "
+             "sequences with one micro-batch per step still fill the pipeline. Needs causal "
+             "attention without dropout, no context parallelism and no --memo-offload.")
+    sppo_subsequences: str = memo_field(
+        SPPO_AUTO, flag="--memo-sppo-subsequences", metavar="{auto,N}",
+        help="Subsequences per sequence. 'auto': the smallest power of two whose bubble ratio "
+             "(p-1)/N is at most 10%%, as long as subsequences keep >= 2048 tokens (shorter ones "
+             "lose GPU efficiency; sppo.md).")
+    sppo_partition: str = memo_field(
+        "flops", flag="--memo-sppo-partition", choices=("flops", "length"),
+        help="Where to cut: 'flops' gives every subsequence the same causal attention + linear "
+             "FLOPs (later subsequences are shorter), 'length' cuts equal lengths.")
+    sppo_offload: str = memo_field(
+        SPPO_OFFLOAD_NONE, flag="--memo-sppo-offload", metavar="{none,auto,ALPHA}",
+        help="Share of each subsequence's saved activations (not K/V, not parameters) copied to "
+             "host memory during forward and prefetched before its backward. 'auto': iteration 1 "
+             "measures each subsequence's bytes A_i and forward time T_i, then alpha_i = "
+             "min(1, BW*T_{i+1}/A_i); the last subsequence is never offloaded.")
+    sppo_pcie_gbps: Optional[float] = memo_field(
+        None, flag="--memo-sppo-pcie-gbps", metavar="GB/S",
+        help="Device->host bandwidth per rank for --memo-sppo-offload auto, in GB/s. Default: "
+             "measured at startup with all ranks copying at once.")
+
+    @property
+    def subsequences(self) -> Optional[int]:
+        """The fixed subsequence count, or None for auto."""
+        if self.sppo_subsequences.strip().lower() == SPPO_AUTO:
+            return None
+        try:
+            return int(self.sppo_subsequences)
+        except ValueError:
+            raise MemoConfigError(f"--memo-sppo-subsequences {self.sppo_subsequences!r} is not a "
+                                  "whole number; use auto or N >= 1") from None
+
+    @property
+    def offload_alpha(self) -> Optional[float]:
+        """The fixed offload share (0 for none), or None for auto."""
+        value = self.sppo_offload.strip().lower()
+        if value == SPPO_AUTO:
+            return None
+        if value == SPPO_OFFLOAD_NONE:
+            return 0.0
+        try:
+            return float(value)
+        except ValueError:
+            raise MemoConfigError(f"--memo-sppo-offload {self.sppo_offload!r} is not none, auto "
+                                  "or a number in [0, 1]") from None
+
+    @property
+    def pcie_bytes_per_s(self) -> Optional[float]:
+        return None if self.sppo_pcie_gbps is None else self.sppo_pcie_gbps * BYTES_PER_GB
+
+    def validate(self) -> None:
+        """Raise MemoConfigError (one line: the flag and the fix) on any unusable value."""
+        count = self.subsequences
+        if count is not None and count < 1:
+            raise MemoConfigError(f"--memo-sppo-subsequences {count} must be >= 1 (or auto)")
+        alpha = self.offload_alpha
+        if alpha is not None and not 0.0 <= alpha <= 1.0:
+            raise MemoConfigError(f"--memo-sppo-offload {self.sppo_offload} is outside [0, 1]; "
+                                  "use none, auto or a share in [0, 1]")
+        if self.sppo_pcie_gbps is not None and not (
+                self.sppo_pcie_gbps > 0 and math.isfinite(self.sppo_pcie_gbps)):
+            raise MemoConfigError(f"--memo-sppo-pcie-gbps {_fmt(self.sppo_pcie_gbps)} must be a "
+                                  "positive number of GB/s")
+        if not self.sppo:
+            for field in dataclasses.fields(self):
+                if field.name != "sppo" and getattr(self, field.name) != field.default:
+                    raise MemoConfigError(f"{arg_flag(field.name)} {getattr(self, field.name)} "
+                                          "has no effect without --memo-sppo; add --memo-sppo "
+                                          "or drop it")

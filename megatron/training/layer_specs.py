@@ -46,15 +46,18 @@ def local_layer_spec(args: argparse.Namespace) -> ModuleSpec:
 
 
 def gpt_block_spec(
-    args: argparse.Namespace, config: TransformerConfig, memo=None
+    args: argparse.Namespace, config: TransformerConfig, memo=None, sppo=None
 ) -> TransformerBlockSubmodules | ModuleSpec:
     """The transformer block of this pipeline stage; with ``memo`` (a
-    memo_ext.offload.MemoOffload) its layers are MEMO layers built from the local spec."""
-    if memo is not None:
-        return TransformerBlockSubmodules(
-            layer_specs=[memo.layer_spec(local_layer_spec(args))] * get_num_layers_to_build(config),
-            layer_norm=SequenceParallelTorchNorm,
-        )
+    memo_ext.offload.MemoOffload) its layers are MEMO layers built from the local spec, with
+    ``sppo`` (a memo_ext.sppo.SubsequencePipeline) local layers with SPPO's attention."""
+    for mechanism in (memo, sppo):
+        if mechanism is not None:
+            return TransformerBlockSubmodules(
+                layer_specs=[mechanism.layer_spec(local_layer_spec(args))]
+                * get_num_layers_to_build(config),
+                layer_norm=SequenceParallelTorchNorm,
+            )
     if transformer_engine_available():
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,

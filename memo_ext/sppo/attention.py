@@ -1,0 +1,228 @@
+"""Causal attention of one subsequence over the K/V of itself and every earlier subsequence.
+
+SPPO runs a sequence as N subsequences, forward 0..N-1 and backward N-1..0 (sppo.md). Each
+layer keeps the K/V of the subsequences already run (:class:`KVCache`, on device for the whole
+pass), and subsequence ``i``'s queries attend to blocks ``0..i``: earlier blocks fully, its own
+block with the causal (bottom-right aligned) mask. The kernel is a block-wise softmax with a
+log-sum-exp merge, in fp32 (softmax statistics) like flash attention: :class:`_BlockAttention`
+saves only Q, the output and the log-sum-exp and recomputes each block's probabilities in
+backward, so per-subsequence memory does not grow with the number of earlier blocks.
+
+Gradient flow across subsequences: earlier blocks enter subsequence ``i``'s attention as
+detached leaves, so their dK/dV *accumulate* in the leaves' ``.grad`` (the spec's on-device
+accumulators) while later subsequences run backward. Subsequence ``j``'s own K/V pass through
+:class:`_AddLaterGradients`, whose backward adds the accumulated dK_j/dV_j to the gradient of
+``j``'s own attention before it flows on into ``j``'s projections. That requires every later
+subsequence's backward to have run first; it is checked, never assumed.
+
+No library offers this: torch's SDPA has no log-sum-exp output on CPU and its causal mask is
+top-left aligned for q_len != kv_len; flash-attn's kv-cache kernels are inference-only and
+CUDA-only. Hence hand-written, in plain torch ops that run on CPU and CUDA alike.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class SubsequenceOrderError(RuntimeError):
+    """A subsequence's backward ran before the backward of a later subsequence that used its K/V."""
+
+
+class _CachedBlock:
+    """One subsequence's K/V in a layer's cache: detached leaves that later subsequences read
+    and accumulate dK/dV into, and the count of later backwards still to come."""
+
+    def __init__(self, index: int, key: torch.Tensor, value: torch.Tensor):
+        self.index = index
+        self.key = key.detach().requires_grad_(key.requires_grad)
+        self.value = value.detach().requires_grad_(value.requires_grad)
+        self.pending_backwards = 0
+
+
+class KVCache:
+    """The K/V blocks of one layer's subsequences run so far in the current sequence."""
+
+    def __init__(self) -> None:
+        self.blocks: list[_CachedBlock] = []
+
+    def clear(self) -> None:
+        self.blocks = []
+
+    def nbytes(self) -> int:
+        """Device bytes of the cached K/V (not counting gradient accumulators)."""
+        return sum(b.key.nbytes + b.value.nbytes for b in self.blocks)
+
+
+class _AddLaterGradients(torch.autograd.Function):
+    """Identity on (K, V) whose backward adds what later subsequences accumulated in the
+    block's leaves."""
+
+    @staticmethod
+    def forward(ctx, block: _CachedBlock, key: torch.Tensor, value: torch.Tensor):
+        ctx.block = block
+        return key.view_as(key), value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad_key: torch.Tensor, grad_value: torch.Tensor):
+        block: _CachedBlock = ctx.block
+        if block.pending_backwards:
+            raise SubsequenceOrderError(
+                f"SPPO: the backward of subsequence {block.index} ran while {block.pending_backwards} "
+                "later subsequence(s) that attend to its K/V had not run theirs; run backward in "
+                "reverse subsequence order")
+        for leaf, grad in ((block.key, grad_key), (block.value, grad_value)):
+            if leaf.grad is not None:
+                grad = grad + leaf.grad
+                leaf.grad = None
+            if leaf is block.key:
+                grad_key = grad
+            else:
+                grad_value = grad
+        return None, grad_key, grad_value
+
+
+def _heads_first(tensor: torch.Tensor, repeat: int) -> torch.Tensor:
+    """[s, b, groups, d] -> [b, groups*repeat, s, d] fp32 (GQA groups expanded to heads)."""
+    tensor = tensor.permute(1, 2, 0, 3).float()
+    return tensor if repeat == 1 else tensor.repeat_interleave(repeat, dim=1)
+
+
+def _groups_last(grad: torch.Tensor, repeat: int, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_heads_first` for a gradient: sum over each group's heads."""
+    b, heads, s, d = grad.shape
+    if repeat > 1:
+        grad = grad.view(b, heads // repeat, repeat, s, d).sum(dim=2)
+    return grad.permute(2, 0, 1, 3).to(like.dtype)
+
+
+def _block_scores(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if causal:  # the own block: query row r sees keys 0..r (q and k start at the same token)
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores
+
+
+class _BlockAttention(torch.autograd.Function):
+    """softmax(Q·[K_0..K_i]^T·scale, causal in the last block)·[V_0..V_i], block by block.
+
+    Inputs in Megatron's [s, b, heads|groups, d] layout; output [s_q, b, heads*d].
+    """
+
+    @staticmethod
+    def forward(ctx, scale: float, repeat: int, cached: list, query: torch.Tensor,
+                *keys_values: torch.Tensor):
+        q = query.permute(1, 2, 0, 3).float()
+        b, heads, sq, d = q.shape
+        running_max = torch.full((b, heads, sq), float("-inf"), device=q.device)
+        running_sum = torch.zeros((b, heads, sq), device=q.device)
+        accumulator = torch.zeros((b, heads, sq, d), device=q.device)
+        blocks = len(keys_values) // 2
+        for j in range(blocks):
+            scores = _block_scores(q, _heads_first(keys_values[2 * j], repeat), scale,
+                                   causal=j == blocks - 1)
+            new_max = torch.maximum(running_max, scores.amax(dim=-1))
+            correction = torch.exp(running_max - new_max)
+            probabilities = torch.exp(scores - new_max.unsqueeze(-1))
+            running_sum = running_sum * correction + probabilities.sum(dim=-1)
+            accumulator = accumulator * correction.unsqueeze(-1) + torch.matmul(
+                probabilities, _heads_first(keys_values[2 * j + 1], repeat))
+            running_max = new_max
+        output = (accumulator / running_sum.unsqueeze(-1)).to(query.dtype)
+        log_sum_exp = running_max + torch.log(running_sum)
+        ctx.scale, ctx.repeat, ctx.cached = scale, repeat, cached
+        for block in cached:
+            block.pending_backwards += 1
+        ctx.save_for_backward(query, output, log_sum_exp, *keys_values)
+        return output.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        query, output, log_sum_exp, *keys_values = ctx.saved_tensors
+        scale, repeat = ctx.scale, ctx.repeat
+        q = query.permute(1, 2, 0, 3).float()
+        b, heads, sq, d = q.shape
+        grad_out = grad_output.view(sq, b, heads, d).permute(1, 2, 0, 3).float()
+        row_dot = (grad_out * output.float()).sum(dim=-1, keepdim=True)
+        grad_q = torch.zeros_like(q)
+        grads = []
+        blocks = len(keys_values) // 2
+        for j in range(blocks):
+            key, value = keys_values[2 * j], keys_values[2 * j + 1]
+            k, v = _heads_first(key, repeat), _heads_first(value, repeat)
+            probabilities = torch.exp(
+                _block_scores(q, k, scale, causal=j == blocks - 1) - log_sum_exp.unsqueeze(-1))
+            grad_v = torch.matmul(probabilities.transpose(-1, -2), grad_out)
+            grad_scores = probabilities * (torch.matmul(grad_out, v.transpose(-1, -2)) - row_dot)
+            grad_q += torch.matmul(grad_scores, k) * scale
+            grad_k = torch.matmul(grad_scores.transpose(-1, -2), q) * scale
+            grads += [_groups_last(grad_k, repeat, key), _groups_last(grad_v, repeat, value)]
+        for block in ctx.cached:
+            block.pending_backwards -= 1
+        return (None, None, None, grad_q.permute(2, 0, 1, 3).to(query.dtype), *grads)
+
+
+class SubsequenceCoreAttention(MegatronModule):
+    """Core attention for SPPO: [s, b, heads, d] q and [s, b, groups, d] k/v of the current
+    subsequence -> [s, b, heads*d], attending to this layer's cached K/V of earlier
+    subsequences. Replaces the local spec's core attention under ``--memo-sppo``.
+
+    ``subsequences`` (a :class:`memo_ext.sppo.SubsequenceState`) says which subsequence runs;
+    every instance registers its cache there so the schedule can drop all of them at once.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None, subsequences=None):
+        super().__init__(config=config)
+        if subsequences is None:
+            raise ValueError("SubsequenceCoreAttention needs the SPPO SubsequenceState "
+                             "(build the layer spec with memo_ext.sppo.SubsequencePipeline)")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"--memo-sppo needs causal attention, got {attn_mask_type.name}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError("--memo-sppo needs --attention-dropout 0 (the subsequence kernel has "
+                             "no dropout)")
+        if config.context_parallel_size > 1:
+            raise ValueError("--memo-sppo does not combine with --context-parallel-size > 1")
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        heads = divide(config.num_attention_heads, tp_size)
+        self.repeat = divide(heads, divide(config.num_query_groups, tp_size))
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else 1.0 / math.sqrt(config.kv_channels))
+        self.subsequences = subsequences
+        self.cache = KVCache()
+        subsequences.register_cache(self.cache)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("--memo-sppo supports neither packed sequences nor attention bias")
+        index = self.subsequences.index
+        if index == 0:
+            self.cache.clear()
+        if len(self.cache.blocks) != index:
+            raise SubsequenceOrderError(
+                f"SPPO: subsequence {index} forward found {len(self.cache.blocks)} cached blocks; "
+                "subsequences must run forward in order 0, 1, ...")
+        block = _CachedBlock(index, key, value)
+        if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
+            key, value = _AddLaterGradients.apply(block, key, value)
+        earlier = list(self.cache.blocks)
+        self.cache.blocks.append(block)
+        self.subsequences.mark_kv(key, value)
+        keys_values = [t for cached in earlier for t in (cached.key, cached.value)]
+        return _BlockAttention.apply(self.softmax_scale, self.repeat, earlier, query,
+                                     *keys_values, key, value)
