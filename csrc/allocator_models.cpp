@@ -9,7 +9,8 @@
 //   "expandable"  expandable segments: one growing virtual range per (stream, pool) whose pages
 //                 are mapped on demand and unmapped when the allocator reorganises.
 //   "stitching"   GMLake virtual memory stitching: primitive blocks (pBlocks) of physical 2 MiB
-//                 chunks, stitched blocks (sBlocks) reused by exact size only.
+//                 chunks, stitched blocks (sBlocks) reused by exact size only; the rules are
+//                 csrc/stitching_rules.h's, which the real allocator runs too.
 //   "arena"       a planned arena: request k goes to a planned offset; a request the plan does not
 //                 cover, or that does not fit where the plan puts it, takes the caching path.
 //
@@ -42,6 +43,7 @@
 #include <vector>
 
 #include "int64_columns.h"
+#include "stitching_rules.h"
 
 namespace py = pybind11;
 
@@ -80,15 +82,8 @@ constexpr int64_t kExpandableLargePage = kLargeBuffer;
 constexpr int64_t kVirtualRangeNum = 9;
 constexpr int64_t kVirtualRangeDen = 8;
 constexpr int64_t kUnlimitedVirtualRange = int64_t{1} << 40;
-// GMLake: physical memory comes in chunks of kStitchGranularity bytes; requests below
-// kStitchNormalPathLimit, and below the fragmentation limit (default kDefaultFragLimit), go to
-// the ordinary caching path: blocks under the limit are never split or stitched by the
-// stitching pools; at most kDefaultMaxSBlocks stitched blocks are cached (StitchFree drops the
-// least recently used inactive ones above that).
-constexpr int64_t kStitchGranularity = 2 * kMiB;
-constexpr int64_t kStitchNormalPathLimit = 2 * kMiB;
-constexpr int64_t kDefaultFragLimit = 128 * kMiB;
-constexpr int64_t kDefaultMaxSBlocks = 1024;
+// GMLake's constants (granularity, normal-path limit, fragmentation limit, StitchFree's cap)
+// are stitching_rules.h's, shared with the real allocator.
 // Arena placements are aligned like every other block.
 constexpr int64_t kArenaAlignment = kMinBlockSize;
 // Addresses the models invent (segments the recorded run did not have) start here, far above any
@@ -684,308 +679,96 @@ class ExpandableAllocator : BlockAllocator {
 };
 
 // ------------------------------------------------------------------------- GMLake stitching
-// Index of a fresh (value-initialised) item: a recycled index from `spare`, else a new one at
-// the end of `items`.
-template <class T>
-int32_t fresh_slot(std::vector<T>& items, std::vector<int32_t>& spare) {
-  if (!spare.empty()) {
-    const int32_t i = spare.back();
-    spare.pop_back();
-    items[i] = T{};
-    return i;
+// stitching_rules.h's decisions over invented addresses: a primitive block's base is the address
+// its physical allocation was given, and a stitched block maps nothing.
+struct SyntheticPhysical {
+  Device& dev;
+  int64_t next_addr = kSyntheticBase;
+
+  int64_t create_piece(int64_t bytes) {
+    if (!dev.fits(bytes)) return memo_stitch::kNoMemory;
+    const int64_t addr = next_addr;
+    next_addr += bytes;
+    dev.take(bytes, kSegmentAlloc, addr);
+    return addr;
   }
-  items.emplace_back();
-  return static_cast<int32_t>(items.size() - 1);
-}
+  void release_piece(const memo_stitch::PrimitiveBlock& p) {
+    dev.give(p.size, kSegmentFree, p.base + p.offset);
+  }
+  uintptr_t map_stitched(const std::vector<int32_t>&, int64_t,
+                         const std::vector<memo_stitch::PrimitiveBlock>&) {
+    return 0;
+  }
+  void unmap_stitched(const memo_stitch::StitchedBlock&) {}
+};
 
 class StitchingAllocator {
  public:
   StitchingAllocator(Device& dev, int64_t frag_limit, int64_t max_sblocks)
-      : dev_(dev), normal_(dev, 0), frag_limit_(frag_limit), max_sblocks_(max_sblocks) {}
+      : dev_(dev),
+        normal_(dev, 0),
+        frag_limit_(frag_limit),
+        physical_{dev},
+        pools_(physical_, counters_, frag_limit, max_sblocks) {}
 
-  // Requests below the fragmentation limit (and always below kStitchNormalPathLimit) take the
-  // normal caching path, with its splitting and merging; larger ones the stitching pools.
+  // Requests below the fragmentation limit (and always below kNormalPathLimit) take the normal
+  // caching path, with its splitting and merging; larger ones the stitching pools.
   bool malloc(int64_t id, int64_t requested, int64_t stream) {
-    if (round_request(requested) < std::max(kStitchNormalPathLimit, frag_limit_)) {
+    if (round_request(requested) < std::max(memo_stitch::kNormalPathLimit, frag_limit_)) {
       return normal_.malloc(id, requested, stream);
     }
-    const int64_t size = round_up(requested, kStitchGranularity);
-    Handle h = best_fit(size, stream);
+    const int64_t size = round_up(requested, memo_stitch::kGranularity);
+    memo_stitch::PoolHandle h = pools_.best_fit(size, stream);
     if (h.index < 0) {  // no physical memory left: drop the cache and retry
       ++dev_.reorganisations;
       release_cached();
-      h = best_fit(size, stream);
+      h = pools_.best_fit(size, stream);
       if (h.index < 0) return false;
     }
-    h.requested = requested;
-    live_[id] = h;
+    live_[id] = Live{h, requested};
     return true;
   }
 
   int64_t free(int64_t id) {
     auto it = live_.find(id);
     if (it == live_.end()) return normal_.free(id);
-    const Handle h = it->second;
+    const Live live = it->second;
     live_.erase(it);
-    if (h.stitched) {
-      SBlock& s = sblocks_[h.index];
-      s.active = false;
-      for (int32_t p : s.parts) deactivate_p(p);
-    } else {
-      deactivate_p(h.index);
-    }
-    return h.requested;
+    pools_.free(live.handle);
+    return live.requested;
   }
 
-  // Drop every inactive stitched block and give back every free primitive block (the only time
-  // GMLake returns physical memory), plus the normal path's cached segments.
+  // The stitching pools' cached blocks, then the normal path's cached segments.
   void release_cached() {
-    for (int32_t s = 0; s < static_cast<int32_t>(sblocks_.size()); ++s) {
-      if (sblocks_[s].alive && !sblocks_[s].active) drop_s(s);
-    }
-    for (auto it = pfree_.begin(); it != pfree_.end();) {
-      const int32_t p = std::get<2>(*it);
-      it = pfree_.erase(it);
-      dev_.give(pblocks_[p].size, kSegmentFree, pblocks_[p].addr);
-      pblocks_[p].alive = false;
-      spare_p_.push_back(p);
-    }
+    pools_.release_cached();
     normal_.release_cached();
   }
 
   py::dict counters() const {
     py::dict d;
-    d["exact_hits"] = exact_hits_;
-    d["splits"] = splits_;
-    d["stitches"] = stitches_;
-    d["stitched_bytes"] = stitched_bytes_;
-    d["new_pblocks"] = new_pblocks_;
-    d["sblocks_dropped"] = sblocks_dropped_;
+    d["exact_hits"] = counters_.exact_hits;
+    d["splits"] = counters_.splits;
+    d["stitches"] = counters_.stitches;
+    d["stitched_bytes"] = counters_.stitched_bytes;
+    d["new_pblocks"] = counters_.new_pblocks;
+    d["sblocks_dropped"] = counters_.sblocks_dropped;
     d["normal_path_segments"] = normal_.num_segments();
     return d;
   }
 
  private:
-  struct PBlock {
-    int64_t addr = 0;
-    int64_t size = 0;
-    int64_t stream = 0;
-    bool active = false;
-    bool alive = true;
-    std::vector<int32_t> sblocks;  // stitched blocks that map this one
+  struct Live {
+    memo_stitch::PoolHandle handle;
+    int64_t requested;
   };
-  struct SBlock {
-    int64_t size = 0;
-    int64_t stream = 0;
-    std::vector<int32_t> parts;
-    int32_t busy = 0;  // parts in use by someone else
-    bool active = false;
-    bool alive = true;
-    int64_t last_use = 0;
-  };
-  struct Handle {
-    int32_t index = -1;
-    bool stitched = false;
-    int64_t requested = 0;
-  };
-  using PKey = std::tuple<int64_t, int64_t, int32_t>;  // stream, size, index
-
-  void set_available(int32_t s, bool available) {
-    SBlock& sb = sblocks_[s];
-    auto key = std::make_pair(sb.stream, sb.size);
-    if (available) {
-      savail_[key].insert(s);
-    } else {
-      auto it = savail_.find(key);
-      if (it != savail_.end()) {
-        it->second.erase(s);
-        if (it->second.empty()) savail_.erase(it);
-      }
-    }
-  }
-
-  void activate_p(int32_t p) {
-    PBlock& pb = pblocks_[p];
-    pb.active = true;
-    pfree_.erase(PKey{pb.stream, pb.size, p});
-    for (int32_t s : pb.sblocks) {
-      if (sblocks_[s].busy++ == 0 && !sblocks_[s].active) set_available(s, false);
-    }
-  }
-
-  void deactivate_p(int32_t p) {
-    PBlock& pb = pblocks_[p];
-    pb.active = false;
-    pfree_.insert(PKey{pb.stream, pb.size, p});
-    for (int32_t s : pb.sblocks) {
-      if (--sblocks_[s].busy == 0 && !sblocks_[s].active) set_available(s, true);
-    }
-  }
-
-  void activate_s(int32_t s) {
-    SBlock& sb = sblocks_[s];
-    sb.active = true;
-    sb.last_use = ++clock_;
-    set_available(s, false);
-    for (int32_t p : sb.parts) activate_p(p);
-  }
-
-  // A new primitive block: one physical allocation of `size` bytes; -1 beyond the capacity.
-  int32_t new_p(int64_t size, int64_t stream) {
-    if (!dev_.fits(size)) return -1;
-    const int32_t p = fresh_slot(pblocks_, spare_p_);
-    PBlock& pb = pblocks_[p];
-    pb.addr = next_addr_;
-    next_addr_ += size;
-    pb.size = size;
-    pb.stream = stream;
-    pfree_.insert(PKey{stream, size, p});
-    dev_.take(size, kSegmentAlloc, pb.addr);
-    ++new_pblocks_;
-    return p;
-  }
-
-  // Split free pBlock p so that it keeps its first `size` bytes; returns the rest (free). Every
-  // sBlock that maps p now maps both pieces.
-  int32_t split_p(int32_t p, int64_t size) {
-    ++splits_;
-    const int32_t q = fresh_slot(pblocks_, spare_p_);
-    PBlock& pb = pblocks_[p];
-    PBlock& qb = pblocks_[q];
-    pfree_.erase(PKey{pb.stream, pb.size, p});
-    qb.addr = pb.addr + size;
-    qb.size = pb.size - size;
-    qb.stream = pb.stream;
-    qb.sblocks = pb.sblocks;
-    pb.size = size;
-    pfree_.insert(PKey{pb.stream, pb.size, p});
-    pfree_.insert(PKey{qb.stream, qb.size, q});
-    for (int32_t s : qb.sblocks) {
-      auto& parts = sblocks_[s].parts;
-      parts.insert(std::find(parts.begin(), parts.end(), p) + 1, q);
-    }
-    return q;
-  }
-
-  // A virtual range mapped onto `parts` (all free). Returns its index.
-  int32_t stitch(const std::vector<int32_t>& parts, int64_t stream) {
-    const int32_t s = fresh_slot(sblocks_, spare_s_);
-    SBlock& sb = sblocks_[s];
-    sb.stream = stream;
-    sb.parts = parts;
-    for (int32_t p : parts) {
-      sb.size += pblocks_[p].size;
-      pblocks_[p].sblocks.push_back(s);
-      if (pblocks_[p].active) ++sb.busy;
-    }
-    sb.last_use = ++clock_;
-    if (sb.busy == 0) set_available(s, true);
-    ++stitches_;
-    stitched_bytes_ += sb.size;
-    if (++alive_sblocks_ > max_sblocks_) drop_least_recently_used(s);
-    return s;
-  }
-
-  void drop_s(int32_t s) {
-    SBlock& sb = sblocks_[s];
-    if (sb.busy == 0 && !sb.active) set_available(s, false);
-    for (int32_t p : sb.parts) {
-      auto& v = pblocks_[p].sblocks;
-      v.erase(std::find(v.begin(), v.end(), s));
-    }
-    sb.alive = false;
-    sb.parts.clear();
-    spare_s_.push_back(s);
-    --alive_sblocks_;
-    ++sblocks_dropped_;
-  }
-
-  void drop_least_recently_used(int32_t keep) {
-    int32_t victim = -1;
-    for (int32_t s = 0; s < static_cast<int32_t>(sblocks_.size()); ++s) {
-      const SBlock& sb = sblocks_[s];
-      if (s == keep || !sb.alive || sb.active) continue;
-      if (victim < 0 || sb.last_use < sblocks_[victim].last_use) victim = s;
-    }
-    if (victim >= 0) drop_s(victim);
-  }
-
-  // GMLake's BestFit. Returns index -1 when physical memory ran out.
-  Handle best_fit(int64_t size, int64_t stream) {
-    Handle h;
-    // S1: an exact match, primitive first, then stitched
-    auto it = pfree_.lower_bound(PKey{stream, size, -1});
-    if (it != pfree_.end() && std::get<0>(*it) == stream && std::get<1>(*it) == size) {
-      h.index = std::get<2>(*it);
-      activate_p(h.index);
-      ++exact_hits_;
-      return h;
-    }
-    if (auto s = savail_.find(std::make_pair(stream, size)); s != savail_.end()) {
-      h.index = *s->second.begin();
-      h.stitched = true;
-      activate_s(h.index);
-      ++exact_hits_;
-      return h;
-    }
-    // S2: the smallest larger primitive block: split it, stitch the pieces back for later
-    it = pfree_.upper_bound(PKey{stream, size, std::numeric_limits<int32_t>::max()});
-    if (it != pfree_.end() && std::get<0>(*it) == stream) {
-      const int32_t p = std::get<2>(*it);
-      const int32_t q = split_p(p, size);
-      stitch({p, q}, stream);
-      activate_p(p);
-      h.index = p;
-      return h;
-    }
-    // S3/S4: free primitive blocks of at least the limit (smaller ones, left over by splits, are
-    // never stitched), largest first, stitched together, topped up with a new primitive block
-    // when they are not enough
-    std::vector<int32_t> parts;
-    int64_t total = 0;
-    for (auto r = pfree_.lower_bound(PKey{stream, std::numeric_limits<int64_t>::max(), -1});
-         total < size && r != pfree_.begin();) {
-      --r;
-      if (std::get<0>(*r) != stream || std::get<1>(*r) < frag_limit_) break;
-      parts.push_back(std::get<2>(*r));
-      total += std::get<1>(*r);
-    }
-    if (total > size) {  // the last one overshoots: keep only what is needed
-      const int32_t last = parts.back();
-      split_p(last, pblocks_[last].size - (total - size));
-      total = size;
-    }
-    if (total < size) {
-      const int32_t p = new_p(size - total, stream);
-      if (p < 0) return h;
-      parts.push_back(p);
-    }
-    if (parts.size() == 1) {
-      h.index = parts[0];
-      activate_p(h.index);
-      return h;
-    }
-    h.index = stitch(parts, stream);
-    h.stitched = true;
-    activate_s(h.index);
-    return h;
-  }
 
   Device& dev_;
   CachingAllocator normal_;
   const int64_t frag_limit_;
-  const int64_t max_sblocks_;
-  std::vector<PBlock> pblocks_;
-  std::vector<SBlock> sblocks_;
-  std::vector<int32_t> spare_p_, spare_s_;
-  std::set<PKey> pfree_;
-  std::map<std::pair<int64_t, int64_t>, std::set<int32_t>> savail_;
-  std::unordered_map<int64_t, Handle> live_;
-  int64_t next_addr_ = kSyntheticBase;
-  int64_t clock_ = 0;
-  int64_t alive_sblocks_ = 0;
-  int64_t exact_hits_ = 0, splits_ = 0, stitches_ = 0, stitched_bytes_ = 0, new_pblocks_ = 0,
-          sblocks_dropped_ = 0;
+  memo_stitch::StitchCounters counters_;
+  SyntheticPhysical physical_;
+  memo_stitch::StitchingPools<SyntheticPhysical> pools_;
+  std::unordered_map<int64_t, Live> live_;
 };
 
 // ---------------------------------------------------------------------------- planned arena
@@ -1262,8 +1045,8 @@ py::dict replay_allocator(const std::string& policy, const Int64Array& actions,
     extra["released_ranges"] = model.released_ranges();
     if (cfg_int(cfg, "final_layout", 0)) layout = layout_array(model.layout());
   } else if (policy == "stitching") {
-    StitchingAllocator model(dev, cfg_int(cfg, "frag_limit", kDefaultFragLimit),
-                             cfg_int(cfg, "max_sblocks", kDefaultMaxSBlocks));
+    StitchingAllocator model(dev, cfg_int(cfg, "frag_limit", memo_stitch::kDefaultFragLimit),
+                             cfg_int(cfg, "max_sblocks", memo_stitch::kDefaultMaxSBlocks));
     {
       py::gil_scoped_release no_gil;
       replay(model, dev, t, n, act, id, size, stream, alloc_tl, reserved_tl);
@@ -1428,10 +1211,10 @@ void register_allocator_models(py::module_& m) {
   constants["kExpandableSmallPage"] = kExpandableSmallPage;
   constants["kExpandableLargePage"] = kExpandableLargePage;
   constants["kUnlimitedVirtualRange"] = kUnlimitedVirtualRange;
-  constants["kStitchGranularity"] = kStitchGranularity;
-  constants["kStitchNormalPathLimit"] = kStitchNormalPathLimit;
-  constants["kDefaultFragLimit"] = kDefaultFragLimit;
-  constants["kDefaultMaxSBlocks"] = kDefaultMaxSBlocks;
+  constants["kStitchGranularity"] = memo_stitch::kGranularity;
+  constants["kStitchNormalPathLimit"] = memo_stitch::kNormalPathLimit;
+  constants["kDefaultFragLimit"] = memo_stitch::kDefaultFragLimit;
+  constants["kDefaultMaxSBlocks"] = memo_stitch::kDefaultMaxSBlocks;
   constants["kArenaAlignment"] = kArenaAlignment;
   constants["kSyntheticBase"] = kSyntheticBase;
   m.attr("ALLOCATOR_CONSTANTS") = constants;

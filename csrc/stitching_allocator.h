@@ -2,13 +2,13 @@
 // hands out is a readable, writable virtual range backed by physical memory, and a stitched
 // block is one contiguous virtual range mapped onto several non-contiguous physical pieces.
 //
-// The decisions are those of the "stitching" allocator model (csrc/allocator_models.cpp,
-// docs/allocator_models.md), rule for rule and in the same order, so that on any trace the real
-// allocator makes the model's physical allocations and releases: the same BestFit S1-S5, the
-// same slot numbering of primitive and stitched blocks (which breaks ties), and the same
-// embedded caching path for requests below the fragmentation limit (PyTorch's caching rules with
-// max_split_size unset). tests/unit/test_stitching_allocator.py replays every real snapshot
-// through both and compares their decision logs.
+// The stitching decisions (BestFit S1-S5, split, stitch, StitchFree, slot numbering, release
+// order) are csrc/stitching_rules.h's, the code the "stitching" allocator model
+// (csrc/allocator_models.cpp, docs/allocator_models.md) runs too; this file adds the physical
+// side (hooks over a PhysicalBackend) and the embedded caching path for requests below the
+// fragmentation limit (PyTorch's caching rules with max_split_size unset, as the model's
+// CachingAllocator). tests/unit/test_stitching_allocator.py replays every real snapshot through
+// both and compares their decision logs.
 //
 // Physical memory comes from a PhysicalBackend (below), implemented twice:
 //   csrc/stitching_host_backend.h  Linux host memory: memfd_create + mmap(MAP_FIXED|MAP_SHARED)
@@ -45,21 +45,11 @@
 #include <utility>
 #include <vector>
 
+#include "stitching_rules.h"
+
 namespace memo_stitch {
 
 // ------------------------------------------------------------------------------------ constants
-constexpr int64_t kMiB = int64_t{1} << 20;
-// GMLake's physical chunk: stitched requests are rounded up to it, and pBlocks are split only at
-// multiples of it (cuMemCreate's granularity on NVIDIA GPUs).
-constexpr int64_t kGranularity = 2 * kMiB;
-// Requests below this always take the normal path (GMLake: "requests < 2 MiB go the normal
-// path"); requests below the fragmentation limit too.
-constexpr int64_t kNormalPathLimit = 2 * kMiB;
-// Default fragmentation limit: requests below it take the normal path, free pBlocks below it are
-// never stitched (S3).
-constexpr int64_t kDefaultFragLimit = 128 * kMiB;
-// StitchFree: above this many stitched blocks, the least recently used inactive one is dropped.
-constexpr int64_t kDefaultMaxSBlocks = 1024;
 // The normal path's constants: PyTorch's CUDACachingAllocator, as in allocator_models.cpp.
 constexpr int64_t kMinBlockSize = 512;       // requests round up to this
 constexpr int64_t kSmallSize = kMiB;         // small pool: rounded requests up to this
@@ -101,8 +91,8 @@ class PhysicalBackend {
   virtual void unmap(uintptr_t va, int64_t bytes) = 0;
 };
 
-// What the allocator counts. Bytes, counts, seconds.
-struct Stats {
+// What the allocator counts, beyond the stitching pools' counters. Bytes, counts, seconds.
+struct Stats : StitchCounters {
   int64_t reserved_bytes = 0;       // physical bytes held (each physical byte once)
   int64_t peak_reserved_bytes = 0;
   int64_t active_bytes = 0;         // bytes of the blocks in use (their full block sizes)
@@ -111,18 +101,11 @@ struct Stats {
   int64_t live_blocks = 0;
   int64_t mapped_bytes = 0;         // bytes of every mapped view: segments + stitched blocks
   int64_t peak_mapped_bytes = 0;
-  int64_t sblocks_alive = 0;        // stitched blocks cached or in use
   int64_t segments_alive = 0;       // physical allocations (each with its own range)
   int64_t normal_path_segments = 0; // of which the normal path's
   int64_t allocs = 0;               // successful malloc calls
   int64_t frees = 0;
   int64_t normal_allocs = 0;        // of which served by the normal path
-  int64_t exact_hits = 0;           // S1
-  int64_t splits = 0;               // pBlock splits (S2, and S3's overshoot)
-  int64_t stitches = 0;             // stitched blocks created
-  int64_t stitched_bytes = 0;       // bytes they map
-  int64_t new_pblocks = 0;          // physical allocations of the stitching pools (S4)
-  int64_t sblocks_dropped = 0;      // StitchFree and reorganisations
   int64_t reorganisations = 0;      // failed physical allocations answered by release_cached()
   int64_t ooms = 0;                 // requests refused after the retry
   int64_t physical_creates = 0;     // backend create() calls that succeeded (model: mallocs)
@@ -158,24 +141,10 @@ struct LogEntry {
   int64_t bytes;
 };
 
-// Index of a fresh (value-initialised) item: a recycled index from `spare` (last in, first
-// out), else a new one at the end - the model's numbering.
-template <class T>
-int32_t fresh_slot(std::vector<T>& items, std::vector<int32_t>& spare) {
-  if (!spare.empty()) {
-    const int32_t i = spare.back();
-    spare.pop_back();
-    items[i] = T{};
-    return i;
-  }
-  items.emplace_back();
-  return static_cast<int32_t>(items.size() - 1);
-}
-
 class StitchingAllocator {
  public:
   StitchingAllocator(PhysicalBackend& backend, Options options)
-      : be_(backend), opt_(options) {
+      : be_(backend), opt_(options), pools_(hooks_, st_, opt_.frag_limit, opt_.max_sblocks) {
     if (be_.granularity() <= 0 || kGranularity % be_.granularity() != 0) {
       throw std::invalid_argument("the backend's granularity must divide 2 MiB");
     }
@@ -210,16 +179,16 @@ class StitchingAllocator {
       ++st_.normal_allocs;
     } else {
       const int64_t size = round_up(requested, kGranularity);
-      Handle h = best_fit(size, stream);
+      PoolHandle h = pools_.best_fit(size, stream);
       if (h.index < 0) {  // no physical memory left: drop the cache and retry
         ++st_.reorganisations;
         release_cached();
-        h = best_fit(size, stream);
+        h = pools_.best_fit(size, stream);
         if (h.index < 0) return refuse();
       }
       live.kind = h.stitched ? Live::kStitched : Live::kPrimitive;
       live.index = h.index;
-      ptr = h.stitched ? sblocks_[h.index].va : pva(h.index);
+      ptr = h.stitched ? pools_.sblocks()[h.index].va : pva(h.index);
       block_bytes = size;
     }
     live.bytes = block_bytes;
@@ -242,19 +211,10 @@ class StitchingAllocator {
     --st_.live_blocks;
     st_.active_bytes -= live.bytes;
     st_.requested_bytes -= live.requested;
-    switch (live.kind) {
-      case Live::kNormal:
-        normal_free(live.nblock);
-        break;
-      case Live::kStitched: {
-        SBlock& s = sblocks_[live.index];
-        s.active = false;
-        for (int32_t p : s.parts) deactivate_p(p);
-        break;
-      }
-      case Live::kPrimitive:
-        deactivate_p(live.index);
-        break;
+    if (live.kind == Live::kNormal) {
+      normal_free(live.nblock);
+    } else {
+      pools_.free(PoolHandle{live.index, live.kind == Live::kStitched});
     }
     return live.requested;
   }
@@ -262,14 +222,7 @@ class StitchingAllocator {
   // Drop every inactive stitched block, give back every free primitive block, then the normal
   // path's unused segments (GMLake's only release of physical memory; empty_cache()).
   void release_cached() {
-    for (int32_t s = 0; s < static_cast<int32_t>(sblocks_.size()); ++s) {
-      if (sblocks_[s].alive && !sblocks_[s].active) drop_s(s);
-    }
-    for (auto it = pfree_.begin(); it != pfree_.end();) {
-      const int32_t p = std::get<2>(*it);
-      it = pfree_.erase(it);
-      release_p(p);
-    }
+    pools_.release_cached();
     normal_release_cached();
   }
 
@@ -278,14 +231,7 @@ class StitchingAllocator {
   void teardown() {
     if (torn_down_) return;
     torn_down_ = true;
-    for (int32_t s = 0; s < static_cast<int32_t>(sblocks_.size()); ++s) {
-      if (sblocks_[s].alive) drop_s(s);
-    }
-    pfree_.clear();
-    savail_.clear();
-    for (int32_t p = 0; p < static_cast<int32_t>(pblocks_.size()); ++p) {
-      if (pblocks_[p].alive) release_p(p);
-    }
+    pools_.release_all();
     for (int32_t g = 0; g < static_cast<int32_t>(segments_.size()); ++g) {
       if (segments_[g].alive) release_segment(g, segments_[g].live);
     }
@@ -307,13 +253,13 @@ class StitchingAllocator {
       const Segment& g = segments_[b->seg];
       out.push_back(View{0, nva(b), b->size, g.handle, b->key - g.key});
     } else if (live.kind == Live::kPrimitive) {
-      const PBlock& p = pblocks_[live.index];
-      out.push_back(View{0, pva(live.index), p.size, segments_[p.seg].handle, p.offset});
+      const PrimitiveBlock& p = pools_.pblocks()[live.index];
+      out.push_back(View{0, pva(live.index), p.size, segments_[p.base].handle, p.offset});
     } else {
       int64_t off = 0;
-      for (int32_t q : sblocks_[live.index].parts) {
-        const PBlock& p = pblocks_[q];
-        out.push_back(View{off, pva(q), p.size, segments_[p.seg].handle, p.offset});
+      for (int32_t q : pools_.sblocks()[live.index].parts) {
+        const PrimitiveBlock& p = pools_.pblocks()[q];
+        out.push_back(View{off, pva(q), p.size, segments_[p.base].handle, p.offset});
         off += p.size;
       }
     }
@@ -354,52 +300,18 @@ class StitchingAllocator {
     if (segs != st_.segments_alive || normal_segs != st_.normal_path_segments) {
       return "segment counts disagree";
     }
-    // pBlocks: alive ones cover their segment's live bytes (with the normal-path blocks)
-    std::map<int32_t, int64_t> seg_bytes;
-    size_t free_p = 0;
-    for (int32_t p = 0; p < static_cast<int32_t>(pblocks_.size()); ++p) {
-      const PBlock& pb = pblocks_[p];
-      if (!pb.alive) continue;
-      seg_bytes[pb.seg] += pb.size;
-      if (pb.size <= 0 || pb.size % be_.granularity()) return "pBlock size off granularity";
-      const bool listed = pfree_.count(PKey{pb.stream, pb.size, p}) != 0;
-      if (listed == pb.active) return "pBlock free list disagrees with its state";
-      if (!pb.active) ++free_p;
-      for (int32_t s : pb.sblocks) {
-        const auto& parts = sblocks_[s].parts;
-        if (!sblocks_[s].alive || std::find(parts.begin(), parts.end(), p) == parts.end()) {
-          return "pBlock names a stitched block that does not map it";
-        }
-      }
+    if (std::string broken = pools_.check_invariants(be_.granularity()); !broken.empty()) {
+      return broken;
     }
-    if (free_p != pfree_.size()) return "free pBlock list has stale entries";
-    int64_t alive_s = 0;
-    size_t avail = 0;
-    for (int32_t s = 0; s < static_cast<int32_t>(sblocks_.size()); ++s) {
-      const SBlock& sb = sblocks_[s];
-      if (!sb.alive) continue;
-      ++alive_s;
-      mapped += sb.size;
-      int64_t size = 0, busy = 0;
-      for (int32_t p : sb.parts) {
-        const PBlock& pb = pblocks_[p];
-        if (!pb.alive) return "stitched block maps a released pBlock";
-        size += pb.size;
-        if (pb.active) ++busy;
-        if (sb.active && !pb.active) return "active stitched block has an inactive part";
-      }
-      if (size != sb.size) return "stitched block size differs from its parts";
-      if (busy != sb.busy) return "stitched block busy count is wrong";
-      const bool available = !sb.active && sb.busy == 0;
-      auto it = savail_.find(std::make_pair(sb.stream, sb.size));
-      const bool listed = it != savail_.end() && it->second.count(s) != 0;
-      if (listed != available) return "stitched block availability list is wrong";
-      if (available) ++avail;
+    // pBlocks cover their segment's live bytes (with the normal-path blocks); every stitched
+    // block is one more mapped view
+    std::map<int64_t, int64_t> seg_bytes;
+    for (const PrimitiveBlock& pb : pools_.pblocks()) {
+      if (pb.alive) seg_bytes[pb.base] += pb.size;
     }
-    size_t listed_total = 0;
-    for (const auto& kv : savail_) listed_total += kv.second.size();
-    if (listed_total != avail) return "stitched availability list has stale entries";
-    if (alive_s != st_.sblocks_alive) return "stitched block count is wrong";
+    for (const StitchedBlock& sb : pools_.sblocks()) {
+      if (sb.alive) mapped += sb.size;
+    }
     if (mapped != st_.mapped_bytes) return "mapped bytes disagree";
     // normal path: each segment's block chain covers it; free blocks are in their pool, merged
     for (int32_t g = 0; g < static_cast<int32_t>(segments_.size()); ++g) {
@@ -674,29 +586,55 @@ class StitchingAllocator {
   }
 
   // ------------------------------------------------------------------------ stitching pools
-  struct PBlock {
-    int32_t seg = -1;
-    int64_t offset = 0;  // in its segment
-    int64_t size = 0;
-    int64_t stream = 0;
-    bool active = false;
-    bool alive = true;
-    std::vector<int32_t> sblocks;  // stitched blocks that map this one
+  // The physical side of stitching_rules.h's decisions: a primitive block's base is the segment
+  // holding it, a stitched block is a range of its own mapped part by part.
+  struct PoolHooks {
+    StitchingAllocator& a;
+
+    int64_t create_piece(int64_t bytes) {
+      const int32_t g = a.create_segment(bytes, false);
+      return g < 0 ? kNoMemory : g;
+    }
+
+    void release_piece(const PrimitiveBlock& p) {
+      a.release_piece(static_cast<int32_t>(p.base), p.offset, p.size);
+    }
+
+    uintptr_t map_stitched(const std::vector<int32_t>& parts, int64_t bytes,
+                           const std::vector<PrimitiveBlock>& pblocks) {
+      Stats& st = a.st_;
+      PhysicalBackend& be = a.be_;
+      const uintptr_t va = a.timed(st.reserve_seconds, [&] { return be.reserve(bytes); });
+      ++st.reserve_calls;
+      int64_t off = 0;
+      try {
+        for (int32_t p : parts) {
+          const PrimitiveBlock& pb = pblocks[p];
+          a.timed(st.map_seconds,
+                  [&] { be.map(va + off, a.segments_[pb.base].handle, pb.offset, pb.size); });
+          ++st.map_calls;
+          off += pb.size;
+        }
+      } catch (...) {
+        if (off) be.unmap(va, off);
+        be.unreserve(va, bytes);
+        throw;
+      }
+      st.mapped_bytes += bytes;
+      st.peak_mapped_bytes = std::max(st.peak_mapped_bytes, st.mapped_bytes);
+      return va;
+    }
+
+    void unmap_stitched(const StitchedBlock& s) {
+      Stats& st = a.st_;
+      a.timed(st.map_seconds, [&] { a.be_.unmap(s.va, s.size); });
+      ++st.map_calls;
+      a.timed(st.reserve_seconds, [&] { a.be_.unreserve(s.va, s.size); });
+      ++st.reserve_calls;
+      st.mapped_bytes -= s.size;
+    }
   };
-  struct SBlock {
-    int64_t size = 0;
-    int64_t stream = 0;
-    uintptr_t va = 0;
-    std::vector<int32_t> parts;
-    int32_t busy = 0;  // parts in use
-    bool active = false;
-    bool alive = true;
-    int64_t last_use = 0;
-  };
-  struct Handle {
-    int32_t index = -1;
-    bool stitched = false;
-  };
+
   struct Live {
     enum Kind : int { kNormal = 0, kPrimitive = 1, kStitched = 2 } kind = kNormal;
     int32_t index = -1;        // pBlock or sBlock
@@ -704,227 +642,10 @@ class StitchingAllocator {
     int64_t bytes = 0;
     int64_t requested = 0;
   };
-  using PKey = std::tuple<int64_t, int64_t, int32_t>;  // stream, size, index
 
   uintptr_t pva(int32_t p) const {
-    const PBlock& pb = pblocks_[p];
-    return segments_[pb.seg].va + static_cast<uintptr_t>(pb.offset);
-  }
-
-  void set_available(int32_t s, bool available) {
-    SBlock& sb = sblocks_[s];
-    auto key = std::make_pair(sb.stream, sb.size);
-    if (available) {
-      savail_[key].insert(s);
-    } else {
-      auto it = savail_.find(key);
-      if (it != savail_.end()) {
-        it->second.erase(s);
-        if (it->second.empty()) savail_.erase(it);
-      }
-    }
-  }
-
-  void activate_p(int32_t p) {
-    PBlock& pb = pblocks_[p];
-    pb.active = true;
-    pfree_.erase(PKey{pb.stream, pb.size, p});
-    for (int32_t s : pb.sblocks) {
-      if (sblocks_[s].busy++ == 0 && !sblocks_[s].active) set_available(s, false);
-    }
-  }
-
-  void deactivate_p(int32_t p) {
-    PBlock& pb = pblocks_[p];
-    pb.active = false;
-    pfree_.insert(PKey{pb.stream, pb.size, p});
-    for (int32_t s : pb.sblocks) {
-      if (--sblocks_[s].busy == 0 && !sblocks_[s].active) set_available(s, true);
-    }
-  }
-
-  void activate_s(int32_t s) {
-    SBlock& sb = sblocks_[s];
-    sb.active = true;
-    sb.last_use = ++clock_;
-    set_available(s, false);
-    for (int32_t p : sb.parts) activate_p(p);
-  }
-
-  // A new primitive block: one physical allocation of `size` bytes; -1 when there is none.
-  int32_t new_p(int64_t size, int64_t stream) {
-    const int32_t g = create_segment(size, false);
-    if (g < 0) return -1;
-    const int32_t p = fresh_slot(pblocks_, spare_p_);
-    PBlock& pb = pblocks_[p];
-    pb.seg = g;
-    pb.size = size;
-    pb.stream = stream;
-    pfree_.insert(PKey{stream, size, p});
-    ++st_.new_pblocks;
-    return p;
-  }
-
-  // Split free pBlock p so that it keeps its first `size` bytes; returns the rest (free). Every
-  // sBlock that maps p now maps both pieces (its mapping is unchanged: same physical bytes).
-  int32_t split_p(int32_t p, int64_t size) {
-    ++st_.splits;
-    const int32_t q = fresh_slot(pblocks_, spare_p_);
-    PBlock& pb = pblocks_[p];
-    PBlock& qb = pblocks_[q];
-    pfree_.erase(PKey{pb.stream, pb.size, p});
-    qb.seg = pb.seg;
-    qb.offset = pb.offset + size;
-    qb.size = pb.size - size;
-    qb.stream = pb.stream;
-    qb.sblocks = pb.sblocks;
-    pb.size = size;
-    pfree_.insert(PKey{pb.stream, pb.size, p});
-    pfree_.insert(PKey{qb.stream, qb.size, q});
-    for (int32_t s : qb.sblocks) {
-      auto& parts = sblocks_[s].parts;
-      parts.insert(std::find(parts.begin(), parts.end(), p) + 1, q);
-    }
-    return q;
-  }
-
-  // A virtual range mapped onto `parts` in order. Returns its index.
-  int32_t stitch(const std::vector<int32_t>& parts, int64_t stream) {
-    int64_t total = 0;
-    for (int32_t p : parts) total += pblocks_[p].size;
-    const uintptr_t va = timed(st_.reserve_seconds, [&] { return be_.reserve(total); });
-    ++st_.reserve_calls;
-    int64_t off = 0;
-    try {
-      for (int32_t p : parts) {
-        const PBlock& pb = pblocks_[p];
-        timed(st_.map_seconds,
-              [&] { be_.map(va + off, segments_[pb.seg].handle, pb.offset, pb.size); });
-        ++st_.map_calls;
-        off += pb.size;
-      }
-    } catch (...) {
-      if (off) be_.unmap(va, off);
-      be_.unreserve(va, total);
-      throw;
-    }
-    const int32_t s = fresh_slot(sblocks_, spare_s_);
-    SBlock& sb = sblocks_[s];
-    sb.stream = stream;
-    sb.parts = parts;
-    sb.va = va;
-    for (int32_t p : parts) {
-      sb.size += pblocks_[p].size;
-      pblocks_[p].sblocks.push_back(s);
-      if (pblocks_[p].active) ++sb.busy;
-    }
-    sb.last_use = ++clock_;
-    if (sb.busy == 0) set_available(s, true);
-    ++st_.stitches;
-    st_.stitched_bytes += sb.size;
-    st_.mapped_bytes += sb.size;
-    st_.peak_mapped_bytes = std::max(st_.peak_mapped_bytes, st_.mapped_bytes);
-    if (++st_.sblocks_alive > opt_.max_sblocks) drop_least_recently_used(s);
-    return s;
-  }
-
-  void drop_s(int32_t s) {
-    SBlock& sb = sblocks_[s];
-    if (sb.busy == 0 && !sb.active) set_available(s, false);
-    for (int32_t p : sb.parts) {
-      auto& v = pblocks_[p].sblocks;
-      v.erase(std::find(v.begin(), v.end(), s));
-    }
-    timed(st_.map_seconds, [&] { be_.unmap(sb.va, sb.size); });
-    ++st_.map_calls;
-    timed(st_.reserve_seconds, [&] { be_.unreserve(sb.va, sb.size); });
-    ++st_.reserve_calls;
-    st_.mapped_bytes -= sb.size;
-    sb.alive = false;
-    sb.parts.clear();
-    spare_s_.push_back(s);
-    --st_.sblocks_alive;
-    ++st_.sblocks_dropped;
-  }
-
-  void drop_least_recently_used(int32_t keep) {
-    int32_t victim = -1;
-    for (int32_t s = 0; s < static_cast<int32_t>(sblocks_.size()); ++s) {
-      const SBlock& sb = sblocks_[s];
-      if (s == keep || !sb.alive || sb.active) continue;
-      if (victim < 0 || sb.last_use < sblocks_[victim].last_use) victim = s;
-    }
-    if (victim >= 0) drop_s(victim);
-  }
-
-  // Release free pBlock p's physical piece (no alive sBlock maps it: release_cached() drops
-  // the inactive ones first, and an active one's parts are all active).
-  void release_p(int32_t p) {
-    PBlock& pb = pblocks_[p];
-    release_piece(pb.seg, pb.offset, pb.size);
-    pb.alive = false;
-    pb.sblocks.clear();
-    spare_p_.push_back(p);
-  }
-
-  // GMLake's BestFit. Returns index -1 when physical memory ran out.
-  Handle best_fit(int64_t size, int64_t stream) {
-    Handle h;
-    // S1: an exact match, primitive first, then stitched
-    auto it = pfree_.lower_bound(PKey{stream, size, -1});
-    if (it != pfree_.end() && std::get<0>(*it) == stream && std::get<1>(*it) == size) {
-      h.index = std::get<2>(*it);
-      activate_p(h.index);
-      ++st_.exact_hits;
-      return h;
-    }
-    if (auto s = savail_.find(std::make_pair(stream, size)); s != savail_.end()) {
-      h.index = *s->second.begin();
-      h.stitched = true;
-      activate_s(h.index);
-      ++st_.exact_hits;
-      return h;
-    }
-    // S2: the smallest larger primitive block: split it, stitch the pieces back for later
-    it = pfree_.upper_bound(PKey{stream, size, std::numeric_limits<int32_t>::max()});
-    if (it != pfree_.end() && std::get<0>(*it) == stream) {
-      const int32_t p = std::get<2>(*it);
-      const int32_t q = split_p(p, size);
-      stitch({p, q}, stream);
-      activate_p(p);
-      h.index = p;
-      return h;
-    }
-    // S3/S4: free primitive blocks of at least the limit, largest first, stitched together,
-    // topped up with a new primitive block when they are not enough
-    std::vector<int32_t> parts;
-    int64_t total = 0;
-    for (auto r = pfree_.lower_bound(PKey{stream, std::numeric_limits<int64_t>::max(), -1});
-         total < size && r != pfree_.begin();) {
-      --r;
-      if (std::get<0>(*r) != stream || std::get<1>(*r) < opt_.frag_limit) break;
-      parts.push_back(std::get<2>(*r));
-      total += std::get<1>(*r);
-    }
-    if (total > size) {  // the last one overshoots: keep only what is needed
-      const int32_t last = parts.back();
-      split_p(last, pblocks_[last].size - (total - size));
-      total = size;
-    }
-    if (total < size) {
-      const int32_t p = new_p(size - total, stream);
-      if (p < 0) return h;
-      parts.push_back(p);
-    }
-    if (parts.size() == 1) {
-      h.index = parts[0];
-      activate_p(h.index);
-      return h;
-    }
-    h.index = stitch(parts, stream);
-    h.stitched = true;
-    activate_s(h.index);
-    return h;
+    const PrimitiveBlock& pb = pools_.pblocks()[p];
+    return segments_[pb.base].va + static_cast<uintptr_t>(pb.offset);
   }
 
   PhysicalBackend& be_;
@@ -941,13 +662,9 @@ class StitchingAllocator {
   std::deque<NBlock> nblocks_;
   std::vector<NBlock*> spare_nblocks_;
   FreeSet small_, large_;
-  // stitching pools
-  std::vector<PBlock> pblocks_;
-  std::vector<SBlock> sblocks_;
-  std::vector<int32_t> spare_p_, spare_s_;
-  std::set<PKey> pfree_;
-  std::map<std::pair<int64_t, int64_t>, std::set<int32_t>> savail_;
-  int64_t clock_ = 0;
+  // stitching pools (declared after st_ and opt_, which they are built from)
+  PoolHooks hooks_{*this};
+  StitchingPools<PoolHooks> pools_;
   // blocks in use, by address
   std::unordered_map<uintptr_t, Live> live_;
 };

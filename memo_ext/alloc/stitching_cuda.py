@@ -25,7 +25,8 @@ __all__ = ["CudaStitchingAllocator", "build_library", "cuda_home", "install"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE = REPO_ROOT / "csrc" / "cuda" / "stitching_cuda.cpp"
-HEADERS = (REPO_ROOT / "csrc" / "stitching_allocator.h",)
+HEADERS = (REPO_ROOT / "csrc" / "stitching_allocator.h",
+           REPO_ROOT / "csrc" / "stitching_rules.h")
 LIBRARY_NAME = "libmemo_stitching_cuda.so"
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "stitching_cuda"
 
