@@ -30,7 +30,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <deque>
 #include <limits>
 #include <map>
 #include <set>
@@ -42,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "caching_rules.h"
 #include "int64_columns.h"
 #include "stitching_rules.h"
 
@@ -52,26 +52,11 @@ namespace {
 using memo_columns::Int64Array;
 using memo_columns::require_1d;
 using namespace memo_columns;  // action codes
+// PyTorch's caching rules, blocks and constants (kMinBlockSize ... kOversizeTolerance)
+using namespace memo_caching;
 
 // ------------------------------------------------------------------------------------ constants
-constexpr int64_t kMiB = int64_t{1} << 20;
 constexpr int64_t kGiB = int64_t{1} << 30;
-// Every request is rounded up to a multiple of kMinBlockSize bytes (and at least that much). It is
-// also the smallest remainder worth splitting off in the small pool and in expandable segments.
-constexpr int64_t kMinBlockSize = 512;
-// Rounded requests of at most kSmallSize bytes are served from the small pool; a large-pool block
-// is split only when more than kSmallSize bytes would remain (a smaller tail stays attached).
-constexpr int64_t kSmallSize = kMiB;
-// Size of a small-pool segment (one device malloc serves many small blocks).
-constexpr int64_t kSmallBuffer = 2 * kMiB;
-// Size of a large-pool segment for rounded requests below kMinLargeAlloc.
-constexpr int64_t kLargeBuffer = 20 * kMiB;
-constexpr int64_t kMinLargeAlloc = 10 * kMiB;
-// Requests of kMinLargeAlloc bytes or more get a segment of their own size rounded up to this.
-constexpr int64_t kRoundLarge = 2 * kMiB;
-// With max_split_size set, a request of at least max_split_size bytes may take a cached block
-// only if the block is less than this many bytes larger (it would otherwise waste the tail).
-constexpr int64_t kOversizeTolerance = kLargeBuffer;
 // Expandable segments map physical memory in pages of this size: 2 MiB in the small pool and
 // 20 MiB (kLargeBuffer) in the large pool, the granularity PyTorch 2.x creates its handles in;
 // every segment_map/segment_unmap size in the qwen3 reference snapshot is a multiple of it.
@@ -89,12 +74,6 @@ constexpr int64_t kArenaAlignment = kMinBlockSize;
 // Addresses the models invent (segments the recorded run did not have) start here, far above any
 // real device address, so they never collide with addresses taken from a snapshot.
 constexpr int64_t kSyntheticBase = int64_t{1} << 56;
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-int64_t round_request(int64_t requested) {
-  return requested < kMinBlockSize ? kMinBlockSize : round_up(requested, kMinBlockSize);
-}
 
 // ---------------------------------------------------------------------------------- the device
 // Capacity, reserved bytes, device malloc/free counts and the log of segment decisions
@@ -130,28 +109,7 @@ struct Device {
 };
 
 // -------------------------------------------------------------------------------------- blocks
-struct Block {
-  int64_t addr = 0;
-  int64_t size = 0;       // bytes the block spans
-  int64_t requested = 0;  // bytes asked for (allocated blocks)
-  int64_t stream = 0;
-  int32_t segment = -1;  // expandable: index of its virtual range
-  bool small = false;
-  bool allocated = false;
-  bool mapped = true;  // expandable: false for an unmapped part of the virtual range
-  Block* prev = nullptr;
-  Block* next = nullptr;
-};
-
-// Free blocks in best-fit order: stream, then size, then address (lowest address wins a tie).
-struct BySize {
-  bool operator()(const Block* a, const Block* b) const {
-    if (a->stream != b->stream) return a->stream < b->stream;
-    if (a->size != b->size) return a->size < b->size;
-    return a->addr < b->addr;
-  }
-};
-
+// Unmapped parts of expandable segments, by address within one stream.
 struct ByAddress {
   bool operator()(const Block* a, const Block* b) const {
     if (a->stream != b->stream) return a->stream < b->stream;
@@ -159,70 +117,15 @@ struct ByAddress {
   }
 };
 
-using FreeSet = std::set<Block*, BySize>;
-
-// Block objects are recycled rather than freed: a replay creates and merges millions of them.
-class BlockStore {
- public:
-  Block* make() {
-    if (!spare_.empty()) {
-      Block* b = spare_.back();
-      spare_.pop_back();
-      *b = Block{};
-      return b;
-    }
-    blocks_.emplace_back();
-    return &blocks_.back();
-  }
-  void recycle(Block* b) { spare_.push_back(b); }
-
- private:
-  std::deque<Block> blocks_;
-  std::vector<Block*> spare_;
-};
-
 struct LiveEntry {
   Block* block;
 };
 
 // What the caching allocator and expandable segments share: the block store, the live blocks by
-// request id, lowest-address-first best fit within one stream, splitting a block's tail off
-// into a free block, and the allocated part of the final layout.
+// request id, and the allocated part of the final layout.
 class BlockAllocator {
  protected:
   explicit BlockAllocator(Device& dev) : dev_(dev) {}
-
-  Block* new_block(int64_t addr, int64_t size, int64_t stream, bool small, int32_t segment = -1) {
-    Block* b = store_.make();
-    b->addr = addr;
-    b->size = size;
-    b->stream = stream;
-    b->small = small;
-    b->segment = segment;
-    return b;
-  }
-
-  // The smallest free block of `stream` with at least `size` bytes (iterator into free_blocks).
-  static FreeSet::iterator smallest_fit(FreeSet& free_blocks, int64_t stream, int64_t size) {
-    Block key;
-    key.stream = stream;
-    key.size = size;
-    key.addr = std::numeric_limits<int64_t>::min();
-    auto it = free_blocks.lower_bound(&key);
-    if (it != free_blocks.end() && (*it)->stream != stream) return free_blocks.end();
-    return it;
-  }
-
-  // Cut `b` to `size` bytes; the rest becomes a free block right after it.
-  void split_tail(Block* b, int64_t size, FreeSet& free_blocks) {
-    Block* rest = new_block(b->addr + size, b->size - size, b->stream, b->small, b->segment);
-    rest->prev = b;
-    rest->next = b->next;
-    if (b->next) b->next->prev = rest;
-    b->next = rest;
-    b->size = size;
-    free_blocks.insert(rest);
-  }
 
   void assign(Block* b, int64_t id, int64_t requested) {
     b->allocated = true;
@@ -242,28 +145,6 @@ class BlockAllocator {
     return b;
   }
 
-  // Merge `b` with its neighbours that `mergeable` accepts, taking them out of `set` (the set
-  // they are filed in) and recycling them. Returns b, grown.
-  template <class Set, class Mergeable>
-  Block* absorb_neighbours(Block* b, Set& set, Mergeable mergeable) {
-    if (Block* p = b->prev; p && mergeable(p)) {
-      set.erase(p);
-      b->addr = p->addr;
-      b->size += p->size;
-      b->prev = p->prev;
-      if (b->prev) b->prev->next = b;
-      store_.recycle(p);
-    }
-    if (Block* n = b->next; n && mergeable(n)) {
-      set.erase(n);
-      b->size += n->size;
-      b->next = n->next;
-      if (b->next) b->next->prev = b;
-      store_.recycle(n);
-    }
-    return b;
-  }
-
   void live_layout(std::vector<std::tuple<int64_t, int64_t, int64_t>>& out) const {
     for (const auto& kv : live_) out.emplace_back(kv.second.block->addr, kv.second.block->size, 1);
   }
@@ -274,12 +155,11 @@ class BlockAllocator {
 };
 
 // ------------------------------------------------------------------------- caching allocator
+// caching_rules.h's pools over invented (or recorded) segment addresses.
 class CachingAllocator : BlockAllocator {
  public:
   CachingAllocator(Device& dev, int64_t max_split_size, int64_t small_split_min = kMinBlockSize)
-      : BlockAllocator(dev),
-        max_split_(max_split_size > 0 ? max_split_size : 0),
-        small_split_min_(small_split_min) {}
+      : BlockAllocator(dev), pools_(*this, store_, max_split_size, small_split_min) {}
 
   // Addresses of the recorded run's device mallocs, per event (0: none). A new segment takes the
   // recorded address when its size equals the recorded one and the range is not in use, so that
@@ -313,8 +193,8 @@ class CachingAllocator : BlockAllocator {
                                     " overlaps another or lies outside segment " +
                                     std::to_string(addr));
       }
-      if (baddr > cursor) link(new_block(cursor, baddr - cursor, stream, small));
-      Block* b = new_block(baddr, bsize, stream, small);
+      if (baddr > cursor) link(store_.make(cursor, baddr - cursor, stream, small));
+      Block* b = store_.make(baddr, bsize, stream, small);
       b->allocated = true;
       b->requested = breq;
       if (!live_.emplace(bid, LiveEntry{b}).second) {
@@ -323,31 +203,16 @@ class CachingAllocator : BlockAllocator {
       link(b);
       cursor = baddr + bsize;
     }
-    if (cursor < addr + size) link(new_block(cursor, addr + size - cursor, stream, small));
+    if (cursor < addr + size) link(store_.make(cursor, addr + size - cursor, stream, small));
     for (Block* b = last; b; b = b->prev) {
-      if (!b->allocated) pool(small).insert(b);
+      if (!b->allocated) pools_.pool(small).insert(b);
     }
   }
 
   // Serve a request. Returns false when the device is out of memory even after a reorganisation.
   bool malloc(int64_t id, int64_t requested, int64_t stream) {
-    const int64_t size = round_request(requested);
-    const bool small = size <= kSmallSize;
-    FreeSet& free_blocks = pool(small);
-    Block* b = best_fit(free_blocks, stream, size);
-    if (b) {
-      free_blocks.erase(b);
-    } else {
-      const int64_t segment = segment_size(size);
-      b = new_segment(segment, stream, small);
-      if (!b) {  // the device malloc failed: free every cached unused segment and retry
-        ++dev_.reorganisations;
-        release_cached();
-        b = new_segment(segment, stream, small);
-        if (!b) return false;
-      }
-    }
-    if (should_split(b, size)) split_tail(b, size, free_blocks);
+    Block* b = pools_.malloc(round_request(requested), stream);
+    if (!b) return false;
     assign(b, id, requested);
     return true;
   }
@@ -357,32 +222,12 @@ class CachingAllocator : BlockAllocator {
     int64_t requested = 0;
     Block* b = release(id, &requested);
     if (!b) return -1;
-    FreeSet& free_blocks = pool(b->small);
-    b = merge_free_neighbours(b, free_blocks);
-    free_blocks.insert(b);
+    pools_.free(b);
     return requested;
   }
 
-  bool owns(int64_t id) const { return live_.count(id) != 0; }
-
-  // Free every segment that holds no allocated block: large pool first, then small, each in
-  // best-fit order (stream, size, address), the order the recorded runs release them in.
-  void release_cached() {
-    for (int small = 0; small < 2; ++small) {
-      FreeSet& free_blocks = pool(small != 0);
-      for (auto it = free_blocks.begin(); it != free_blocks.end();) {
-        Block* b = *it;
-        if (b->prev || b->next) {
-          ++it;
-          continue;
-        }
-        it = free_blocks.erase(it);
-        segments_.erase(b->addr);
-        dev_.give(b->size, kSegmentFree, b->addr);
-        store_.recycle(b);
-      }
-    }
-  }
+  // Free every segment that holds no allocated block (caching_rules.h's order).
+  void release_cached() { pools_.release_cached(); }
 
   int64_t num_segments() const { return static_cast<int64_t>(segments_.size()); }
 
@@ -390,7 +235,7 @@ class CachingAllocator : BlockAllocator {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> layout() const {
     std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
     live_layout(out);
-    for (const FreeSet* set : {&small_, &large_}) {
+    for (const FreeSet* set : {&pools_.pool(true), &pools_.pool(false)}) {
       for (const Block* b : *set) out.emplace_back(b->addr, b->size, 0);
     }
     std::sort(out.begin(), out.end());
@@ -398,32 +243,7 @@ class CachingAllocator : BlockAllocator {
   }
 
  private:
-  FreeSet& pool(bool small) { return small ? small_ : large_; }
-
-  static int64_t segment_size(int64_t size) {
-    if (size <= kSmallSize) return kSmallBuffer;
-    if (size < kMinLargeAlloc) return kLargeBuffer;
-    return round_up(size, kRoundLarge);
-  }
-
-  Block* best_fit(FreeSet& free_blocks, int64_t stream, int64_t size) {
-    auto it = smallest_fit(free_blocks, stream, size);
-    if (it == free_blocks.end()) return nullptr;
-    Block* b = *it;
-    if (max_split_) {
-      // blocks of max_split_size or more are kept for requests of that size ...
-      if (size < max_split_ && b->size >= max_split_) return nullptr;
-      // ... and such a request takes one only if less than kOversizeTolerance would be wasted
-      if (size >= max_split_ && b->size >= size + kOversizeTolerance) return nullptr;
-    }
-    return b;
-  }
-
-  bool should_split(const Block* b, int64_t size) const {
-    const int64_t remaining = b->size - size;
-    if (b->small) return remaining >= small_split_min_;
-    return (!max_split_ || size < max_split_) && remaining > kSmallSize;
-  }
+  friend class memo_caching::CachingPools<CachingAllocator>;
 
   bool range_free(int64_t addr, int64_t size) const {
     auto it = segments_.upper_bound(addr);
@@ -435,7 +255,7 @@ class CachingAllocator : BlockAllocator {
     return true;
   }
 
-  // One device malloc; nullptr when it would exceed the capacity.
+  // CachingPools' hooks. One device malloc; nullptr when it would exceed the capacity.
   Block* new_segment(int64_t size, int64_t stream, bool small) {
     if (!dev_.fits(size)) return nullptr;
     int64_t addr = 0;
@@ -448,16 +268,17 @@ class CachingAllocator : BlockAllocator {
     }
     segments_[addr] = size;
     dev_.take(size, kSegmentAlloc, addr);
-    return new_block(addr, size, stream, small);
+    return store_.make(addr, size, stream, small);
   }
 
-  Block* merge_free_neighbours(Block* b, FreeSet& free_blocks) {
-    return absorb_neighbours(b, free_blocks, [](const Block* x) { return !x->allocated; });
+  void reorganising() { ++dev_.reorganisations; }
+
+  void release_segment(const Block* b) {
+    segments_.erase(b->addr);
+    dev_.give(b->size, kSegmentFree, b->addr);
   }
 
-  const int64_t max_split_;
-  const int64_t small_split_min_;
-  FreeSet small_, large_;
+  CachingPools<CachingAllocator> pools_;
   std::map<int64_t, int64_t> segments_;  // address -> bytes
   int64_t next_synthetic_ = kSyntheticBase;
   const int64_t* hint_addr_ = nullptr;
@@ -487,7 +308,7 @@ class ExpandableAllocator : BlockAllocator {
       }
     }
     // expandable segments always split
-    if (b->size - size >= kMinBlockSize) split_tail(b, size, free_blocks);
+    if (b->size - size >= kMinBlockSize) split_tail(store_, b, size, free_blocks);
     assign(b, id, requested);
     return true;
   }
@@ -551,7 +372,8 @@ class ExpandableAllocator : BlockAllocator {
   // Insert a free mapped block, merged with free mapped neighbours.
   Block* insert_free(Block* b) {
     FreeSet& free_blocks = free_[b->small];
-    absorb_neighbours(b, free_blocks, [](const Block* x) { return !x->allocated && x->mapped; });
+    absorb_neighbours(store_, b, free_blocks,
+                      [](const Block* x) { return !x->allocated && x->mapped; });
     free_blocks.insert(b);
     return b;
   }
@@ -559,7 +381,7 @@ class ExpandableAllocator : BlockAllocator {
   // Same for an unmapped block, merged with unmapped neighbours.
   void insert_unmapped(Block* b) {
     auto& unmapped = unmapped_[b->small];
-    absorb_neighbours(b, unmapped, [](const Block* x) { return !x->mapped; });
+    absorb_neighbours(store_, b, unmapped, [](const Block* x) { return !x->mapped; });
     unmapped.insert(b);
   }
 
@@ -575,7 +397,7 @@ class ExpandableAllocator : BlockAllocator {
     unmapped.erase(u);
     Block* f = u;
     if (bytes < u->size) {
-      f = new_block(u->addr, bytes, u->stream, u->small, u->segment);
+      f = store_.make(u->addr, bytes, u->stream, u->small, u->segment);
       f->prev = u->prev;
       f->next = u;
       if (u->prev) u->prev->next = f;
@@ -614,7 +436,7 @@ class ExpandableAllocator : BlockAllocator {
       const int64_t vsize = std::max(round_up(virtual_size_, page), round_up(size, page));
       const int32_t index = static_cast<int32_t>(segments_.size());
       segments_.push_back(Range{next_base_, vsize, page});
-      start = new_block(next_base_, vsize, stream, small, index);
+      start = store_.make(next_base_, vsize, stream, small, index);
       start->mapped = false;
       unmapped.insert(start);
       next_base_ += round_up(vsize, kGiB) + kGiB;
@@ -641,7 +463,7 @@ class ExpandableAllocator : BlockAllocator {
     FreeSet& free_blocks = free_[b->small];
     free_blocks.erase(b);
     if (b->addr + b->size > end) {  // keep the mapped tail
-      Block* t = new_block(end, b->addr + b->size - end, b->stream, b->small, b->segment);
+      Block* t = store_.make(end, b->addr + b->size - end, b->stream, b->small, b->segment);
       t->prev = b;
       t->next = b->next;
       if (b->next) b->next->prev = t;
@@ -650,7 +472,7 @@ class ExpandableAllocator : BlockAllocator {
       free_blocks.insert(t);
     }
     if (b->addr < begin) {  // keep the mapped head
-      Block* h = new_block(b->addr, begin - b->addr, b->stream, b->small, b->segment);
+      Block* h = store_.make(b->addr, begin - b->addr, b->stream, b->small, b->segment);
       h->prev = b->prev;
       h->next = b;
       if (b->prev) b->prev->next = h;
@@ -706,7 +528,7 @@ class StitchingAllocator {
  public:
   StitchingAllocator(Device& dev, int64_t frag_limit, int64_t max_sblocks)
       : dev_(dev),
-        normal_(dev, 0),
+        normal_(dev, kNoMaxSplit),
         frag_limit_(frag_limit),
         physical_{dev},
         pools_(physical_, counters_, frag_limit, max_sblocks) {}
@@ -775,7 +597,7 @@ class StitchingAllocator {
 class ArenaAllocator {
  public:
   ArenaAllocator(Device& dev, int64_t arena_bytes, const int64_t* offsets, const int64_t* sizes)
-      : dev_(dev), fallback_(dev, 0), arena_(arena_bytes), offsets_(offsets), sizes_(sizes) {
+      : dev_(dev), fallback_(dev, kNoMaxSplit), arena_(arena_bytes), offsets_(offsets), sizes_(sizes) {
     if (arena_ > 0) {
       arena_ok_ = dev_.fits(arena_);
       if (arena_ok_) dev_.take(arena_, kSegmentAlloc, kSyntheticBase / 2);

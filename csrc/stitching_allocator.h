@@ -5,10 +5,10 @@
 // The stitching decisions (BestFit S1-S5, split, stitch, StitchFree, slot numbering, release
 // order) are csrc/stitching_rules.h's, the code the "stitching" allocator model
 // (csrc/allocator_models.cpp, docs/allocator_models.md) runs too; this file adds the physical
-// side (hooks over a PhysicalBackend) and the embedded caching path for requests below the
-// fragmentation limit (PyTorch's caching rules with max_split_size unset, as the model's
-// CachingAllocator). tests/unit/test_stitching_allocator.py replays every real snapshot through
-// both and compares their decision logs.
+// side (hooks over a PhysicalBackend) and the segments of the embedded caching path for
+// requests below the fragmentation limit, whose rules are csrc/caching_rules.h's with
+// max_split_size unset (the model's CachingAllocator). tests/unit/test_stitching_allocator.py
+// replays every real snapshot through both and compares their decision logs.
 //
 // Physical memory comes from a PhysicalBackend (below), implemented twice:
 //   csrc/stitching_host_backend.h  Linux host memory: memfd_create + mmap(MAP_FIXED|MAP_SHARED)
@@ -34,37 +34,26 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <deque>
-#include <limits>
 #include <map>
-#include <set>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "caching_rules.h"
 #include "stitching_rules.h"
 
 namespace memo_stitch {
 
 // ------------------------------------------------------------------------------------ constants
-// The normal path's constants: PyTorch's CUDACachingAllocator, as in allocator_models.cpp.
-constexpr int64_t kMinBlockSize = 512;       // requests round up to this
-constexpr int64_t kSmallSize = kMiB;         // small pool: rounded requests up to this
-constexpr int64_t kSmallBuffer = 2 * kMiB;   // small-pool segment
-constexpr int64_t kLargeBuffer = 20 * kMiB;  // large-pool segment below kMinLargeAlloc
-constexpr int64_t kMinLargeAlloc = 10 * kMiB;
-constexpr int64_t kRoundLarge = 2 * kMiB;    // larger requests: own segment rounded to this
 // Segments are ordered as the model orders its invented addresses: segment keys start here and
-// advance by each segment's size rounded up to kRoundLarge.
+// advance by each segment's size rounded up to memo_caching::kRoundLarge.
 constexpr int64_t kKeyBase = int64_t{1} << 56;
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-inline int64_t round_request(int64_t requested) {
-  return requested < kMinBlockSize ? kMinBlockSize : round_up(requested, kMinBlockSize);
-}
+// The normal path's rounding (caching_rules.h), also the usable bytes of a block.
+using memo_caching::round_request;
+using memo_caching::round_up;
 
 // Decision codes of the log, the same numbers as memo_columns::kSegmentAlloc / kSegmentFree.
 constexpr int64_t kLogCreate = 2;
@@ -170,7 +159,7 @@ class StitchingAllocator {
     uintptr_t ptr = 0;
     int64_t block_bytes = 0;
     if (round_request(requested) < std::max(kNormalPathLimit, opt_.frag_limit)) {
-      NBlock* b = normal_malloc(requested, stream);
+      NBlock* b = normal_.malloc(round_request(requested), stream);
       if (!b) return refuse();
       live.kind = Live::kNormal;
       live.nblock = b;
@@ -223,7 +212,7 @@ class StitchingAllocator {
   // path's unused segments (GMLake's only release of physical memory; empty_cache()).
   void release_cached() {
     pools_.release_cached();
-    normal_release_cached();
+    normal_.release_cached();
   }
 
   // Release everything, blocks in use included (their pointers become invalid): what the
@@ -235,8 +224,6 @@ class StitchingAllocator {
     for (int32_t g = 0; g < static_cast<int32_t>(segments_.size()); ++g) {
       if (segments_[g].alive) release_segment(g, segments_[g].live);
     }
-    small_.clear();
-    large_.clear();
     live_.clear();
     st_.live_blocks = st_.active_bytes = st_.requested_bytes = 0;
   }
@@ -250,8 +237,8 @@ class StitchingAllocator {
     const Live& live = it->second;
     if (live.kind == Live::kNormal) {
       const NBlock* b = live.nblock;
-      const Segment& g = segments_[b->seg];
-      out.push_back(View{0, nva(b), b->size, g.handle, b->key - g.key});
+      const Segment& g = segments_[b->segment];
+      out.push_back(View{0, nva(b), b->size, g.handle, b->addr - g.key});
     } else if (live.kind == Live::kPrimitive) {
       const PrimitiveBlock& p = pools_.pblocks()[live.index];
       out.push_back(View{0, pva(live.index), p.size, segments_[p.base].handle, p.offset});
@@ -318,14 +305,15 @@ class StitchingAllocator {
       const Segment& seg = segments_[g];
       if (!seg.alive || !seg.normal) continue;
       const NBlock* b = seg.first;
-      if (!b || b->prev || b->key != seg.key) return "normal segment chain does not start it";
+      if (!b || b->prev || b->addr != seg.key) return "normal segment chain does not start it";
       int64_t cursor = seg.key;
       for (; b; b = b->next) {
-        if (b->key != cursor || b->seg != g) return "normal segment chain has a gap";
+        if (b->addr != cursor || b->segment != g) return "normal segment chain has a gap";
         if (b->next && b->next->prev != b) return "normal segment chain links are broken";
         if (!b->allocated) {
-          const FreeSet& set = b->small ? small_ : large_;
-          if (!set.count(const_cast<NBlock*>(b))) return "free normal block not in its pool";
+          if (!normal_.pool(b->small).count(const_cast<NBlock*>(b))) {
+            return "free normal block not in its pool";
+          }
           if (b->next && !b->next->allocated) return "two free normal neighbours not merged";
         }
         cursor += b->size;
@@ -344,7 +332,7 @@ class StitchingAllocator {
 
  private:
   // ----------------------------------------------------------------------------- segments
-  struct NBlock;
+  using NBlock = memo_caching::Block;
   struct Segment {
     int64_t handle = -1;
     uintptr_t va = 0;
@@ -398,7 +386,7 @@ class StitchingAllocator {
     seg.alive = true;
     seg.normal = normal;
     seg.key = next_key_;
-    next_key_ += round_up(bytes, kRoundLarge);
+    next_key_ += round_up(bytes, memo_caching::kRoundLarge);
     st_.reserved_bytes += bytes;
     st_.peak_reserved_bytes = std::max(st_.peak_reserved_bytes, st_.reserved_bytes);
     st_.mapped_bytes += bytes;
@@ -445,144 +433,32 @@ class StitchingAllocator {
   }
 
   // ------------------------------------------------------------------------- normal path
-  // PyTorch's caching allocator (max_split_size unset) over segments of this backend, as
-  // allocator_models.cpp's CachingAllocator: blocks ordered by (stream, size, model address).
-  struct NBlock {
-    int64_t key = 0;  // model address
-    int64_t size = 0;
-    int64_t stream = 0;
-    int32_t seg = -1;
-    bool small = false;
-    bool allocated = false;
-    NBlock* prev = nullptr;
-    NBlock* next = nullptr;
-  };
-  struct BySize {
-    bool operator()(const NBlock* a, const NBlock* b) const {
-      if (a->stream != b->stream) return a->stream < b->stream;
-      if (a->size != b->size) return a->size < b->size;
-      return a->key < b->key;
-    }
-  };
-  using FreeSet = std::set<NBlock*, BySize>;
+  // caching_rules.h's pools (max_split_size unset, as the stitching model's CachingAllocator)
+  // over segments of this backend; a block's addr is its model address (segment key + offset).
+  struct NormalHooks {
+    StitchingAllocator& a;
 
-  uintptr_t nva(const NBlock* b) const {
-    const Segment& g = segments_[b->seg];
-    return g.va + static_cast<uintptr_t>(b->key - g.key);
-  }
-
-  NBlock* make_nblock() {
-    if (!spare_nblocks_.empty()) {
-      NBlock* b = spare_nblocks_.back();
-      spare_nblocks_.pop_back();
-      *b = NBlock{};
+    NBlock* new_segment(int64_t bytes, int64_t stream, bool small) {
+      const int32_t g = a.create_segment(bytes, true);
+      if (g < 0) return nullptr;
+      NBlock* b = a.nblocks_.make(a.segments_[g].key, bytes, stream, small, g);
+      a.segments_[g].first = b;
       return b;
     }
-    nblocks_.emplace_back();
-    return &nblocks_.back();
-  }
-
-  FreeSet& pool(bool small) { return small ? small_ : large_; }
-
-  static int64_t segment_size(int64_t size) {
-    if (size <= kSmallSize) return kSmallBuffer;
-    if (size < kMinLargeAlloc) return kLargeBuffer;
-    return round_up(size, kRoundLarge);
-  }
-
-  NBlock* new_nsegment(int64_t size, int64_t stream, bool small) {
-    const int32_t g = create_segment(size, true);
-    if (g < 0) return nullptr;
-    NBlock* b = make_nblock();
-    b->key = segments_[g].key;
-    b->size = size;
-    b->stream = stream;
-    b->seg = g;
-    b->small = small;
-    segments_[g].first = b;
-    return b;
-  }
-
-  NBlock* normal_malloc(int64_t requested, int64_t stream) {
-    const int64_t size = round_request(requested);
-    const bool small = size <= kSmallSize;
-    FreeSet& free_blocks = pool(small);
-    NBlock key;
-    key.stream = stream;
-    key.size = size;
-    key.key = std::numeric_limits<int64_t>::min();
-    auto it = free_blocks.lower_bound(&key);
-    NBlock* b = nullptr;
-    if (it != free_blocks.end() && (*it)->stream == stream) {
-      b = *it;
-      free_blocks.erase(it);
-    } else {
-      const int64_t seg = segment_size(size);
-      b = new_nsegment(seg, stream, small);
-      if (!b) {  // the physical allocation failed: free the unused segments and retry
-        ++st_.reorganisations;
-        normal_release_cached();
-        b = new_nsegment(seg, stream, small);
-        if (!b) return nullptr;
-      }
+    void reorganising() { ++a.st_.reorganisations; }
+    void release_segment(const NBlock* b) {
+      a.release_segment(b->segment, a.segments_[b->segment].size);
     }
-    const int64_t remaining = b->size - size;
-    if (small ? remaining >= kMinBlockSize : remaining > kSmallSize) {
-      NBlock* rest = make_nblock();
-      rest->key = b->key + size;
-      rest->size = remaining;
-      rest->stream = b->stream;
-      rest->seg = b->seg;
-      rest->small = b->small;
-      rest->prev = b;
-      rest->next = b->next;
-      if (b->next) b->next->prev = rest;
-      b->next = rest;
-      b->size = size;
-      free_blocks.insert(rest);
-    }
-    b->allocated = true;
-    return b;
+  };
+
+  uintptr_t nva(const NBlock* b) const {
+    const Segment& g = segments_[b->segment];
+    return g.va + static_cast<uintptr_t>(b->addr - g.key);
   }
 
   void normal_free(NBlock* b) {
-    b->allocated = false;
-    FreeSet& free_blocks = pool(b->small);
-    if (NBlock* p = b->prev; p && !p->allocated) {
-      free_blocks.erase(p);
-      b->key = p->key;
-      b->size += p->size;
-      b->prev = p->prev;
-      if (b->prev) b->prev->next = b;
-      spare_nblocks_.push_back(p);
-    }
-    if (NBlock* n = b->next; n && !n->allocated) {
-      free_blocks.erase(n);
-      b->size += n->size;
-      b->next = n->next;
-      if (b->next) b->next->prev = b;
-      spare_nblocks_.push_back(n);
-    }
-    if (!b->prev) segments_[b->seg].first = b;
-    free_blocks.insert(b);
-  }
-
-  // Free every normal segment that holds no allocated block: large pool first, then small,
-  // each in best-fit order (the model's order).
-  void normal_release_cached() {
-    for (int small = 0; small < 2; ++small) {
-      FreeSet& free_blocks = pool(small != 0);
-      for (auto it = free_blocks.begin(); it != free_blocks.end();) {
-        NBlock* b = *it;
-        if (b->prev || b->next) {
-          ++it;
-          continue;
-        }
-        it = free_blocks.erase(it);
-        release_segment(b->seg, segments_[b->seg].size);
-        spare_nblocks_.push_back(b);
-      }
-    }
+    normal_.free(b);  // b grows over its free neighbours
+    if (!b->prev) segments_[b->segment].first = b;
   }
 
   // ------------------------------------------------------------------------ stitching pools
@@ -659,9 +535,10 @@ class StitchingAllocator {
   std::vector<int32_t> spare_seg_;
   int64_t next_key_ = kKeyBase;
   // normal path
-  std::deque<NBlock> nblocks_;
-  std::vector<NBlock*> spare_nblocks_;
-  FreeSet small_, large_;
+  memo_caching::BlockStore nblocks_;
+  NormalHooks normal_hooks_{*this};
+  memo_caching::CachingPools<NormalHooks> normal_{
+      normal_hooks_, nblocks_, memo_caching::kNoMaxSplit, memo_caching::kMinBlockSize};
   // stitching pools (declared after st_ and opt_, which they are built from)
   PoolHooks hooks_{*this};
   StitchingPools<PoolHooks> pools_;

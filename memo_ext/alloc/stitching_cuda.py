@@ -25,8 +25,8 @@ __all__ = ["CudaStitchingAllocator", "build_library", "cuda_home", "install"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE = REPO_ROOT / "csrc" / "cuda" / "stitching_cuda.cpp"
-HEADERS = (REPO_ROOT / "csrc" / "stitching_allocator.h",
-           REPO_ROOT / "csrc" / "stitching_rules.h")
+HEADERS = tuple(REPO_ROOT / "csrc" / name for name in (
+    "stitching_allocator.h", "stitching_rules.h", "caching_rules.h"))
 LIBRARY_NAME = "libmemo_stitching_cuda.so"
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "stitching_cuda"
 
