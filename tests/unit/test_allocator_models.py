@@ -24,29 +24,12 @@ from memo_ext.alloc import (
     save_trace,
 )
 from memo_ext.alloc.models import CONSTANTS
+from tests.alloc_traces import trace, training_steps
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 BASE = CONSTANTS["kSyntheticBase"]  # the first segment a model invents starts here
 MEMORY_REPORT = Path(__file__).resolve().parents[2] / "tools" / "memory_report.py"
 SA, SF, SM, SU = _C.SEGMENT_ALLOC, _C.SEGMENT_FREE, _C.SEGMENT_MAP, _C.SEGMENT_UNMAP
-
-
-def trace(*events) -> Trace:
-    """("alloc", id, bytes[, stream]), ("free", id), ("empty_cache",), ("oom", bytes[, stream])."""
-    codes = {"alloc": _C.ALLOC, "free": _C.FREE, "empty_cache": _C.EMPTY_CACHE,
-             "oom": _C.FAILED_ALLOC}
-    rows = []
-    for e in events:
-        if e[0] == "alloc":
-            rows.append((codes["alloc"], e[1], e[2], e[3] if len(e) > 3 else 0))
-        elif e[0] == "free":
-            rows.append((codes["free"], e[1], 0, 0))
-        elif e[0] == "oom":
-            rows.append((codes["oom"], -1, e[1], e[2] if len(e) > 2 else 0))
-        else:
-            rows.append((codes[e[0]], 0, 0, 0))
-    cols = np.array(rows, np.int64).reshape(-1, 4)
-    return Trace(*(cols[:, k] for k in range(4)), name="hand-made")
 
 
 def decisions(r) -> list:
@@ -259,32 +242,20 @@ def test_stitching_rounds_to_2mib_chunks_and_reuses_exact_sizes():
     assert decisions(r) == [(SA, 4 * MiB)] and r.counters["exact_hits"] == 1
 
 
-def _iterations(n: int) -> Trace:
-    """A training-step pattern: a 20 MiB buffer, then 8 + 12 MiB, then a 26 MiB one."""
-    events, k = [], 0
-    for _ in range(n):
-        events += [("alloc", k, 20 * MiB), ("free", k),
-                   ("alloc", k + 1, 8 * MiB), ("alloc", k + 2, 12 * MiB), ("alloc", k + 3, 6 * MiB),
-                   ("free", k + 1), ("free", k + 2), ("free", k + 3),
-                   ("alloc", k + 4, 26 * MiB), ("free", k + 4)]
-        k += 5
-    return trace(*events)
-
-
 def test_stitching_converges_to_exact_reuse_after_warm_up():
-    one = replay(_iterations(1), "stitching", frag_limit=4 * MiB)
+    one = replay(training_steps(1), "stitching", frag_limit=4 * MiB)
     # step 1: 20 MiB new; 8 MiB splits it (S2, 8 + 12 stitched back as 20); 12 MiB exact;
     # 6 MiB new; 26 MiB stitches 12 + 8 + 6 (S3)
     assert one.counters["new_pblocks"] == 2 and one.counters["splits"] == 1
     assert one.counters["stitches"] == 2 and one.counters["exact_hits"] == 1
-    five = replay(_iterations(5), "stitching", frag_limit=4 * MiB)
+    five = replay(training_steps(5), "stitching", frag_limit=4 * MiB)
     # later steps allocate nothing new: every request is an exact match (5 per step)
     assert five.device_mallocs == one.device_mallocs == 2
     assert five.peak_reserved_bytes == one.peak_reserved_bytes == 26 * MiB
     assert five.counters["exact_hits"] - one.counters["exact_hits"] == 4 * 5
     assert five.counters["stitches"] == one.counters["stitches"]
     # the caching allocator needs more for the same pattern (segments cannot be combined)
-    assert replay(_iterations(5), "caching").peak_reserved_bytes > 26 * MiB
+    assert replay(training_steps(5), "caching").peak_reserved_bytes > 26 * MiB
 
 
 def test_stitching_tops_up_with_a_new_block():
@@ -367,7 +338,7 @@ def test_plan_files(tmp_path):
 
 
 def test_every_policy_reports_the_same_allocated_bytes():
-    t = _iterations(3)
+    t = training_steps(3)
     results = replay_policies(t, capacity_bytes=1 * GiB)
     assert [r.policy for r in results] == ["caching", "expandable", "stitching", "arena"]
     assert len({r.peak_allocated_bytes for r in results}) == 1
@@ -557,7 +528,7 @@ def run_report(*args):
 
 def test_report_on_a_trace_file(tmp_path):
     path = tmp_path / "iters.jsonl"
-    save_trace(_iterations(4), path)
+    save_trace(training_steps(4), path)
     png = tmp_path / "timeline.png"
     proc = run_report(path, "--capacity-gb", "1", "--policies", "caching,stitching", "--plot", png)
     assert proc.returncode == 0, proc.stderr

@@ -21,6 +21,7 @@ from memo_ext.alloc import (
 )
 from memo_ext.alloc.models import ALLOC, FREE
 from memo_ext.alloc.stitching import CONSTANTS
+from tests.alloc_traces import trace, training_steps
 from tests.conftest import SNAPSHOTS, run_memory_report, snapshot_path
 
 MiB = 1 << 20
@@ -33,18 +34,6 @@ def open_fds() -> int:
 
 def pattern(nbytes: int, seed: int) -> np.ndarray:
     return ((np.arange(nbytes, dtype=np.int64) * 7 + seed) % 251).astype(np.uint8)
-
-
-def trace(*events) -> Trace:
-    """("alloc", id, bytes[, stream]) / ("free", id) events -> a Trace."""
-    rows = []
-    for e in events:
-        if e[0] == "alloc":
-            rows.append((ALLOC, e[1], e[2], e[3] if len(e) > 3 else 0))
-        else:
-            rows.append((FREE, e[1], 0, 0))
-    a = np.array(rows, np.int64).reshape(-1, 4)
-    return Trace(a[:, 0], a[:, 1], a[:, 2], a[:, 3], name="synthetic")
 
 
 # ------------------------------------------------------------------------- real stitched views
@@ -150,17 +139,6 @@ def test_bad_arguments_and_use_after_close():
 # ------------------------------------------------------------------- agreement with the model
 
 
-def _iterations(n: int) -> Trace:
-    events, k = [], 0
-    for _ in range(n):
-        events += [("alloc", k, 20 * MiB), ("free", k),
-                   ("alloc", k + 1, 8 * MiB), ("alloc", k + 2, 12 * MiB), ("alloc", k + 3, 6 * MiB),
-                   ("free", k + 1), ("free", k + 2), ("free", k + 3),
-                   ("alloc", k + 4, 26 * MiB), ("free", k + 4)]
-        k += 5
-    return trace(*events)
-
-
 def assert_same_decisions(real, model):
     assert np.array_equal(real.decision_events, model.decision_events)
     assert np.array_equal(real.decision_kinds, model.decision_kinds)
@@ -176,7 +154,7 @@ def assert_same_decisions(real, model):
 
 @pytest.mark.parametrize("frag_limit", [4 * MiB, None])
 def test_real_allocator_makes_the_models_decisions(frag_limit):
-    t = _iterations(5)
+    t = training_steps(5)
     real = replay_host(t, frag_limit=frag_limit, log=True)
     model = replay(t, "stitching", frag_limit=frag_limit)
     assert_same_decisions(real, model)
