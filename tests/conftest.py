@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -106,3 +107,17 @@ def run_estimate_cli(argv: list[str]) -> tuple[int, str]:
     with redirect_stdout(out):
         code = module.main(argv)
     return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    """megatron initialised in this process: one rank, gloo, CPU (tests/unit in-process models)."""
+    from megatron.core import parallel_state
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import initialize_megatron
+
+    initialize_megatron(parse_args(TINY_GPT_ARGS, world_size=1, cuda_available=False))
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

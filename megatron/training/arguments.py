@@ -21,6 +21,7 @@ from memo_ext.config import (
     MemoConfigError,
     OffloadConfig,
     PlanConfig,
+    SPPOConfig,
     TelemetryConfig,
     add_config_arguments,
     config_from_args,
@@ -269,6 +270,7 @@ def _add_memo_args(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, OffloadConfig, title="MEMO activation offloading")
     add_config_arguments(parser, PlanConfig, title="MEMO memory planning")
     add_config_arguments(parser, TelemetryConfig, title="MEMO memory telemetry")
+    add_config_arguments(parser, SPPOConfig, title="SPPO subsequence pipeline")
 
 
 ArgsProvider = Callable[[argparse.ArgumentParser], None]
@@ -629,8 +631,12 @@ def _validate_memo(args: argparse.Namespace) -> None:
         offload.validate()
         config_from_args(PlanConfig, args).validate()
         config_from_args(TelemetryConfig, args).validate()
+        sppo = config_from_args(SPPOConfig, args)
+        sppo.validate()
     except MemoConfigError as error:
         raise ArgumentValidationError(str(error)) from None
+    if sppo.sppo:
+        _validate_sppo(args, sppo, offload.offload)
     if not offload.offload:
         return
     _require(
@@ -645,6 +651,23 @@ def _validate_memo(args: argparse.Namespace) -> None:
         f"more than 2 layers per stage (this run has {layers_per_stage}); raise --num-layers or "
         "lower --pipeline-model-parallel-size",
     )
+
+
+def _validate_sppo(args: argparse.Namespace, sppo: SPPOConfig, memo_offload: bool) -> None:
+    _require(not memo_offload, "--memo-sppo has its own offloading (--memo-sppo-offload); drop "
+             "--memo-offload")
+    _require(args.context_parallel_size == 1, f"--memo-sppo splits the sequence itself; drop "
+             f"--context-parallel-size {args.context_parallel_size}")
+    _require(args.attention_dropout == 0, f"--memo-sppo needs --attention-dropout 0 (got "
+             f"{args.attention_dropout})")
+    _require(args.attn_mask_type == "causal", "--memo-sppo needs --attn-mask-type causal")
+    _require(args.recompute_granularity is None, f"--memo-sppo replaces recomputation by "
+             f"offloading; drop --recompute-granularity {args.recompute_granularity}")
+    split = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    count = sppo.subsequences
+    _require(count is None or args.seq_length // split >= count,
+             f"--memo-sppo-subsequences {count} is more than --seq-length {args.seq_length} "
+             f"allows (subsequences are whole multiples of {split} tokens)")
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:

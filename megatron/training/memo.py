@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from memo_ext.config import OffloadConfig, PlanConfig, TelemetryConfig, config_from_args
+from memo_ext.config import OffloadConfig, PlanConfig, SPPOConfig, TelemetryConfig, config_from_args
 from memo_ext.device import CopyEngine, cuda_memory_headroom, measure_offload_bandwidth
 from memo_ext.offload import ActivationShape, MemoOffload
 from memo_ext.offload.alpha import default_host_memory_bytes, microbatches_in_flight
@@ -118,6 +118,38 @@ def build_memo_offload(args: argparse.Namespace, log,
         f"per rank ({bandwidth_source}) | host memory {host_memory / BYTES_PER_GB:.2f} GB per rank "
         f"| {in_flight} micro-batch(es) in flight on this stage")
     return memo
+
+
+def build_memo_sppo(args: argparse.Namespace, log,
+                    telemetry: Optional[MemoryTelemetry] = None):
+    """--memo-sppo's runtime (memo_ext.sppo's SubsequencePipeline), or None when off.
+    Collective when --memo-sppo-offload auto measures the D2H bandwidth."""
+    config = config_from_args(SPPOConfig, args)
+    if not config.sppo:
+        return None
+    from memo_ext.sppo import LayerFlops, SubsequencePipeline
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    engine = bandwidth = None
+    if config.offload_alpha != 0.0:
+        engine = CopyEngine(device) if telemetry is None else _LabelledCopyEngine(device, telemetry)
+        bandwidth = config.pcie_bytes_per_s
+        if bandwidth is None:
+            bandwidth = _all_ranks_minimum(measure_offload_bandwidth(engine, barrier=dist.barrier))
+    flops = LayerFlops.of_gpt_layer(args.hidden_size, args.ffn_hidden_size,
+                                    args.num_attention_heads, args.num_query_groups,
+                                    args.kv_channels, args.swiglu)
+    sppo = SubsequencePipeline(
+        config, seq_length=args.seq_length, pipeline_size=args.pipeline_model_parallel_size,
+        micro_batch_size=args.micro_batch_size, hidden_size=args.hidden_size, layer_flops=flops,
+        multiple_of=args.tensor_model_parallel_size if args.sequence_parallel else 1,
+        engine=engine, bandwidth_bytes_per_s=bandwidth, log=log,
+        **({} if telemetry is None else {"host_allocation_scope": telemetry.tracker.host_allocations}),
+    )
+    log(f"> {sppo.describe()}"
+        + ("" if bandwidth is None else f" | D2H bandwidth {bandwidth / BYTES_PER_GB:.2f} GB/s"))
+    return sppo
 
 
 def _device_headroom(device: torch.device, telemetry: Optional[MemoryTelemetry]):

@@ -23,6 +23,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from megatron.training import checkpointing, metrics
 from megatron.training.arguments import core_transformer_config_from_args
@@ -32,6 +33,7 @@ from megatron.training.memo import (
     attach_memo_telemetry,
     build_memo_offload,
     build_memo_planner,
+    build_memo_sppo,
     build_memo_telemetry,
 )
 from megatron.training.signal_handler import DistributedSignalHandler
@@ -63,7 +65,7 @@ def print_rank_0(message: str) -> None:
 
 
 def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
-                memo=None) -> list:
+                memo=None, sppo=None) -> list:
     """This stage's model chunk wrapped in megatron.core DDP (a one-element list)."""
     model = model_provider(
         config=config,
@@ -71,7 +73,10 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         memo=memo,
+        **({} if sppo is None else {"sppo": sppo}),
     )
+    if sppo is not None:
+        sppo.attach(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if args.fp16 or args.bf16:
@@ -141,9 +146,14 @@ def reduce_losses(loss_dicts: list[dict]) -> dict[str, float]:
 
 
 def run_schedule(forward_step: ForwardStep, data_iterator, model: list,
-                 args: argparse.Namespace, forward_only: bool) -> list[dict]:
-    """One global batch through megatron.core's schedule (1F1B with PP); per-micro-batch
-    loss reports on the last stage."""
+                 args: argparse.Namespace, forward_only: bool, sppo=None) -> list[dict]:
+    """One global batch through megatron.core's schedule (1F1B with PP), or SPPO's subsequence
+    schedule with ``sppo``; loss reports (per micro-batch or subsequence) on the last stage."""
+    if sppo is not None:
+        return sppo.forward_backward(
+            forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+            num_microbatches=args.num_microbatches, forward_only=forward_only,
+            config=get_model_config(model[0]))
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterator,
@@ -158,7 +168,7 @@ def run_schedule(forward_step: ForwardStep, data_iterator, model: list,
 def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer, scheduler,
                args: argparse.Namespace,
                optimizer_phase: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-               ) -> tuple[dict[str, float], float, bool]:
+               sppo=None) -> tuple[dict[str, float], float, bool]:
     """One global batch: forward/backward over all micro-batches, then the optimizer step
     (inside ``optimizer_phase()``: telemetry attributes its allocations).
 
@@ -167,7 +177,8 @@ def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer,
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    loss_dicts = run_schedule(forward_step, data_iterator, model, args, forward_only=False)
+    loss_dicts = run_schedule(forward_step, data_iterator, model, args, forward_only=False,
+                              sppo=sppo)
     with optimizer_phase():
         update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
@@ -176,14 +187,15 @@ def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer,
 
 
 def evaluate(forward_step: ForwardStep, data_iterator, model: list,
-             args: argparse.Namespace) -> dict[str, float]:
+             args: argparse.Namespace, sppo=None) -> dict[str, float]:
     """Mean validation loss over --eval-iters global batches."""
     for chunk in model:
         chunk.eval()
     loss_dicts = []
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            loss_dicts += run_schedule(forward_step, data_iterator, model, args, forward_only=True)
+            loss_dicts += run_schedule(forward_step, data_iterator, model, args, forward_only=True,
+                                       sppo=sppo)
     for chunk in model:
         chunk.train()
     return reduce_losses(loss_dicts)
@@ -283,7 +295,8 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     config = core_transformer_config_from_args(args)
     telemetry = build_memo_telemetry(args, log=print_rank_0)
     memo = build_memo_offload(args, log=print_rank_0, telemetry=telemetry)
-    model = build_model(args, config, model_provider, memo)
+    sppo = build_memo_sppo(args, log=print_rank_0, telemetry=telemetry)
+    model = build_model(args, config, model_provider, memo, sppo)
     attach_memo_telemetry(telemetry, model)
     optimizer, scheduler = build_optimizer(args, model)
     planner = build_memo_planner(args, model, log=print_rank_0)
@@ -327,13 +340,15 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
                 planner.iteration() if planner is not None else contextlib.nullcontext():
             losses, grad_norm, skipped = train_step(
                 train_forward_step, train_iterator, model, optimizer, scheduler, args,
-                optimizer_phase,
+                optimizer_phase, sppo,
             )
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         if memo is not None:  # may resize MEMO's device buffers: telemetry must see them
             with telemetry.between_steps() if telemetry is not None else contextlib.nullcontext():
                 memo.after_iteration()
+        if sppo is not None:
+            sppo.after_iteration()
         if "lm loss" in losses:
             state.losses.append(losses["lm loss"])
         logger.log(state.iteration, losses, scheduler.get_lr(optimizer.param_groups[0]),
@@ -346,7 +361,8 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
             print_rank_0(f"> {planner.stats_line()}")
 
         if args.eval_iters > 0 and valid_iterator is not None and state.iteration % args.eval_interval == 0:
-            logger.log_validation(state.iteration, evaluate(forward_step, valid_iterator, model, args))
+            logger.log_validation(state.iteration, evaluate(forward_step, valid_iterator, model, args,
+                                                                sppo))
             state.consumed_valid_samples += args.eval_iters * args.global_batch_size
 
         if signal_handler is not None and signal_handler.any_rank_signalled():

@@ -82,7 +82,8 @@ class SubsequencePipeline:
                  micro_batch_size: int, hidden_size: int, layer_flops: LayerFlops,
                  multiple_of: int = 1, engine: Optional[CopyEngine] = None,
                  bandwidth_bytes_per_s: Optional[float] = None,
-                 host_allocation_scope: Callable[[], ContextManager] = contextlib.nullcontext):
+                 host_allocation_scope: Callable[[], ContextManager] = contextlib.nullcontext,
+                 log: Callable[[str], None] = lambda message: None, **offloader_options):
         config.validate()
         count = config.subsequences or auto_subsequences(seq_length, pipeline_size, multiple_of)
         try:
@@ -96,6 +97,8 @@ class SubsequencePipeline:
         self.micro_batch_size = micro_batch_size
         self.hidden_size = hidden_size
         self.timeline = StageTimeline()
+        self.log = log
+        self.iterations = 0
         self.offloader = None
         alpha = config.offload_alpha
         if alpha != 0.0:
@@ -103,7 +106,7 @@ class SubsequencePipeline:
                 raise ValueError("--memo-sppo-offload needs a CopyEngine and the D2H bandwidth")
             self.offloader = SubsequenceOffloader(
                 engine, alpha, bandwidth_bytes_per_s, is_kept=self._kept_on_device,
-                host_allocation_scope=host_allocation_scope)
+                host_allocation_scope=host_allocation_scope, **offloader_options)
         self._parameter_storages: set[int] = set()
 
     @property
@@ -146,8 +149,20 @@ class SubsequencePipeline:
             config=config, offloader=self.offloader, timeline=self.timeline)
 
     def after_iteration(self) -> None:
-        if self.offloader is not None:
-            self.offloader.after_iteration()
+        """Solve auto's offload shares after the measuring iteration; log what the offloader
+        did in the first iterations (bytes of the last sequence, per subsequence)."""
+        self.iterations += 1
+        if self.offloader is None:
+            return
+        records = self.offloader.after_iteration()
+        if self.iterations <= 2 and records:
+            mib = 2 ** 20
+            alphas = self.offload_alphas()
+            self.log(f"> SPPO offload after iteration {self.iterations}: offloaded "
+                     f"{sum(r.offloaded_bytes for r in records) / mib:.2f} of "
+                     f"{sum(r.offloadable_bytes for r in records) / mib:.2f} MiB of the last "
+                     f"sequence | next alphas "
+                     + ("measuring" if alphas is None else ", ".join(f"{a:.2f}" for a in alphas)))
 
     def offload_alphas(self) -> Optional[list[float]]:
         """The per-subsequence offload shares in use (None until auto has measured)."""

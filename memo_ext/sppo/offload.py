@@ -73,8 +73,10 @@ class SubsequenceOffloader:
 
     def __init__(self, engine: CopyEngine, alpha: Optional[float], bandwidth_bytes_per_s: float,
                  is_kept: Callable[[torch.Tensor], bool],
-                 host_allocation_scope: Callable[[], ContextManager] = contextlib.nullcontext):
+                 host_allocation_scope: Callable[[], ContextManager] = contextlib.nullcontext,
+                 min_offload_bytes: int = MIN_OFFLOAD_BYTES):
         self.engine = engine
+        self.min_offload_bytes = min_offload_bytes
         self.fixed_alpha = alpha
         self.bandwidth = bandwidth_bytes_per_s
         self.is_kept = is_kept
@@ -102,18 +104,22 @@ class SubsequenceOffloader:
         record = SubsequenceRecord()
         self.records.append(record)
         alpha = self.alpha_for(index, count)
-        by_storage: dict[int, object] = {}
+        # Storage key -> (what pack returned, the tensor). Holding the tensor until the
+        # subsequence's forward ends keeps its storage key from being reused by a new tensor
+        # (which would alias the old handle); the spec's peak counts A_i whole during its
+        # forward anyway.
+        by_storage: dict[int, tuple] = {}
 
         def pack(tensor: torch.Tensor):
             if not self._offloadable(tensor):
                 return tensor
             key = tensor.untyped_storage()._cdata
             if key in by_storage:  # saved twice (e.g. by two ops): one copy
-                return by_storage[key]
+                return by_storage[key][0]
             nbytes = tensor.untyped_storage().nbytes()
             record.offloadable_bytes += nbytes
             if alpha <= 0 or record.offloaded_bytes + nbytes > alpha * record.offloadable_bytes:
-                by_storage[key] = tensor
+                by_storage[key] = (tensor, tensor)
                 return tensor
             with self.host_allocation_scope():
                 host = self.engine.alloc_host(nbytes)
@@ -122,13 +128,15 @@ class SubsequenceOffloader:
                                 tensor.stride(), tensor.dtype)
             record.offloaded_bytes += nbytes
             record.handles.append(handle)
-            by_storage[key] = handle
+            by_storage[key] = (handle, tensor)
             return handle
 
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
         record.forward_seconds = time.perf_counter() - start
+        # Every saved tensor's hook object keeps ``pack`` (and this dict) alive until backward.
+        by_storage.clear()
 
     def prefetch(self, index: int) -> None:
         """Before subsequence ``index``'s backward: bring its offloaded tensors back (async)."""
@@ -142,13 +150,15 @@ class SubsequenceOffloader:
         if index < len(self.records):
             self.records[index].handles = []
 
-    def after_iteration(self) -> None:
-        """Solve auto's alpha_i once the measuring iterations are done."""
+    def after_iteration(self) -> list[SubsequenceRecord]:
+        """Solve auto's alpha_i once the measuring iterations are done; returns the last
+        sequence's records (bytes and times per subsequence)."""
         self.iterations += 1
+        records, self.records = self.records, []
         if self.fixed_alpha is None and self.iterations == AUTO_MEASURING_ITERATIONS:
-            self.alphas = solve_alphas([r.offloadable_bytes for r in self.records],
-                                       [r.forward_seconds for r in self.records], self.bandwidth)
-        self.records = []
+            self.alphas = solve_alphas([r.offloadable_bytes for r in records],
+                                       [r.forward_seconds for r in records], self.bandwidth)
+        return records
 
     # ------------------------------------------------------------------ internals
     def _offloadable(self, tensor: torch.Tensor) -> bool:
@@ -156,7 +166,7 @@ class SubsequenceOffloader:
             return False
         storage = tensor.untyped_storage()
         # A view of a bigger storage frees nothing when offloaded.
-        if storage.nbytes() < MIN_OFFLOAD_BYTES or storage.nbytes() != tensor.nbytes:
+        if storage.nbytes() < self.min_offload_bytes or storage.nbytes() != tensor.nbytes:
             return False
         return not self.is_kept(tensor)
 

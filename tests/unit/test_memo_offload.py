@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from memo_ext.config import MemoConfigError, OffloadConfig
 from memo_ext.device import CopyEngine
@@ -18,19 +17,6 @@ NUM_LAYERS = 6  # 4 offloaded: layers 0 and 2 share a rounding buffer, so prefet
 SEQ, BATCH, VOCAB = 64, 2, 512
 SHAPE = ActivationShape(SEQ, BATCH, 64, 1, False, 4)
 HOST_BYTES, BANDWIDTH = 10**10, 1e9
-
-
-@pytest.fixture(scope="module")
-def megatron_world():
-    from megatron.core import parallel_state
-
-    from megatron.training.arguments import parse_args
-    from megatron.training.initialize import initialize_megatron
-
-    initialize_megatron(parse_args(TINY_GPT_ARGS, world_size=1, cuda_available=False))
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def model_args(extra):
