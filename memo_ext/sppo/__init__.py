@@ -22,10 +22,19 @@ from memo_ext.device import CopyEngine
 from memo_ext.sppo.attention import KVCache, SubsequenceCoreAttention, SubsequenceOrderError
 from memo_ext.sppo.offload import SubsequenceOffloader
 from memo_ext.sppo.partition import LayerFlops, auto_subsequences, partition
-from memo_ext.sppo.schedule import StageTimeline, run_subsequence_pipeline
+from memo_ext.sppo.schedule import (
+    StageTimeline,
+    fill_drain_bubble_ratio,
+    run_subsequence_pipeline,
+)
 
 __all__ = ["SubsequencePipeline", "SubsequenceState", "SubsequenceCoreAttention",
-           "SubsequenceOrderError", "LayerFlops", "partition", "StageTimeline"]
+           "SubsequenceOrderError", "LayerFlops", "partition", "StageTimeline",
+           "fill_drain_bubble_ratio"]
+
+#: Iteration whose schedule timeline is logged: the first two include one-time costs (the
+#: bandwidth probe, auto offload's measuring pass, allocator warm-up).
+BUBBLE_LOG_ITERATION = 3
 
 
 class SubsequenceState:
@@ -95,6 +104,7 @@ class SubsequencePipeline:
         self.config = config
         self.state = SubsequenceState(boundaries)
         self.micro_batch_size = micro_batch_size
+        self.pipeline_size = pipeline_size
         self.hidden_size = hidden_size
         self.timeline = StageTimeline()
         self.log = log
@@ -105,7 +115,7 @@ class SubsequencePipeline:
             if engine is None or bandwidth_bytes_per_s is None:
                 raise ValueError("--memo-sppo-offload needs a CopyEngine and the D2H bandwidth")
             self.offloader = SubsequenceOffloader(
-                engine, alpha, bandwidth_bytes_per_s, is_kept=self._kept_on_device,
+                engine, alpha, bandwidth_bytes_per_s, is_kept=self.kept_on_device,
                 host_allocation_scope=host_allocation_scope, **offloader_options)
         self._parameter_storages: set[int] = set()
 
@@ -152,6 +162,11 @@ class SubsequencePipeline:
         """Solve auto's offload shares after the measuring iteration; log what the offloader
         did in the first iterations (bytes of the last sequence, per subsequence)."""
         self.iterations += 1
+        if self.iterations == BUBBLE_LOG_ITERATION:
+            stages = self.pipeline_size
+            self.log(f"> SPPO stage bubble ratio (iteration {self.iterations}, measured on this "
+                     f"rank's clock): {self.timeline.bubble_ratio():.3f} | fill-drain formula "
+                     f"(p-1)/N = {(stages - 1) / self.state.count:.3f}")
         if self.offloader is None:
             return
         records = self.offloader.after_iteration()
@@ -173,7 +188,8 @@ class SubsequencePipeline:
             return None
         return [self.offloader.alpha_for(i, count) for i in range(count)]
 
-    def _kept_on_device(self, tensor: torch.Tensor) -> bool:
+    def kept_on_device(self, tensor: torch.Tensor) -> bool:
+        """True for tensors SPPO never offloads: K/V of the running sequence, parameters."""
         return (self.state.is_kv(tensor)
                 or tensor.untyped_storage()._cdata in self._parameter_storages)
 

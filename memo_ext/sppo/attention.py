@@ -217,6 +217,11 @@ class SubsequenceCoreAttention(MegatronModule):
             raise SubsequenceOrderError(
                 f"SPPO: subsequence {index} forward found {len(self.cache.blocks)} cached blocks; "
                 "subsequences must run forward in order 0, 1, ...")
+        # V (and K without RoPE) are slices of the fused QKV projection's output: cached as
+        # they are they would pin the whole buffer, Q included, for the rest of the sequence and
+        # keep the offloader from moving it.
+        key, value = (t if t.untyped_storage().nbytes() == t.nbytes
+                      else t.clone(memory_format=torch.contiguous_format) for t in (key, value))
         block = _CachedBlock(index, key, value)
         if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
             key, value = _AddLaterGradients.apply(block, key, value)

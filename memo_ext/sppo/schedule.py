@@ -87,6 +87,7 @@ class StageTimeline:
 
 class _Clock:
     def __init__(self, timeline: StageTimeline):
+        timeline.busy, timeline.wall_seconds = [], 0.0
         self.timeline = timeline
         self.origin = time.perf_counter()
 
@@ -191,3 +192,29 @@ def run_subsequence_pipeline(*, forward_step_func: Callable, data_iterator, mode
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(model, None)
     return reports
+
+
+def fill_drain_bubble_ratio(stages: int, forward_seconds: list[float],
+                            backward_seconds: list[float]) -> float:
+    """Bubble ratio (idle / busy time of a stage) of the order run_subsequence_pipeline
+    executes, for one sequence with per-subsequence forward/backward times (the same on every
+    stage): forward i on stage s starts after forward i on s-1 and forward i-1 on s; backward i
+    after backward i on s+1, backward i+1 on s and the stage's last forward. Every stage is busy
+    for the same time, so the ratio is the same on every stage; with equal times it is (p-1)/N.
+    """
+    count = len(forward_seconds)
+    forward_end = [[0.0] * count for _ in range(stages)]
+    for stage in range(stages):
+        for index in range(count):
+            ready = max(forward_end[stage - 1][index] if stage else 0.0,
+                        forward_end[stage][index - 1] if index else 0.0)
+            forward_end[stage][index] = ready + forward_seconds[index]
+    backward_end = [[0.0] * count for _ in range(stages)]
+    for stage in reversed(range(stages)):
+        for index in reversed(range(count)):
+            ready = max(backward_end[stage + 1][index] if stage < stages - 1 else 0.0,
+                        backward_end[stage][index + 1] if index < count - 1 else 0.0,
+                        forward_end[stage][count - 1])
+            backward_end[stage][index] = ready + backward_seconds[index]
+    busy = sum(forward_seconds) + sum(backward_seconds)
+    return (backward_end[0][0] - busy) / busy
