@@ -109,15 +109,21 @@ def run_estimate_cli(argv: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-@pytest.fixture(scope="module")
-def megatron_world():
-    """megatron initialised in this process: one rank, gloo, CPU (tests/unit in-process models)."""
+def initialized_megatron(cuda_available: bool):
+    """megatron initialised in this process (one rank, TINY_GPT_ARGS) for a with-block or a
+    generator fixture; torn down after."""
     from megatron.core import parallel_state
 
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_megatron
 
-    initialize_megatron(parse_args(TINY_GPT_ARGS, world_size=1, cuda_available=False))
+    initialize_megatron(parse_args(TINY_GPT_ARGS, world_size=1, cuda_available=cuda_available))
     yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    """megatron initialised in this process: one rank, gloo, CPU (tests/unit in-process models)."""
+    yield from initialized_megatron(cuda_available=False)

@@ -28,7 +28,6 @@ without recompute, ``memo`` MEMO's offload at ``--memo-alpha``. Everything print
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,8 +36,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from memo_ext.estimate.models import MODELS, ModelError, model_shape  # noqa: E402
+
 GiB = 1 << 30
-MODELS = ("7b", "13b", "30b", "65b")
 #: Keys of a --model JSON file -> tools/trace.py flags.
 MODEL_FILE_KEYS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                    "ffn_hidden_size": "--ffn-hidden-size",
@@ -125,27 +125,11 @@ def _numbers(text: str, flag: str, kind=float) -> list:
 def model_argv(name: str) -> tuple[list[str], dict]:
     """tools/trace.py flags of the model and its shape (for the recommender's pruning)."""
     if name in MODELS:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("memo_trace_tool",
-                                                      REPO_ROOT / "tools" / "trace.py")
-        tracer = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
-        spec.loader.exec_module(tracer)
-        layers, hidden, ffn, heads = tracer.MODELS[name]
-        return ["--model", name], {"num_layers": layers, "hidden_size": hidden,
-                                   "ffn_hidden_size": ffn, "num_attention_heads": heads,
-                                   "vocab_size": tracer.DEFAULT_VOCAB_SIZE}
-    path = Path(name)
+        return ["--model", name], model_shape(name)
     try:
-        shape = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"--model {name}: neither {', '.join(MODELS)} nor a readable JSON "
-                         f"file ({exc.__class__.__name__})") from None
-    missing = [key for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
-               if key not in shape]
-    if missing:
-        raise UsageError(f"--model {name}: the file lacks {', '.join(missing)}")
-    shape.setdefault("ffn_hidden_size", 4 * shape["hidden_size"])
+        shape = model_shape(name)
+    except ModelError as exc:
+        raise UsageError(str(exc)) from None
     argv = []
     for key, flag in MODEL_FILE_KEYS.items():
         if shape.get(key) is not None:

@@ -40,15 +40,9 @@ import torch
 GiB = 1 << 30
 MiB = 1 << 20
 
-# (layers, hidden, ffn hidden, heads) of examples/configs/gpt_{7b,13b,30b,65b}.sh.
-MODELS = {
-    "7b": (32, 4096, 16384, 32),
-    "13b": (40, 5120, 20480, 40),
-    "30b": (48, 7168, 28672, 56),
-    "65b": (80, 8192, 32768, 64),
-}
-# GPT-2's BPE vocabulary, as in examples/configs (padded to a multiple of 128 x TP).
-DEFAULT_VOCAB_SIZE = 50257
+# Presets (layers, hidden, ffn hidden, heads) and the default vocabulary: one definition, shared
+# with tools/estimate.py and tools/sppo_plan.py.
+from memo_ext.estimate.models import DEFAULT_VOCAB_SIZE, MODELS  # noqa: E402
 # Host memory given to MEMO's offload while tracing: large enough never to refuse an alpha
 # (the trace does not model host capacity; memo_ext.offload.alpha does).
 TRACE_HOST_MEMORY_GB = 1e6

@@ -13,17 +13,9 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def cuda_world():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from tests.conftest import initialized_megatron
 
-    from megatron.training.arguments import parse_args
-    from megatron.training.initialize import initialize_megatron
-    from tests.conftest import TINY_GPT_ARGS
-
-    initialize_megatron(parse_args(TINY_GPT_ARGS, world_size=1, cuda_available=True))
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    yield from initialized_megatron(cuda_available=True)
 
 
 @pytest.mark.parametrize("alpha", ["0", "0.5", "1"])

@@ -1,0 +1,97 @@
+"""The SPPO solver (memo_ext/sppo/solver.py) and its CLI (tools/sppo_plan.py); CPU only, fast."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from memo_ext.estimate.memory import load_hardware
+from memo_ext.estimate.models import model_shape
+from memo_ext.sppo.solver import GiB, Problem, evaluate, not_fit_message, solve
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TINY = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
+        "vocab_size": 1000}
+A100 = load_hardware("a100-80gb")
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("sppo_plan_tool",
+                                                  REPO_ROOT / "tools" / "sppo_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_memory_terms_match_a_hand_computation():
+    seq, tp, pp = 4096, 2, 2
+    one = evaluate(Problem(TINY, gpus=4, hardware=A100, seq=seq), tp, pp, 1)
+    # Parameters: 4 layers x (attention 4*64*64 + MLP 2*64*256) + embedding 1000*64.
+    params = 4 * (4 * 64 * 64 + 2 * 64 * 256) + 1000 * 64
+    per_stage = 4 // pp
+    assert one.memory.model_states == pytest.approx(16 * params / (pp * tp))
+    kv = per_stage * 2 * seq * 64 * 2 / tp
+    assert one.memory.kv_cache == pytest.approx(kv)
+    assert one.memory.dkv_accumulators == pytest.approx(kv)  # all of K/V precedes the end
+    assert one.memory.activations == pytest.approx(per_stage * 36 * seq * 64 / tp)
+    assert one.memory.staging == 0 and one.alphas == [0.0]
+    assert one.memory.logits == pytest.approx(seq * 1000 * 4 / tp)
+
+    two = evaluate(Problem(TINY, gpus=4, hardware=A100, seq=seq), tp, pp, 2)
+    a = [per_stage * 36 * s * 64 / tp for s in two.lengths]
+    alpha = two.alphas[0]
+    assert 0 < alpha <= 1 and two.alphas[1] == 0
+    # Unrolled peak: the larger of A_0 and A_1 + (1 - alpha_0) A_0, with the dK/dV of the
+    # keys up to the end of that subsequence.
+    kv_token = per_stage * 2 * 64 * 2 / tp
+    expected = max(a[0] + kv_token * two.lengths[0], a[1] + (1 - alpha) * a[0] + kv_token * seq)
+    assert two.memory.activations + two.memory.dkv_accumulators == pytest.approx(expected)
+    assert two.memory.staging == pytest.approx(alpha * a[0])
+
+
+def test_more_gpus_never_slower_and_longer_sequences_never_smaller():
+    model = model_shape("7b")
+    best = [solve(Problem(model, gpus=g, hardware=A100, seq=65536))[0][0].step_s
+            for g in (8, 16, 32)]
+    assert best[0] >= best[1] >= best[2]
+    totals = [evaluate(Problem(model, gpus=8, hardware=A100, seq=s), 8, 1, 8).memory.total
+              for s in (32768, 65536, 131072)]
+    assert totals == sorted(totals) and totals[0] < totals[-1]
+
+
+def test_every_returned_candidate_fits_device_memory():
+    fitting, everything = solve(Problem(model_shape("7b"), gpus=8, hardware=A100, seq=262144))
+    assert fitting and len(fitting) < len(everything)  # some layouts were refused
+    assert all(c.memory.total <= c.capacity_bytes for c in fitting)
+    assert [c.step_s for c in fitting] == sorted(c.step_s for c in fitting)
+
+
+def test_not_fit_message_names_what_is_missing():
+    problem = Problem(model_shape("65b"), gpus=8, hardware=A100, seq=4 << 20)
+    fitting, smallest = solve(problem)
+    assert not fitting
+    message = not_fit_message(smallest[0], problem)
+    assert message.startswith("does not fit: the smallest layout (TP8 PP1 DP1 N")
+    assert f"needs {smallest[0].memory.total / GiB:.1f} GiB per GPU" in message
+    assert "79.3 GiB available" in message and "host memory: " in message
+
+
+def test_cli_plan_table_and_errors(capsys):
+    cli = _cli()
+    assert cli.main(["--model", "7b", "--gpus", "8", "--gpu", "a100-80gb", "--seq-length",
+                     "64K", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted (analytic model, not measured)" in out and "MFU" in out
+    assert "best 3 of the fitting candidates" in out
+    assert cli.main(["--model", "65b", "--gpus", "8", "--gpu", "a100-80gb",
+                     "--seq-length", "4M"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert cli.main(["--model", "7b", "--gpus", "8", "--gpu", "a100-80gb",
+                     "--seq-length", "4X"]) == 2
+    assert "--seq-length 4X" in capsys.readouterr().err
+    assert cli.main(["--model", "7b", "--gpus", "8", "--gpu", "tpu",
+                     "--seq-length", "4M"]) == 2
+    assert "--gpu tpu" in capsys.readouterr().err
+    assert cli.parse_tokens("896K") == 917504 and cli.parse_tokens("4M") == 4 << 20
