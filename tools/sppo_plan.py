@@ -11,11 +11,16 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import warnings
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+# memo_ext.sppo's package imports megatron, which warns about Transformer Engine/Apex: noise for
+# a planner that runs no kernels.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from memo_ext.estimate.memory import EstimateError, load_hardware  # noqa: E402
 from memo_ext.estimate.models import MODELS, ModelError, model_shape  # noqa: E402
