@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                 pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int))
             print(f"{'recommend' if opts.recommend else 'layout search'}: {opts.model} on "
                   f"{opts.gpus} x {opts.gpu}, policies {', '.join(policies)}, {len(layouts)} "
-                  f"layouts to predict ({len(dropped)} ruled out before tracing); SPPO is not "
-                  "searched (not built yet)")
+                  f"layouts to predict ({len(dropped)} ruled out before tracing); SPPO layouts "
+                  "are planned by tools/sppo_plan.py")
             models, failed = build_models(shape_argv, layouts, hardware,
                                           global_batch=opts.global_batch_size, cache=cache,
                                           jobs=opts.jobs,
