@@ -183,7 +183,7 @@ def formula_bytes(lengths: list[int], alphas: list[float], per_token: float, kv:
     return int(peak + kv)
 
 
-def measured_bubbles(sizes: Sizes, workdir: Path) -> list[dict]:
+def measured_bubbles(sizes: Sizes) -> list[dict]:
     """Stage-0 bubble ratio of PP=2 runs (2 processes), from the trainer's log line."""
     rows = []
     for count in sizes.bubble_subsequences:
@@ -349,7 +349,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"N={count} offload {offload}: {row.activation_bytes / MiB:.1f} MiB measured, "
                   f"{row.formula_bytes / MiB:.1f} MiB formula, {row.seconds:.1f} s", flush=True)
             memory.append(row)
-    bubbles = measured_bubbles(sizes, options.output_dir)
+    bubbles = measured_bubbles(sizes)
     for b in bubbles:
         print(f"PP=2 N={b['subsequences']}: bubble {b['measured']:.3f} (formula "
               f"{b['formula']:.3f})", flush=True)

@@ -41,6 +41,22 @@ class _LabelledCopyEngine(CopyEngine):
             return super().alloc_device(nbytes)
 
 
+def _compute_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def _copy_engine_and_bandwidth(device: torch.device, telemetry: Optional[MemoryTelemetry],
+                               given_bytes_per_s: Optional[float]) -> tuple[CopyEngine, float]:
+    """The offload copy engine (its buffers labelled for telemetry) and the D2H bandwidth per
+    rank in bytes/s: the given one, or measured with every rank copying at once (collective)."""
+    engine = CopyEngine(device) if telemetry is None else _LabelledCopyEngine(device, telemetry)
+    bandwidth = given_bytes_per_s
+    if bandwidth is None:
+        bandwidth = _all_ranks_minimum(measure_offload_bandwidth(engine, barrier=dist.barrier))
+    return engine, bandwidth
+
+
 def build_memo_telemetry(args: argparse.Namespace, log) -> Optional[MemoryTelemetry]:
     """--memo-telemetry's per-rank memory telemetry (memo_ext.telemetry), or None when off.
     Built before the model so that MEMO's buffers can be attributed; call
@@ -85,13 +101,10 @@ def build_memo_offload(args: argparse.Namespace, log,
     config = config_from_args(OffloadConfig, args)
     if not config.offload:
         return None
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    engine = CopyEngine(device) if telemetry is None else _LabelledCopyEngine(device, telemetry)
-    bandwidth = config.pcie_bytes_per_s
-    bandwidth_source = "--memo-pcie-gbps"
-    if bandwidth is None:
-        bandwidth = _all_ranks_minimum(measure_offload_bandwidth(engine, barrier=dist.barrier))
-        bandwidth_source = "measured, all ranks copying at once"
+    device = _compute_device()
+    engine, bandwidth = _copy_engine_and_bandwidth(device, telemetry, config.pcie_bytes_per_s)
+    bandwidth_source = ("--memo-pcie-gbps" if config.pcie_bytes_per_s is not None
+                        else "measured, all ranks copying at once")
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     host_memory = config.host_memory_bytes or default_host_memory_bytes(local_ranks)
     shape = ActivationShape(
@@ -129,14 +142,10 @@ def build_memo_sppo(args: argparse.Namespace, log,
         return None
     from memo_ext.sppo import LayerFlops, SubsequencePipeline
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
     engine = bandwidth = None
     if config.offload_alpha != 0.0:
-        engine = CopyEngine(device) if telemetry is None else _LabelledCopyEngine(device, telemetry)
-        bandwidth = config.pcie_bytes_per_s
-        if bandwidth is None:
-            bandwidth = _all_ranks_minimum(measure_offload_bandwidth(engine, barrier=dist.barrier))
+        engine, bandwidth = _copy_engine_and_bandwidth(_compute_device(), telemetry,
+                                                       config.pcie_bytes_per_s)
     flops = LayerFlops.of_gpt_layer(args.hidden_size, args.ffn_hidden_size,
                                     args.num_attention_heads, args.num_query_groups,
                                     args.kv_channels, args.swiglu)

@@ -79,15 +79,15 @@ class _AddLaterGradients(torch.autograd.Function):
                 f"SPPO: the backward of subsequence {block.index} ran while {block.pending_backwards} "
                 "later subsequence(s) that attend to its K/V had not run theirs; run backward in "
                 "reverse subsequence order")
-        for leaf, grad in ((block.key, grad_key), (block.value, grad_value)):
-            if leaf.grad is not None:
-                grad = grad + leaf.grad
-                leaf.grad = None
-            if leaf is block.key:
-                grad_key = grad
-            else:
-                grad_value = grad
-        return None, grad_key, grad_value
+        return None, _with_later(block.key, grad_key), _with_later(block.value, grad_value)
+
+
+def _with_later(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` plus what later subsequences accumulated in ``leaf`` (which is then emptied)."""
+    if leaf.grad is None:
+        return grad
+    later, leaf.grad = leaf.grad, None
+    return grad + later
 
 
 def _heads_first(tensor: torch.Tensor, repeat: int) -> torch.Tensor:
