@@ -75,8 +75,6 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
         memo=memo,
         **({} if sppo is None else {"sppo": sppo}),
     )
-    if sppo is not None:
-        sppo.attach(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if args.fp16 or args.bf16:
@@ -88,7 +86,10 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    if sppo is not None:  # last: moving to CUDA, casting and DDP's buffers replace storages
+        sppo.attach(model)
+    return [model]
 
 
 def build_optimizer(args: argparse.Namespace, model: list):
