@@ -1,0 +1,347 @@
+"""METP's two-level causal self-attention (metp.md, "Attention (two-level)").
+
+Outer loop over head groups: at step j rank j broadcasts its QKV and projection shards (the
+ColumnParallelLinear / RowParallelLinear weights Megatron gives TP rank j) and every rank computes
+Q, K, V of head group j for its own sequence shard. Inner loop: a ring over the sequence shards
+passes K and V while each rank merges per-tile flash attention results by log-sum-exp (online
+softmax); the head group's output times its projection shard is added to this rank's output.
+The next head group's weights are broadcast while the current one computes, and the next K/V
+shard travels while the current tile computes (double buffering).
+
+Causal mask, which the paper omits: the sequence is cut into 2p equal chunks and rank r holds
+chunks r and 2p-1-r (zigzag, :class:`ZigzagLayout`), so every rank has the same causal work. A
+tile of query chunk a and key chunk c is skipped when c > a, runs with the causal (diagonal)
+mask when c == a, and unmasked when c < a; no mask tensor is ever built.
+
+Backward: broadcast the weights again, recompute Q, K, V (and rotary) per head group, rerun the
+ring with each tile's flash backward against the saved output and log-sum-exp of the whole
+row, K/V carrying their dK/dV accumulators, which reach their owners with one extra hop; the
+head group's weight gradients are reduced to rank j. Saved per layer: this rank's input and its
+attention output of every head group (2bsh/p in all) plus the log-sum-exps.
+
+GQA: K/V of a query group are expanded to its query heads per tile only (the ring carries the
+unexpanded ones) and dK/dV are summed back over the group's heads.
+
+Tiles run torch's CPU flash-attention kernels (which return the log-sum-exp) on CPU and an
+explicit per-tile softmax elsewhere (the tile is [s/2p x s/2p], not [s x s]).
+
+Written by hand: the paper has no public code, and no library ring attention works on gloo/CPU
+or shares Megatron's weight layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from memo_ext.metp.ring import (KEY_VALUE_GRADIENTS_TAG, KEY_VALUE_TAG, FlatPack, Ring,
+                                Transfer)
+
+Rotary = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ZigzagLayout:
+    """Load-balanced sharding of ``seq_length`` tokens over ``size`` ranks: 2*size equal chunks,
+    rank r holding chunks r and 2*size-1-r (in that order)."""
+
+    def __init__(self, seq_length: int, size: int):
+        if seq_length % (2 * size):
+            raise ValueError(f"METP's zigzag sharding needs a sequence length divisible by "
+                             f"2 x TP = {2 * size}, got {seq_length}")
+        self.seq_length = seq_length
+        self.size = size
+        self.chunk = seq_length // (2 * size)
+
+    def chunks(self, rank: int) -> tuple[int, int]:
+        return rank, 2 * self.size - 1 - rank
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Global token positions (int64) held by ``rank``, in local order."""
+        return torch.cat([torch.arange(c * self.chunk, (c + 1) * self.chunk)
+                          for c in self.chunks(rank)])
+
+    def permutation(self) -> torch.Tensor:
+        """Global positions in the order that a contiguous split into ``size`` shards (Megatron's
+        sequence-parallel scatter) hands out the zigzag shards."""
+        return torch.cat([self.positions(rank) for rank in range(self.size)])
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """One rank's share of the heads: ``heads`` query heads in ``groups`` query groups of
+    ``head_dim`` channels (Megatron's per-partition counts)."""
+    heads: int
+    groups: int
+    head_dim: int
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.heads // self.groups
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+# ------------------------------------------------------------------------------------- tiles
+
+def _use_cpu_flash(tensor: torch.Tensor) -> bool:
+    """CPU tensors use torch's CPU flash kernels; tests turn this off to run the other path."""
+    return tensor.device.type == "cpu"
+
+
+def tile_forward(query, key, value, causal: bool, scale: float):
+    """Attention of one tile ([b, heads, L, d] each): (output, log-sum-exp [b, heads, L] fp32)."""
+    if _use_cpu_flash(query):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale)
+        return out, lse.float()
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    if causal:
+        scores = scores + _causal_bias(scores)
+    lse = torch.logsumexp(scores, dim=-1)
+    probabilities = torch.exp(scores - lse.unsqueeze(-1)).to(value.dtype)
+    return torch.matmul(probabilities, value), lse
+
+
+def tile_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
+    """Gradients (dq, dk, dv) of one tile given the *row's* final output and log-sum-exp (so the
+    tile's probabilities are exactly its part of the full softmax)."""
+    if _use_cpu_flash(query):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, lse, 0.0, causal, scale=scale)
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    if causal:
+        scores = scores + _causal_bias(scores)
+    probabilities = torch.exp(scores - lse.unsqueeze(-1))
+    grad_value = torch.matmul(probabilities.to(grad_out.dtype).transpose(-1, -2), grad_out)
+    grad_probabilities = torch.matmul(grad_out, value.transpose(-1, -2)).float()
+    row_dot = (grad_out.float() * out.float()).sum(-1, keepdim=True)
+    grad_scores = (probabilities * (grad_probabilities - row_dot) * scale).to(query.dtype)
+    return (torch.matmul(grad_scores, key), torch.matmul(grad_scores.transpose(-1, -2), query),
+            grad_value)
+
+
+def _causal_bias(scores: torch.Tensor) -> torch.Tensor:
+    length = scores.shape[-1]
+    return torch.full((length, length), float("-inf"), device=scores.device).triu(1)
+
+
+def _tiles(layout: ZigzagLayout, query_rank: int, key_rank: int):
+    """(query chunk slot, key chunk slot, causal) of every non-empty tile between two shards."""
+    for query_slot, query_chunk in enumerate(layout.chunks(query_rank)):
+        for key_slot, key_chunk in enumerate(layout.chunks(key_rank)):
+            if key_chunk <= query_chunk:
+                yield query_slot, key_slot, key_chunk == query_chunk
+
+
+def _expand_groups(tensor: torch.Tensor, heads_per_group: int) -> torch.Tensor:
+    return tensor if heads_per_group == 1 else tensor.repeat_interleave(heads_per_group, dim=1)
+
+
+# ----------------------------------------------------------------------------- sequence ring
+
+def _ring_attention_forward(query, key, value, shape: HeadShape, ring: Ring,
+                            layout: ZigzagLayout):
+    """One head group over the sequence ring: (output [b, heads, s/p, d] fp32, lse fp32)."""
+    chunk = layout.chunk
+    kv_pack = FlatPack([key, value])
+    buffers = [kv_pack.pack([key, value]), kv_pack.empty()]
+    batch, heads, length, dim = query.shape
+    output = torch.zeros(batch, heads, length, dim, dtype=torch.float32, device=query.device)
+    lse = torch.full((batch, heads, length), float("-inf"), device=query.device)
+    for step in range(ring.size):
+        current = buffers[step % 2]
+        transfer = (ring.exchange(current, buffers[(step + 1) % 2], KEY_VALUE_TAG)
+                    if step < ring.size - 1 else None)
+        key_j, value_j = kv_pack.unpack(current)
+        for query_slot, key_slot, causal in _tiles(layout, ring.rank, ring.shard_at(step)):
+            rows = slice(query_slot * chunk, (query_slot + 1) * chunk)
+            cols = slice(key_slot * chunk, (key_slot + 1) * chunk)
+            tile_out, tile_lse = tile_forward(
+                query[:, :, rows], _expand_groups(key_j[:, :, cols], shape.heads_per_group),
+                _expand_groups(value_j[:, :, cols], shape.heads_per_group), causal, shape.scale)
+            merged = torch.logaddexp(lse[:, :, rows], tile_lse)
+            output[:, :, rows].mul_(torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)).add_(
+                tile_out.float() * torch.exp(tile_lse - merged).unsqueeze(-1))
+            lse[:, :, rows] = merged
+        if transfer is not None:
+            transfer.wait()
+    return output, lse
+
+
+def _ring_attention_backward(grad_out, query, key, value, out, lse, shape: HeadShape,
+                             ring: Ring, layout: ZigzagLayout):
+    """(dq, dk, dv) of one head group; dk/dv accumulators travel with K/V and end at home."""
+    chunk = layout.chunk
+    kv_pack = FlatPack([key, value])
+    buffers = [kv_pack.pack([key, value]), kv_pack.empty()]
+    grad_query = torch.zeros_like(query)
+    batch, groups, length, dim = key.shape
+    incoming: Optional[torch.Tensor] = None
+    accumulator_transfer: Optional[Transfer] = None
+    for step in range(ring.size):
+        current = buffers[step % 2]
+        transfer = (ring.exchange(current, buffers[(step + 1) % 2], KEY_VALUE_TAG)
+                    if step < ring.size - 1 else None)
+        key_j, value_j = kv_pack.unpack(current)
+        contribution = kv_pack.empty().zero_()
+        grad_key_j, grad_value_j = kv_pack.unpack(contribution)
+        for query_slot, key_slot, causal in _tiles(layout, ring.rank, ring.shard_at(step)):
+            rows = slice(query_slot * chunk, (query_slot + 1) * chunk)
+            cols = slice(key_slot * chunk, (key_slot + 1) * chunk)
+            dq, dk, dv = tile_backward(
+                grad_out[:, :, rows], query[:, :, rows],
+                _expand_groups(key_j[:, :, cols], shape.heads_per_group),
+                _expand_groups(value_j[:, :, cols], shape.heads_per_group),
+                out[:, :, rows], lse[:, :, rows], causal, shape.scale)
+            grad_query[:, :, rows] += dq
+            grad_key_j[:, :, cols] += dk.view(batch, groups, -1, chunk, dim).sum(2)
+            grad_value_j[:, :, cols] += dv.view(batch, groups, -1, chunk, dim).sum(2)
+        if accumulator_transfer is not None:
+            accumulator_transfer.wait()
+            contribution.add_(incoming)
+        incoming = kv_pack.empty()
+        accumulator_transfer = ring.exchange(contribution, incoming, KEY_VALUE_GRADIENTS_TAG)
+        if transfer is not None:
+            transfer.wait()
+    accumulator_transfer.wait()  # the extra hop: this rank's own dK/dV come home
+    grad_key, grad_value = kv_pack.unpack(incoming)
+    return grad_query, grad_key, grad_value
+
+
+# ------------------------------------------------------------------------------ head groups
+
+def _project_qkv(hidden, qkv_weight, qkv_bias, shape: HeadShape, rotary: Optional[Rotary]):
+    """Megatron's QKV split ([s, b, groups, (heads/group + 2) * d] -> q, k, v) and rotary, as
+    [b, heads or groups, s, d] contiguous tensors."""
+    mixed = torch.nn.functional.linear(hidden, qkv_weight, qkv_bias)
+    length, batch = mixed.shape[:2]
+    mixed = mixed.view(length, batch, shape.groups, (shape.heads_per_group + 2) * shape.head_dim)
+    query, key, value = torch.split(
+        mixed, [shape.heads_per_group * shape.head_dim, shape.head_dim, shape.head_dim], dim=3)
+    query = query.reshape(length, batch, shape.heads, shape.head_dim)
+    if rotary is not None:
+        query, key = rotary(query), rotary(key)
+    return tuple(t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))
+
+
+def _merge_heads(tensor: torch.Tensor) -> torch.Tensor:
+    """[b, heads, s, d] -> [s, b, heads * d]."""
+    batch, heads, length, dim = tensor.shape
+    return tensor.permute(2, 0, 1, 3).reshape(length, batch, heads * dim)
+
+
+def _split_heads(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """[s, b, heads * d] -> [b, heads, s, d] contiguous."""
+    length, batch, width = tensor.shape
+    return tensor.view(length, batch, heads, width // heads).permute(1, 2, 0, 3).contiguous()
+
+
+class _WeightBroadcast:
+    """Double-buffered broadcast of each rank's (QKV weight, QKV bias, projection weight) in
+    turn: group j's weights arrive while group j-1 computes."""
+
+    def __init__(self, shard: FlatPack, own: list, ring: Ring):
+        self._shard, self._own, self._ring = shard, own, ring
+        self._buffers = [shard.empty(), shard.empty()]
+        self._works: list = [None, None]
+        self._post(0)
+
+    def _post(self, group: int) -> None:
+        buffer = self._buffers[group % 2]
+        if group == self._ring.rank:
+            for view, tensor in zip(self._shard.unpack(buffer), self._own):
+                if view is not None:
+                    view.copy_(tensor)
+        self._works[group % 2] = dist.broadcast(buffer, self._ring.global_rank(group),
+                                                group=self._ring.group, async_op=True)
+
+    def weights(self, group: int) -> list:
+        """Group ``group``'s weights (waits for them) after posting group+1's broadcast."""
+        if group + 1 < self._ring.size:
+            self._post(group + 1)
+        self._works[group % 2].wait()
+        return self._shard.unpack(self._buffers[group % 2])
+
+
+class TwoLevelAttentionFunction(torch.autograd.Function):
+    """Autograd of METP self-attention (module docstring) for this rank's zigzag shard."""
+
+    @staticmethod
+    def forward(ctx, hidden, qkv_weight, qkv_bias, proj_weight, shape: HeadShape,
+                rotary: Optional[Rotary], ring: Ring, layout: ZigzagLayout):
+        own = [qkv_weight, qkv_bias, proj_weight]
+        broadcast = _WeightBroadcast(FlatPack(own), own, ring)
+        output = None
+        saved = []
+        for group in range(ring.size):
+            weight_qkv, bias_qkv, weight_proj = broadcast.weights(group)
+            query, key, value = _project_qkv(hidden, weight_qkv, bias_qkv, shape, rotary)
+            attention, lse = _ring_attention_forward(query, key, value, shape, ring, layout)
+            del query, key, value
+            attention = attention.to(hidden.dtype)
+            saved += [attention, lse]
+            partial = torch.nn.functional.linear(_merge_heads(attention), weight_proj)
+            output = partial if output is None else output.add_(partial)
+        ctx.save_for_backward(hidden, qkv_weight, qkv_bias, proj_weight, *saved)
+        ctx.shape, ctx.rotary, ctx.ring, ctx.layout = shape, rotary, ring, layout
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden, qkv_weight, qkv_bias, proj_weight, *saved = ctx.saved_tensors
+        shape, rotary, ring, layout = ctx.shape, ctx.rotary, ctx.ring, ctx.layout
+        grad_output = grad_output.contiguous()
+        own = [qkv_weight, qkv_bias, proj_weight]
+        shard = FlatPack(own)
+        broadcast = _WeightBroadcast(shard, own, ring)
+        grad_hidden = torch.zeros_like(hidden)
+        reductions = []
+        for group in range(ring.size):
+            weight_qkv, bias_qkv, weight_proj = broadcast.weights(group)
+            attention, lse = saved[2 * group], saved[2 * group + 1]
+            grads = shard.empty()
+            grad_weight_qkv, grad_bias_qkv, grad_weight_proj = shard.unpack(grads)
+            torch.matmul(grad_output.flatten(0, 1).t(), _merge_heads(attention).flatten(0, 1),
+                         out=grad_weight_proj)
+            grad_attention = _split_heads(torch.matmul(grad_output, weight_proj), shape.heads)
+            with torch.enable_grad():
+                leaves = [hidden.detach().requires_grad_(), weight_qkv.detach().requires_grad_()]
+                if bias_qkv is not None:
+                    leaves.append(bias_qkv.detach().requires_grad_())
+                qkv = _project_qkv(*leaves[:2], leaves[2] if bias_qkv is not None else None,
+                                   shape, rotary)
+            grad_qkv = _ring_attention_backward(
+                grad_attention, *(t.detach() for t in qkv), attention, lse, shape, ring, layout)
+            input_grads = torch.autograd.grad(qkv, leaves, grad_qkv)
+            del qkv, grad_qkv, grad_attention
+            grad_hidden.add_(input_grads[0])
+            grad_weight_qkv.copy_(input_grads[1])
+            if grad_bias_qkv is not None:
+                grad_bias_qkv.copy_(input_grads[2])
+            reductions.append(dist.reduce(grads, ring.global_rank(group), group=ring.group,
+                                          async_op=True))
+            if group == ring.rank:
+                own_grads = grads
+        for work in reductions:
+            work.wait()
+        grad_weight_qkv, grad_bias_qkv, grad_weight_proj = shard.unpack(own_grads)
+        return grad_hidden, grad_weight_qkv, grad_bias_qkv, grad_weight_proj, None, None, None, \
+            None
+
+
+def two_level_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor,
+                        qkv_bias: Optional[torch.Tensor], proj_weight: torch.Tensor,
+                        shape: HeadShape, ring: Ring, layout: ZigzagLayout,
+                        rotary: Optional[Rotary] = None) -> torch.Tensor:
+    """Causal self-attention of this rank's zigzag sequence shard ``hidden`` [s/p, b, h] ->
+    [s/p, b, h] (without the projection bias). Weights are this rank's Megatron shards:
+    linear_qkv [(heads + 2 groups) d, h] per rank, linear_proj [h, heads d]. ``rotary`` maps
+    [s/p, b, n, d] to the same shape with this rank's token positions (or None)."""
+    return TwoLevelAttentionFunction.apply(hidden, qkv_weight, qkv_bias, proj_weight, shape,
+                                           rotary, ring, layout)
