@@ -12,6 +12,10 @@
 //   - a planned range that overlaps a block still in use (the sequence drifted from the plan
 //     so that two live requests would share bytes): the live blocks are kept in an ordered map
 //     and every placement is checked against it.
+// A request larger than its position's entry looks at the next kResyncWindow entries for one of
+// exactly its size and continues from there; with none it is refused *without* using up the
+// position. On a GPU kernels allocate workspaces that the tracer (a dispatch mode, which sees op
+// outputs only) never recorded; they must not shift every later request of the phase off plan.
 //
 // Why C++: the CUDA path calls this from the allocator hooks of
 // torch.cuda.memory.CUDAPluggableAllocator (memo_arena_malloc / memo_arena_free below), once per
@@ -19,14 +23,18 @@
 // the same object is driven from Python (memo_ext/planner/arena.py) so tests exercise the code a
 // GPU run uses.
 //
-// The CUDA hooks need no CUDA headers: the fallback for refused requests is cudaMalloc/cudaFree,
-// looked up with dlsym in the process (PyTorch has loaded libcudart by the time a pool exists).
-// They have never run on this project's CPU machines. Both are exported with default visibility
-// (pybind11 builds the module with everything else hidden).
+// The CUDA hooks need no CUDA headers: they look up the CUDA runtime's stream-ordered allocator
+// (cudaMallocAsync / cudaFreeAsync, with the device's default pool told to keep what is freed,
+// so it caches like PyTorch's allocator) with dlsym in the process. Only requests on the stream
+// the arena was opened for go to the arena: its offsets are reused in that stream's order. The
+// hooks have never run on a GPU; tests/unit/test_planned_arena_hooks.py drives them on CPU
+// against a fake CUDA runtime. Both are exported with default visibility (pybind11 builds the
+// module with everything else hidden).
 #include <dlfcn.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -45,6 +53,8 @@ using memo_columns::Int64Array;
 using memo_columns::require_1d;
 
 constexpr int64_t kAlignment = 512;
+// How far ahead a request that does not fit its position looks for its own entry.
+constexpr size_t kResyncWindow = 8;
 
 int64_t aligned(int64_t nbytes) {
   return std::max(kAlignment, (nbytes + kAlignment - 1) / kAlignment * kAlignment);
@@ -86,6 +96,7 @@ class PlannedArena {
     if (it == kinds_.end()) throw py::value_error("unknown phase kind " + std::to_string(kind));
     current_ = &it->second;
     next_ = 0;
+    paused_ = false;
     ++phases_;
   }
 
@@ -94,15 +105,34 @@ class PlannedArena {
     current_ = nullptr;
   }
 
+  // Requests between pause_phase() and resume_phase() (ops outside the layers that run inside a
+  // layer phase, such as gradient hooks) are refused without using up positions of the table.
+  void pause_phase() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    paused_ = true;
+  }
+
+  void resume_phase() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    paused_ = false;
+  }
+
   // The arena offset for a request of `nbytes`, or -1 (use the normal allocator).
   int64_t allocate(int64_t nbytes) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!current_) return refuse(outside_phase_);
-    const size_t k = next_++;
-    if (k >= current_->size()) return refuse(beyond_plan_);
+    if (!current_ || paused_) return refuse(outside_phase_);
+    if (next_ >= current_->size()) return refuse(beyond_plan_);
+    size_t k = next_;
+    if (aligned(nbytes) > (*current_)[k].bytes) {
+      const size_t end = std::min(current_->size(), next_ + 1 + kResyncWindow);
+      for (k = next_ + 1; k < end && (*current_)[k].bytes != aligned(nbytes); ++k) {
+      }
+      if (k == end) return refuse(size_mismatches_);
+      ++resyncs_;
+    }
+    next_ = k + 1;
     const Entry& e = (*current_)[k];
     if (e.offset < 0) return refuse(unplanned_);
-    if (aligned(nbytes) > e.bytes) return refuse(size_mismatches_);
     auto after = live_.lower_bound(e.offset + e.bytes);  // first block starting at/after our end
     if (after != live_.begin()) {
       auto before = std::prev(after);
@@ -113,6 +143,12 @@ class PlannedArena {
     peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
     ++served_;
     return e.offset;
+  }
+
+  // A request the CUDA hooks kept away from the arena (made on another stream).
+  void count_other_stream() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++other_stream_;
   }
 
   // Return an arena block; false when no block starts at `offset`.
@@ -136,6 +172,8 @@ class PlannedArena {
     d["beyond_plan"] = beyond_plan_;
     d["size_mismatches"] = size_mismatches_;
     d["overlaps"] = overlaps_;
+    d["resyncs"] = resyncs_;
+    d["other_stream"] = other_stream_;
     d["live_blocks"] = static_cast<int64_t>(live_.size());
     d["live_bytes"] = live_bytes_;
     d["peak_live_bytes"] = peak_live_bytes_;
@@ -155,20 +193,27 @@ class PlannedArena {
   std::unordered_map<int64_t, std::vector<Entry>> kinds_;
   const std::vector<Entry>* current_ = nullptr;
   size_t next_ = 0;
+  bool paused_ = false;
   std::map<int64_t, int64_t> live_;  // start -> end of blocks in use
   int64_t live_bytes_ = 0, peak_live_bytes_ = 0;
   int64_t phases_ = 0, served_ = 0, outside_phase_ = 0, unplanned_ = 0, beyond_plan_ = 0;
-  int64_t size_mismatches_ = 0, overlaps_ = 0;
+  int64_t size_mismatches_ = 0, overlaps_ = 0, resyncs_ = 0, other_stream_ = 0;
 };
 
 // ---------------------------------------------------------------- CUDAPluggableAllocator hooks
 // One arena per process is active for the CUDA hooks (set from Python with the device address
-// of a tensor that holds the arena's bytes).
+// of a tensor that holds the arena's bytes and the stream whose requests it serves).
 PlannedArena* g_cuda_arena = nullptr;
 uintptr_t g_cuda_base = 0;
+void* g_cuda_stream = nullptr;
 
-using CudaMallocFn = int (*)(void**, size_t);
-using CudaFreeFn = int (*)(void*);
+// The CUDA runtime API as the hooks use it (cudaStream_t and cudaMemPool_t are pointers).
+using CudaMallocAsyncFn = int (*)(void**, size_t, void*);
+using CudaFreeAsyncFn = int (*)(void*, void*);
+using CudaDefaultMemPoolFn = int (*)(void**, int);
+using CudaMemPoolSetAttributeFn = int (*)(void*, int, void*);
+constexpr int kCudaMemPoolAttrReleaseThreshold = 4;
+constexpr int kMaxDevices = 64;
 
 template <class Fn>
 Fn cuda_symbol(const char* name) {
@@ -182,27 +227,45 @@ Fn cuda_symbol(const char* name) {
   return reinterpret_cast<Fn>(symbol);
 }
 
-void set_cuda_arena(PlannedArena* arena, uintptr_t base) {
+// The default pool hands freed memory back to the driver at every synchronisation unless told
+// to keep it; then every iteration would pay for cudaMalloc again.
+void keep_freed_memory_cached(int device) {
+  static std::once_flag once[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return;
+  std::call_once(once[device], [device] {
+    static auto default_pool = cuda_symbol<CudaDefaultMemPoolFn>("cudaDeviceGetDefaultMemPool");
+    static auto set_attribute = cuda_symbol<CudaMemPoolSetAttributeFn>("cudaMemPoolSetAttribute");
+    void* pool = nullptr;
+    if (!default_pool || !set_attribute || default_pool(&pool, device) != 0) return;
+    uint64_t keep_everything = UINT64_MAX;
+    set_attribute(pool, kCudaMemPoolAttrReleaseThreshold, &keep_everything);
+  });
+}
+
+void set_cuda_arena(PlannedArena* arena, uintptr_t base, uintptr_t stream) {
   g_cuda_arena = arena;
   g_cuda_base = base;
+  g_cuda_stream = reinterpret_cast<void*>(stream);
 }
 
 }  // namespace
 
 extern "C" {
-// Signatures of torch.cuda.memory.CUDAPluggableAllocator's alloc/free functions; the stream
-// (a cudaStream_t) is unused: the arena serves the compute stream's layers only.
+// Signatures of torch.cuda.memory.CUDAPluggableAllocator's alloc/free functions.
 __attribute__((visibility("default"))) void* memo_arena_malloc(ssize_t size, int device,
                                                              void* stream) {
-  (void)device;
-  (void)stream;
   if (g_cuda_arena) {
-    const int64_t offset = g_cuda_arena->allocate(size);
-    if (offset >= 0) return reinterpret_cast<void*>(g_cuda_base + offset);
+    if (stream == g_cuda_stream) {
+      const int64_t offset = g_cuda_arena->allocate(size);
+      if (offset >= 0) return reinterpret_cast<void*>(g_cuda_base + offset);
+    } else {
+      g_cuda_arena->count_other_stream();
+    }
   }
-  static CudaMallocFn cuda_malloc = cuda_symbol<CudaMallocFn>("cudaMalloc");
+  keep_freed_memory_cached(device);
+  static auto malloc_async = cuda_symbol<CudaMallocAsyncFn>("cudaMallocAsync");
   void* ptr = nullptr;
-  if (!cuda_malloc || cuda_malloc(&ptr, static_cast<size_t>(size)) != 0) return nullptr;
+  if (!malloc_async || malloc_async(&ptr, static_cast<size_t>(size), stream) != 0) return nullptr;
   return ptr;
 }
 
@@ -210,15 +273,14 @@ __attribute__((visibility("default"))) void memo_arena_free(void* ptr, ssize_t s
                                                           void* stream) {
   (void)size;
   (void)device;
-  (void)stream;
   const uintptr_t address = reinterpret_cast<uintptr_t>(ptr);
   if (g_cuda_arena && address >= g_cuda_base &&
       address < g_cuda_base + static_cast<uintptr_t>(g_cuda_arena->arena_bytes()) &&
       g_cuda_arena->release(static_cast<int64_t>(address - g_cuda_base))) {
     return;
   }
-  static CudaFreeFn cuda_free = cuda_symbol<CudaFreeFn>("cudaFree");
-  if (cuda_free) cuda_free(ptr);
+  static auto free_async = cuda_symbol<CudaFreeAsyncFn>("cudaFreeAsync");
+  if (free_async) free_async(ptr, stream);
 }
 }
 
@@ -226,7 +288,8 @@ void register_planned_arena(py::module_& m) {
   py::class_<PlannedArena>(m, "PlannedArena", R"doc(MEMO's runtime arena (csrc/planned_arena.cpp).
 
 PlannedArena(arena_bytes); add_kind(kind, sizes, offsets) registers a layer-phase kind's request
-table (offsets -1: not planned); begin_phase(kind) / end_phase() bracket a layer phase;
+table (offsets -1: not planned); begin_phase(kind) / end_phase() bracket a layer phase,
+pause_phase() / resume_phase() requests from outside the layers inside it;
 allocate(nbytes) returns the planned offset or -1 (use the normal allocator); release(offset)
 returns an arena block; stats() counts what was served and why requests were refused.)doc")
       .def(py::init<int64_t>(), py::arg("arena_bytes"))
@@ -234,13 +297,18 @@ returns an arena block; stats() counts what was served and why requests were ref
            py::arg("offsets"))
       .def("begin_phase", &PlannedArena::begin_phase, py::arg("kind"))
       .def("end_phase", &PlannedArena::end_phase)
+      .def("pause_phase", &PlannedArena::pause_phase)
+      .def("resume_phase", &PlannedArena::resume_phase)
       .def("allocate", &PlannedArena::allocate, py::arg("nbytes"))
       .def("release", &PlannedArena::release, py::arg("offset"))
       .def("stats", &PlannedArena::stats)
       .def_property_readonly("arena_bytes", &PlannedArena::arena_bytes);
   m.def("set_cuda_arena",
-        [](PlannedArena* arena, uintptr_t base) { set_cuda_arena(arena, base); },
-        py::arg("arena").none(true), py::arg("base_address"),
-        "Make `arena` (None: none) serve memo_arena_malloc/memo_arena_free, its byte 0 at the "
-        "device address base_address.");
+        [](PlannedArena* arena, uintptr_t base, uintptr_t stream) {
+          set_cuda_arena(arena, base, stream);
+        },
+        py::arg("arena").none(true), py::arg("base_address"), py::arg("stream"),
+        "Make `arena` (None: none) serve memo_arena_malloc/memo_arena_free for requests on "
+        "`stream` (a cudaStream_t as an integer), its byte 0 at the device address "
+        "base_address.");
 }

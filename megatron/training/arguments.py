@@ -687,9 +687,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_logging(args)
     _validate_memo(args)
     _require(
-        not cuda_available or args.memo_plan == "off",
-        "--memo-plan runs as a CPU shadow only in this build: the CUDA arena hooks "
-        "(csrc/planned_arena.cpp) are not wired into the trainer yet; use --memo-plan off on GPUs",
+        not cuda_available or args.memo_plan == "off" or not args.memo_telemetry,
+        "--memo-plan on CUDA replaces PyTorch's CUDA allocator, whose statistics --memo-telemetry "
+        "reads; drop one of --memo-plan and --memo-telemetry",
     )
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"

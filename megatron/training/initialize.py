@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.training.memo import install_memo_plan_allocator
+
 # Megatron-LM offsets each pipeline stage's seed so that stages draw different weights.
 PIPELINE_SEED_STRIDE = 100
 
@@ -64,6 +66,7 @@ def initialize_megatron(args: argparse.Namespace) -> None:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         os.environ.setdefault("NCCL_ALGO", "Ring")
+    install_memo_plan_allocator(args)
     initialize_distributed(args)
     from megatron.core import parallel_state
 

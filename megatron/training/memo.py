@@ -191,5 +191,16 @@ def build_memo_planner(args: argparse.Namespace, model: list, log):
                    "micro_batch_size": args.micro_batch_size,
                    "sequence_parallel": args.sequence_parallel},
     }
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     return MemoPlanner(config.mode, model, run_header, log,
-                       path=config.plan if config.mode == "file" else None)
+                       path=config.plan if config.mode == "file" else None, device=device)
+
+
+def install_memo_plan_allocator(args: argparse.Namespace) -> None:
+    """On CUDA, ``--memo-plan`` serves the layers' tensors from its own allocator, which must
+    replace PyTorch's before the first CUDA allocation: call this before anything touches the
+    GPU (process groups included)."""
+    if torch.cuda.is_available() and config_from_args(PlanConfig, args).mode != "off":
+        from memo_ext.planner import install_cuda_allocator
+
+        install_cuda_allocator()

@@ -26,7 +26,14 @@ Public entry points (see docs/tracing.md and docs/planning.md):
   (``torch.cuda.memory._record_memory_history`` + memo_ext.alloc's snapshot reader).
 """
 
-from memo_ext.planner.arena import ArenaRuntime, ArenaShadow, MemoPlanner
+from memo_ext.planner.arena import (
+    ArenaPhaseTagger,
+    ArenaRuntime,
+    ArenaShadow,
+    CudaArena,
+    MemoPlanner,
+    install_cuda_allocator,
+)
 from memo_ext.planner.plan import (
     MemoryPlan,
     PlanFileError,
@@ -62,8 +69,11 @@ from memo_ext.planner.trace import (
 )
 
 __all__ = [
+    "ArenaPhaseTagger",
     "ArenaRuntime",
     "ArenaShadow",
+    "CudaArena",
+    "install_cuda_allocator",
     "MemoPlanner",
     "MemoryPlan",
     "PlanFileError",

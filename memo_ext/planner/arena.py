@@ -10,7 +10,9 @@ when a request comes from a different layer phase than the previous one, and ask
 the request's offset (-1: the normal allocator). It is driven
 
 * on CUDA by torch.cuda.memory.CUDAPluggableAllocator through ``memo_arena_malloc`` /
-  ``memo_arena_free`` (csrc/planned_arena.cpp; untested here, no GPU);
+  ``memo_arena_free`` (csrc/planned_arena.cpp), installed as the process's CUDA allocator by
+  :func:`install_cuda_allocator` before the first CUDA allocation; :class:`ArenaPhaseTagger`
+  opens each op's layer phase in the arena before the op allocates (never run on a GPU here);
 * on CPU by :class:`ArenaShadow` during training: a storage-tracking dispatch mode that sends
   every allocation of the layers to the arena as the CUDA hooks would. The tensors stay where
   PyTorch put them (no CPU allocator can be swapped in), so the shadow proves the plan matches
@@ -43,14 +45,20 @@ class ArenaRuntime:
             for layer, group, *_ in level["phases"]:
                 self.kind_of.setdefault((layer, group), kind)
         self._current: Optional[tuple[int, str]] = None
+        self._paused = False
         self.outside_layers = 0
 
-    def request(self, layer: Optional[int], phase: Optional[str], nbytes: int) -> int:
-        """Offset for a request made in ``phase`` of ``layer`` (a trace phase name), or -1."""
+    def enter(self, layer: Optional[int], phase: Optional[str]) -> None:
+        """Open the arena table of ``phase`` (a trace phase name) of ``layer`` unless it is the
+        open one. Outside the layers' phases (layer or phase None) the open table is paused:
+        the requests made there do not use up its positions, as in the trace the plan came
+        from, where they belong to no layer phase."""
         group = PHASE_GROUPS.get(phase)
         if layer is None or group is None:
-            self.outside_layers += 1
-            return -1
+            if not self._paused:
+                self.arena.pause_phase()
+                self._paused = True
+            return
         key = (layer, group)
         if key != self._current:
             kind = self.kind_of.get(key)
@@ -59,6 +67,21 @@ class ArenaRuntime:
             else:
                 self.arena.begin_phase(kind)
             self._current = key
+        elif self._paused:
+            self.arena.resume_phase()
+        self._paused = False
+
+    def close(self) -> None:
+        """End the open layer phase (the iteration is over)."""
+        self.arena.end_phase()
+        self._current, self._paused = None, False
+
+    def request(self, layer: Optional[int], phase: Optional[str], nbytes: int) -> int:
+        """Offset for a request made in ``phase`` of ``layer`` (a trace phase name), or -1."""
+        if layer is None or PHASE_GROUPS.get(phase) is None:
+            self.outside_layers += 1
+            return -1
+        self.enter(layer, phase)
         return self.arena.allocate(int(nbytes))
 
     def release(self, offset: int) -> bool:
@@ -106,6 +129,22 @@ class ArenaShadow(AllocationRecorder):
             self.runtime.release(offset)
 
 
+
+class ArenaPhaseTagger(AllocationRecorder):
+    """CUDA training with a plan: before each op runs, open its layer phase in the arena, so
+    that the op's allocations, which reach ``memo_arena_malloc`` without passing through
+    Python, find their table. Phases come from the same module hooks and autograd-node tags as
+    the trace the plan came from (call :meth:`attach` on the model); nothing is recorded."""
+
+    def __init__(self, runtime: ArenaRuntime):
+        super().__init__(cuda_semantics=False)
+        self.runtime = runtime
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        phase, _module, layer = self._context()
+        self.runtime.enter(layer, phase)
+        return func(*args, **(kwargs or {}))
+
 #: Iterations --memo-plan auto runs before it traces the one it plans (see MemoPlanner).
 AUTO_WARMUP_ITERATIONS = 1
 
@@ -124,14 +163,17 @@ class MemoPlanner:
     auto: the first iteration warms up (it creates buffers that later iterations reuse:
     megatron's global all-gather buffer under sequence parallelism, the optimizer's state, RoPE
     caches, so its request sequence is not the steady state's); the second runs under an
-    :class:`AllocationRecorder` (CPU sizes) and is planned (bi-level + single level); the plan's
-    layer-phase tables serve every iteration from the third on.
+    :class:`AllocationRecorder` (the sizes of the device it runs on) and is planned (bi-level +
+    single level); the plan's layer-phase tables serve every iteration from the third on.
+    ``device``: on a CUDA device the tables serve the layers' real allocations (a
+    :class:`CudaArena`; :func:`install_cuda_allocator` must have run before the first CUDA
+    allocation), elsewhere an :class:`ArenaShadow` checks and counts them.
     PATH: a plan from tools/memo_plan.py, refused at startup (PlanFileError) when it is not a
     readable plan or was made for another model, layout or sequence length.
     """
 
     def __init__(self, mode: str, model_chunks: list, run_header: dict, log,
-                 path: Optional[str] = None):
+                 path: Optional[str] = None, device=None):
         from memo_ext.planner.plan import PlanFileError, read_plan
 
         self.mode = mode
@@ -140,6 +182,8 @@ class MemoPlanner:
         self.log = log
         self.runtime: Optional[ArenaRuntime] = None
         self.plan: Optional[MemoryPlan] = None
+        self.device = device
+        self.cuda_arena: Optional[CudaArena] = None
         self.iterations = 0
         if mode == "file":
             plan = read_plan(path)
@@ -156,6 +200,8 @@ class MemoPlanner:
     def _use(self, plan: MemoryPlan) -> None:
         self.plan = plan
         self.runtime = ArenaRuntime(plan)
+        if self.device is not None and self.device.type == "cuda":
+            self.cuda_arena = CudaArena(self.runtime, self.device)
         self.log(f"> MEMO plan ({plan.chosen}): iteration arena {plan.arena_bytes / 2**20:.1f} MiB"
                  f" (lower bound {plan.iteration_lower_bound / 2**20:.1f} MiB, gap "
                  f"{100 * plan.iteration_gap:.2f}%); layer arena "
@@ -171,12 +217,14 @@ class MemoPlanner:
             return contextlib.nullcontext()
         if self.runtime is None:
             return _Recording(self, AllocationRecorder(cuda_semantics=False), FORWARD)
+        if self.cuda_arena is not None:
+            return _Recording(self, ArenaPhaseTagger(self.runtime), FORWARD)
         return _Recording(self, ArenaShadow(self.runtime), FORWARD)
 
     def _recorded(self, recorder: AllocationRecorder) -> None:
         from memo_ext.planner.plan import plan_trace
 
-        if isinstance(recorder, ArenaShadow):
+        if isinstance(recorder, (ArenaShadow, ArenaPhaseTagger)):
             return
         self._use(plan_trace(recorder.trace(header=dict(self.run_header))))
 
@@ -186,11 +234,12 @@ class MemoPlanner:
             return ("MEMO plan: warming up" if self.iterations <= AUTO_WARMUP_ITERATIONS
                     else "MEMO plan: tracing")
         s = self.runtime.stats()
-        refused = {k: s[k] for k in ("size_mismatches", "overlaps", "beyond_plan", "unplanned")}
-        return (f"MEMO arena: served {s['served']} layer requests, peak "
-                f"{s['peak_live_bytes'] / 2**20:.1f} of {s['arena_bytes'] / 2**20:.1f} MiB; "
-                "normal allocator: " + ", ".join(f"{v} {k.replace('_', ' ')}"
-                                                 for k, v in refused.items()))
+        refused = {k: s[k] for k in ("size_mismatches", "overlaps", "beyond_plan", "unplanned",
+                                     "other_stream")}
+        return (f"MEMO arena: served {s['served']} layer requests ({s['resyncs']} after a "
+                f"resync), peak {s['peak_live_bytes'] / 2**20:.1f} of "
+                f"{s['arena_bytes'] / 2**20:.1f} MiB; normal allocator: "
+                + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in refused.items()))
 
 
 class _Recording:
@@ -209,35 +258,51 @@ class _Recording:
         self.recorder.__exit__(*exc_info)
         self._scope.__exit__(*exc_info)
         self.recorder.detach()
+        if self.planner.runtime is not None:
+            self.planner.runtime.close()
         if exc_info[0] is None:
             self.planner._recorded(self.recorder)
         return False
 
 
+def install_cuda_allocator() -> None:
+    """Make ``memo_arena_malloc`` / ``memo_arena_free`` (memo_ext._C) the process's CUDA
+    allocator. They must see every tensor request, not the caching allocator's segment
+    requests, so they replace it; PyTorch allows that only before the first CUDA allocation.
+    Until a :class:`CudaArena` exists they serve everything from the CUDA runtime's
+    stream-ordered pool (cudaMallocAsync)."""
+    import torch
+
+    from memo_ext.config import MemoConfigError
+
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(
+        _C.__file__, "memo_arena_malloc", "memo_arena_free")
+    try:
+        torch.cuda.memory.change_current_allocator(allocator)
+    except RuntimeError as error:
+        raise MemoConfigError(
+            f"--memo-plan: cannot install the arena's CUDA allocator ({error}); it must be "
+            "installed before the first CUDA tensor exists: do not allocate on the GPU before "
+            "initialize_megatron, or use --memo-plan off") from None
+
+
 class CudaArena:
     """The runtime arena on a GPU (untested here: no GPU on the CPU machines).
 
-    One uint8 tensor holds the arena's bytes; ``memo_arena_malloc`` / ``memo_arena_free`` in
-    memo_ext._C serve planned requests inside it and send every other one to cudaMalloc /
-    cudaFree. They must see every tensor request (not the caching allocator's segment
-    requests), so they are installed as the process's allocator with
-    ``torch.cuda.memory.change_current_allocator``, which PyTorch allows only before the first
-    CUDA allocation: build this before the model. Layer phases are opened by
-    :meth:`ArenaRuntime.request`'s caller; on CUDA that is the module hooks of an
-    :class:`AllocationRecorder`-like tagger (not wired into the trainer yet: ``--memo-plan`` is
-    refused on GPUs).
+    One uint8 tensor, allocated from the stream-ordered pool before the arena is set, holds the
+    arena's bytes; from then on ``memo_arena_malloc`` serves the planned requests made on the
+    current (compute) stream inside it and sends every other request to the pool. Needs
+    :func:`install_cuda_allocator` first. Layer phases are opened by an
+    :class:`ArenaPhaseTagger`.
     """
 
-    def __init__(self, runtime: ArenaRuntime, device=None):
+    def __init__(self, runtime: ArenaRuntime, device):
         import torch
 
         self.runtime = runtime
-        self.allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            _C.__file__, "memo_arena_malloc", "memo_arena_free")
-        torch.cuda.memory.change_current_allocator(self.allocator)
-        # Allocated through the new allocator before an arena is set: a plain cudaMalloc.
-        self.buffer = torch.empty(runtime.arena_bytes, dtype=torch.uint8, device=device or "cuda")
-        _C.set_cuda_arena(runtime.arena, self.buffer.data_ptr())
+        self.buffer = torch.empty(runtime.arena_bytes, dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.current_stream(device)
+        _C.set_cuda_arena(runtime.arena, self.buffer.data_ptr(), self.stream.cuda_stream)
 
     def close(self) -> None:
-        _C.set_cuda_arena(None, 0)
+        _C.set_cuda_arena(None, 0, 0)

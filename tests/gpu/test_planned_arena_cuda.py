@@ -1,33 +1,37 @@
-"""The runtime arena's CUDA allocator hooks (needs a GPU; skipped on the CPU machines). Runs in
-a fresh process: PyTorch accepts a pluggable allocator only before its first CUDA allocation."""
+"""The runtime arena on a GPU (skipped on the CPU machines): the allocator hooks in a fresh
+process (PyTorch accepts a pluggable allocator only before its first CUDA allocation), and
+``--memo-plan auto`` training with the losses of a run without a plan. The hooks' decisions are
+also tested on CPU against a fake CUDA runtime (tests/unit/test_planned_arena_hooks.py)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, TINY_GPT_ARGS, read_losses, run_torchrun, subprocess_env
 
 pytestmark = pytest.mark.gpu
 
 SCRIPT = textwrap.dedent("""
     import numpy as np, torch
-    from memo_ext.planner.arena import ArenaRuntime, CudaArena
+    from memo_ext.planner.arena import ArenaRuntime, CudaArena, install_cuda_allocator
 
     class Plan:  # one layer-phase kind: two 1 MiB requests planned at 0 and 1 MiB
         level1 = [{"peak": 2 << 20, "phases": [[0, "forward", None, 0]],
                    "table": [[1 << 20, 0], [1 << 20, 1 << 20]]}]
 
+    install_cuda_allocator()
     runtime = ArenaRuntime(Plan())
-    arena = CudaArena(runtime)
+    arena = CudaArena(runtime, torch.device("cuda", 0))
     base = arena.buffer.data_ptr()
-    runtime.arena.begin_phase(0)
+    runtime.enter(0, "forward")
     a = torch.empty(1 << 18, dtype=torch.float32, device="cuda")   # 1 MiB: planned at 0
     b = torch.empty(1 << 18, dtype=torch.float32, device="cuda")   # planned at 1 MiB
-    c = torch.empty(1 << 18, dtype=torch.float32, device="cuda")   # beyond the plan: cudaMalloc
+    c = torch.empty(1 << 18, dtype=torch.float32, device="cuda")   # beyond the plan: the pool
     assert a.data_ptr() == base and b.data_ptr() == base + (1 << 20), (a.data_ptr(), base)
     assert not base <= c.data_ptr() < base + (2 << 20)
     a.fill_(1); b.fill_(2); c.fill_(3)
@@ -43,3 +47,14 @@ def test_pluggable_allocator_serves_planned_offsets():
     result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO_ROOT, env=subprocess_env(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_auto_plan_trains_with_the_losses_of_no_plan(tmp_path):
+    common = TINY_GPT_ARGS + ["--deterministic-mode", "--train-iters", "8"]
+    baseline, planned = tmp_path / "baseline.jsonl", tmp_path / "planned.jsonl"
+    run_torchrun(1, common + ["--log-metrics-jsonl", str(baseline)])
+    result = run_torchrun(1, common + ["--memo-plan", "auto", "--log-metrics-jsonl",
+                                       str(planned)])
+    assert read_losses(planned) == read_losses(baseline)
+    served = [int(n) for n in re.findall(r"MEMO arena: served (\d+) layer requests", result.stdout)]
+    assert served and served[-1] > 0, result.stdout[-3000:]

@@ -1,0 +1,120 @@
+"""The planned arena's CUDA allocator hooks (memo_arena_malloc / memo_arena_free in memo_ext._C),
+called on CPU through ctypes against a fake CUDA runtime: a small C library exporting the four
+CUDA runtime functions the hooks look up with dlsym, backed by malloc, counting its calls.
+What this cannot show is a GPU's behaviour (tests/gpu/test_planned_arena_cuda.py, skipped here);
+what it does show is the hooks' own decisions: which requests the arena serves, at which address,
+which go to cudaMallocAsync on the request's stream, and that the stream-ordered pool is told to
+keep freed memory. Each case runs in a fresh process: the hooks cache the symbols they look up."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO_ROOT, subprocess_env
+
+FAKE_CUDA_RUNTIME = r"""
+#include <stdint.h>
+#include <stdlib.h>
+int fake_mallocs = 0, fake_frees = 0, fake_pool_device = -1, fake_pool_attribute = -1;
+void* fake_last_stream = 0;
+uint64_t fake_release_threshold = 0;
+int cudaMallocAsync(void** ptr, size_t size, void* stream) {
+  ++fake_mallocs; fake_last_stream = stream; *ptr = malloc(size); return *ptr ? 0 : 2;
+}
+int cudaFreeAsync(void* ptr, void* stream) { ++fake_frees; fake_last_stream = stream; free(ptr); return 0; }
+int cudaDeviceGetDefaultMemPool(void** pool, int device) {
+  fake_pool_device = device; *pool = (void*)0x1000; return 0;
+}
+int cudaMemPoolSetAttribute(void* pool, int attribute, void* value) {
+  fake_pool_attribute = attribute; fake_release_threshold = *(uint64_t*)value; return 0;
+}
+"""
+
+SCRIPT = textwrap.dedent("""
+    import ctypes, sys
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # found by the hooks' dlsym
+    from memo_ext import _C
+    from memo_ext.planner.arena import ArenaRuntime
+
+    hooks = ctypes.CDLL(_C.__file__)
+    malloc, free = hooks.memo_arena_malloc, hooks.memo_arena_free
+    malloc.restype = ctypes.c_void_p
+    malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    counter = lambda name: ctypes.c_int.in_dll(fake, name).value
+    COMPUTE, COPY = 0x10, 0x20
+
+    class Plan:  # one forward phase kind: 1 KiB at 0, 2 KiB at 1 KiB, 512 B kept, 1 KiB at 3 KiB
+        level1 = [{"peak": 4096, "phases": [[0, "forward", None, 0]],
+                   "table": [[1024, 0], [2048, 1024], [512, -1], [1024, 3072]]}]
+
+    # No arena yet: everything goes to the stream-ordered pool, which is told to keep memory.
+    early = malloc(100, 0, COMPUTE)
+    assert counter("fake_mallocs") == 1 and early
+    assert (counter("fake_pool_device"), counter("fake_pool_attribute")) == (0, 4)
+    assert ctypes.c_uint64.in_dll(fake, "fake_release_threshold").value == 2**64 - 1
+    free(early, 100, 0, COMPUTE)
+    assert counter("fake_frees") == 1
+
+    runtime = ArenaRuntime(Plan())
+    base = 1 << 40  # the hooks only compute addresses inside the arena, never touch them
+    _C.set_cuda_arena(runtime.arena, base, COMPUTE)
+    runtime.enter(0, "forward")
+    first = malloc(1000, 0, COMPUTE)
+    copy = malloc(1000, 0, COPY)            # another stream: the pool, no table position used
+    second = malloc(2000, 0, COMPUTE)
+    workspace = malloc(8192, 0, COMPUTE)     # never traced: refused, no table position used
+    runtime.enter(None, None)                # an op outside the layers inside the phase
+    outside = malloc(1024, 0, COMPUTE)
+    runtime.enter(0, "forward")
+    kept = malloc(512, 0, COMPUTE)           # planned -1: the pool
+    last = malloc(1024, 0, COMPUTE)
+    assert (first, second, last) == (base, base + 1024, base + 3072), (first, second, last)
+    pooled = [copy, workspace, outside, kept]
+    assert all(not base <= p < base + 4096 for p in pooled)
+    assert counter("fake_mallocs") == 1 + len(pooled)
+    for p in (first, second, last):
+        free(p, 0, 0, COMPUTE)
+    for p in pooled:
+        free(p, 0, 0, COMPUTE)
+    assert counter("fake_frees") == 1 + len(pooled)
+    stats = runtime.stats()
+    expected = {"served": 3, "other_stream": 1, "size_mismatches": 1, "outside_phase": 1,
+                "unplanned": 1, "overlaps": 0, "live_blocks": 0, "peak_live_bytes": 4096}
+    assert {k: stats[k] for k in expected} == expected, stats
+
+    # A request larger than its entry finds its own entry among the next ones and goes on there.
+    runtime.close()
+    runtime.enter(0, "forward")
+    assert malloc(2000, 0, COMPUTE) == base + 1024
+    malloc(512, 0, COMPUTE)
+    assert malloc(1024, 0, COMPUTE) == base + 3072
+    assert runtime.stats()["resyncs"] == 1
+    _C.set_cuda_arena(None, 0, 0)
+    print("ok")
+""")
+
+
+@pytest.fixture(scope="module")
+def fake_cuda_runtime(tmp_path_factory):
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler (gcc/cc) to build the fake CUDA runtime")
+    folder = tmp_path_factory.mktemp("fake_cudart")
+    source, library = folder / "fake_cudart.c", folder / "libfake_cudart.so"
+    source.write_text(FAKE_CUDA_RUNTIME)
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library), str(source)],
+                   check=True, capture_output=True, timeout=120)
+    return library
+
+
+def test_hooks_serve_the_plan_on_the_compute_stream_and_pool_everything_else(fake_cuda_runtime):
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(fake_cuda_runtime)],
+                            cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
