@@ -19,6 +19,11 @@ row, K/V carrying their dK/dV accumulators, which reach their owners with one ex
 head group's weight gradients are reduced to rank j. Saved per layer: this rank's input and its
 attention output of every head group (2bsh/p in all) plus the log-sum-exps.
 
+Memory: Q, K, V of one head group are three matmuls on row slices of the fused QKV shard (no
+fused temporary, no layout copies: tiles read [b, heads, s, d] views of Megatron's [s, b, heads,
+d] layout); K and V go straight into the ring's send buffer, and the projection accumulates into
+the output in place.
+
 GQA: K/V of a query group are expanded to its query heads per tile only (the ring carries the
 unexpanded ones) and dK/dV are summed back over the group's heads.
 
@@ -144,21 +149,25 @@ def _expand_groups(tensor: torch.Tensor, heads_per_group: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- sequence ring
+# Activations stay in Megatron's [s, b, heads, d] layout; tiles see [b, heads, s, d] views.
 
-def _ring_attention_forward(query, key, value, shape: HeadShape, ring: Ring,
-                            layout: ZigzagLayout):
-    """One head group over the sequence ring: (output [b, heads, s/p, d] fp32, lse fp32)."""
+def _heads_first(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.permute(1, 2, 0, 3)
+
+
+def _ring_attention_forward(query, kv_pack: FlatPack, key_value, output, lse, shape: HeadShape,
+                            ring: Ring, layout: ZigzagLayout):
+    """One head group over the sequence ring: query [s/p, b, heads, d]; ``key_value`` this
+    rank's K and V [s/p, b, groups, d] packed by ``kv_pack`` (the buffer travels as is); fills
+    ``output`` (zeros, query's layout, fp32) and ``lse`` ([b, heads, s/p] fp32, -inf)."""
     chunk = layout.chunk
-    kv_pack = FlatPack([key, value])
-    buffers = [kv_pack.pack([key, value]), kv_pack.empty()]
-    batch, heads, length, dim = query.shape
-    output = torch.zeros(batch, heads, length, dim, dtype=torch.float32, device=query.device)
-    lse = torch.full((batch, heads, length), float("-inf"), device=query.device)
+    buffers = [key_value, kv_pack.empty()]
+    query, output = _heads_first(query), _heads_first(output)
     for step in range(ring.size):
         current = buffers[step % 2]
         transfer = (ring.exchange(current, buffers[(step + 1) % 2], KEY_VALUE_TAG)
                     if step < ring.size - 1 else None)
-        key_j, value_j = kv_pack.unpack(current)
+        key_j, value_j = (_heads_first(t) for t in kv_pack.unpack(current))
         for query_slot, key_slot, causal in _tiles(layout, ring.rank, ring.shard_at(step)):
             rows = slice(query_slot * chunk, (query_slot + 1) * chunk)
             cols = slice(key_slot * chunk, (key_slot + 1) * chunk)
@@ -171,26 +180,28 @@ def _ring_attention_forward(query, key, value, shape: HeadShape, ring: Ring,
             lse[:, :, rows] = merged
         if transfer is not None:
             transfer.wait()
-    return output, lse
 
 
 def _ring_attention_backward(grad_out, query, key, value, out, lse, shape: HeadShape,
                              ring: Ring, layout: ZigzagLayout):
-    """(dq, dk, dv) of one head group; dk/dv accumulators travel with K/V and end at home."""
+    """(dq, dk, dv) of one head group in the inputs' [s/p, b, heads or groups, d] layout;
+    dk/dv accumulators travel with K/V and end at home."""
     chunk = layout.chunk
     kv_pack = FlatPack([key, value])
     buffers = [kv_pack.pack([key, value]), kv_pack.empty()]
     grad_query = torch.zeros_like(query)
-    batch, groups, length, dim = key.shape
+    grad_query_view, query = _heads_first(grad_query), _heads_first(query)
+    grad_out, out = _heads_first(grad_out), _heads_first(out)
+    batch, groups, dim = key.shape[1], key.shape[2], key.shape[3]
     incoming: Optional[torch.Tensor] = None
     accumulator_transfer: Optional[Transfer] = None
     for step in range(ring.size):
         current = buffers[step % 2]
         transfer = (ring.exchange(current, buffers[(step + 1) % 2], KEY_VALUE_TAG)
                     if step < ring.size - 1 else None)
-        key_j, value_j = kv_pack.unpack(current)
+        key_j, value_j = (_heads_first(t) for t in kv_pack.unpack(current))
         contribution = kv_pack.empty().zero_()
-        grad_key_j, grad_value_j = kv_pack.unpack(contribution)
+        grad_key_j, grad_value_j = (_heads_first(t) for t in kv_pack.unpack(contribution))
         for query_slot, key_slot, causal in _tiles(layout, ring.rank, ring.shard_at(step)):
             rows = slice(query_slot * chunk, (query_slot + 1) * chunk)
             cols = slice(key_slot * chunk, (key_slot + 1) * chunk)
@@ -199,9 +210,9 @@ def _ring_attention_backward(grad_out, query, key, value, out, lse, shape: HeadS
                 _expand_groups(key_j[:, :, cols], shape.heads_per_group),
                 _expand_groups(value_j[:, :, cols], shape.heads_per_group),
                 out[:, :, rows], lse[:, :, rows], causal, shape.scale)
-            grad_query[:, :, rows] += dq
-            grad_key_j[:, :, cols] += dk.view(batch, groups, -1, chunk, dim).sum(2)
-            grad_value_j[:, :, cols] += dv.view(batch, groups, -1, chunk, dim).sum(2)
+            grad_query_view[:, :, rows] += dq
+            grad_key_j[:, :, cols] += dk.reshape(batch, groups, -1, chunk, dim).sum(2)
+            grad_value_j[:, :, cols] += dv.reshape(batch, groups, -1, chunk, dim).sum(2)
         if accumulator_transfer is not None:
             accumulator_transfer.wait()
             contribution.add_(incoming)
@@ -217,29 +228,31 @@ def _ring_attention_backward(grad_out, query, key, value, out, lse, shape: HeadS
 # ------------------------------------------------------------------------------ head groups
 
 def _project_qkv(hidden, qkv_weight, qkv_bias, shape: HeadShape, rotary: Optional[Rotary]):
-    """Megatron's QKV split ([s, b, groups, (heads/group + 2) * d] -> q, k, v) and rotary, as
-    [b, heads or groups, s, d] contiguous tensors."""
-    mixed = torch.nn.functional.linear(hidden, qkv_weight, qkv_bias)
-    length, batch = mixed.shape[:2]
-    mixed = mixed.view(length, batch, shape.groups, (shape.heads_per_group + 2) * shape.head_dim)
-    query, key, value = torch.split(
-        mixed, [shape.heads_per_group * shape.head_dim, shape.head_dim, shape.head_dim], dim=3)
-    query = query.reshape(length, batch, shape.heads, shape.head_dim)
+    """Q [s, b, heads, d], K and V [s, b, groups, d] of one head group from Megatron's fused
+    QKV shard (rows per query group: its query heads, then K, then V). Three matmuls on row
+    slices of the weight instead of one fused output split afterwards: no [s, b, 3 x] temporary
+    and no layout copies."""
+    per_group = (shape.heads_per_group + 2) * shape.head_dim
+    query_rows = shape.heads_per_group * shape.head_dim
+    weight = qkv_weight.view(shape.groups, per_group, -1)
+    bias = None if qkv_bias is None else qkv_bias.view(shape.groups, per_group)
+    parts = []
+    for start, width, heads in ((0, query_rows, shape.heads),
+                                (query_rows, shape.head_dim, shape.groups),
+                                (query_rows + shape.head_dim, shape.head_dim, shape.groups)):
+        part = torch.nn.functional.linear(
+            hidden, weight[:, start:start + width].reshape(heads * shape.head_dim, -1),
+            None if bias is None else bias[:, start:start + width].reshape(-1))
+        parts.append(part.view(*hidden.shape[:2], heads, shape.head_dim))
+    query, key, value = parts
     if rotary is not None:
         query, key = rotary(query), rotary(key)
-    return tuple(t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))
+    return query, key, value
 
 
 def _merge_heads(tensor: torch.Tensor) -> torch.Tensor:
-    """[b, heads, s, d] -> [s, b, heads * d]."""
-    batch, heads, length, dim = tensor.shape
-    return tensor.permute(2, 0, 1, 3).reshape(length, batch, heads * dim)
-
-
-def _split_heads(tensor: torch.Tensor, heads: int) -> torch.Tensor:
-    """[s, b, heads * d] -> [b, heads, s, d] contiguous."""
-    length, batch, width = tensor.shape
-    return tensor.view(length, batch, heads, width // heads).permute(1, 2, 0, 3).contiguous()
+    """[s, b, heads, d] -> [s, b, heads * d]."""
+    return tensor.flatten(2)
 
 
 class _WeightBroadcast:
@@ -277,31 +290,39 @@ class TwoLevelAttentionFunction(torch.autograd.Function):
                 rotary: Optional[Rotary], ring: Ring, layout: ZigzagLayout):
         own = [qkv_weight, qkv_bias, proj_weight]
         broadcast = _WeightBroadcast(FlatPack(own), own, ring)
-        output = None
+        length, batch, width = hidden.shape
+        output = torch.zeros(length * batch, width, dtype=hidden.dtype, device=hidden.device)
         saved = []
         for group in range(ring.size):
             weight_qkv, bias_qkv, weight_proj = broadcast.weights(group)
             query, key, value = _project_qkv(hidden, weight_qkv, bias_qkv, shape, rotary)
-            attention, lse = _ring_attention_forward(query, key, value, shape, ring, layout)
-            del query, key, value
+            kv_pack = FlatPack([key, value])
+            key_value = kv_pack.pack([key, value])
+            del key, value
+            attention = torch.zeros(*query.shape, dtype=torch.float32, device=query.device)
+            lse = torch.full((batch, shape.heads, length), float("-inf"), device=query.device)
+            _ring_attention_forward(query, kv_pack, key_value, attention, lse, shape, ring,
+                                    layout)
+            del query, key_value
             attention = attention.to(hidden.dtype)
             saved += [attention, lse]
-            partial = torch.nn.functional.linear(_merge_heads(attention), weight_proj)
-            output = partial if output is None else output.add_(partial)
+            output.addmm_(_merge_heads(attention).view(length * batch, -1), weight_proj.t())
         ctx.save_for_backward(hidden, qkv_weight, qkv_bias, proj_weight, *saved)
         ctx.shape, ctx.rotary, ctx.ring, ctx.layout = shape, rotary, ring, layout
-        return output
+        return output.view(length, batch, width)
 
     @staticmethod
     def backward(ctx, grad_output):
         hidden, qkv_weight, qkv_bias, proj_weight, *saved = ctx.saved_tensors
         shape, rotary, ring, layout = ctx.shape, ctx.rotary, ctx.ring, ctx.layout
         grad_output = grad_output.contiguous()
+        length, batch, _ = hidden.shape
         own = [qkv_weight, qkv_bias, proj_weight]
         shard = FlatPack(own)
         broadcast = _WeightBroadcast(shard, own, ring)
         grad_hidden = torch.zeros_like(hidden)
-        reductions = []
+        own_grads = None
+        previous_reduction = None
         for group in range(ring.size):
             weight_qkv, bias_qkv, weight_proj = broadcast.weights(group)
             attention, lse = saved[2 * group], saved[2 * group + 1]
@@ -309,7 +330,7 @@ class TwoLevelAttentionFunction(torch.autograd.Function):
             grad_weight_qkv, grad_bias_qkv, grad_weight_proj = shard.unpack(grads)
             torch.matmul(grad_output.flatten(0, 1).t(), _merge_heads(attention).flatten(0, 1),
                          out=grad_weight_proj)
-            grad_attention = _split_heads(torch.matmul(grad_output, weight_proj), shape.heads)
+            grad_attention = torch.matmul(grad_output, weight_proj).view(attention.shape)
             with torch.enable_grad():
                 leaves = [hidden.detach().requires_grad_(), weight_qkv.detach().requires_grad_()]
                 if bias_qkv is not None:
@@ -324,12 +345,17 @@ class TwoLevelAttentionFunction(torch.autograd.Function):
             grad_weight_qkv.copy_(input_grads[1])
             if grad_bias_qkv is not None:
                 grad_bias_qkv.copy_(input_grads[2])
-            reductions.append(dist.reduce(grads, ring.global_rank(group), group=ring.group,
-                                          async_op=True))
+            del input_grads
+            reduction = dist.reduce(grads, ring.global_rank(group), group=ring.group,
+                                    async_op=True)
             if group == ring.rank:
                 own_grads = grads
-        for work in reductions:
-            work.wait()
+            # At most two reductions in flight: other ranks' gradient buffers are dropped
+            # as soon as their reduction finished.
+            if previous_reduction is not None:
+                previous_reduction.wait()
+            previous_reduction = reduction
+        previous_reduction.wait()
         grad_weight_qkv, grad_bias_qkv, grad_weight_proj = shard.unpack(own_grads)
         return grad_hidden, grad_weight_qkv, grad_bias_qkv, grad_weight_proj, None, None, None, \
             None

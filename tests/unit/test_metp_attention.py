@@ -33,16 +33,18 @@ def _rotary(positions: torch.Tensor):
 
 
 def _reference(x, qkv_weight, qkv_bias, proj_weight, heads, groups):
-    from memo_ext.metp.attention import HeadShape, _merge_heads, _project_qkv
-
-    shape = HeadShape(heads, groups, HEAD_DIM)
-    query, key, value = _project_qkv(x, qkv_weight, qkv_bias, shape,
-                                     _rotary(torch.arange(SEQ)))
+    """Causal attention of the whole sequence in one process: [s, b, h] -> [s, b, h], QKV split
+    the way Megatron's SelfAttention splits its fused projection."""
     repeat = heads // groups
+    mixed = F.linear(x, qkv_weight, qkv_bias).view(SEQ, BATCH, groups, (repeat + 2) * HEAD_DIM)
+    query, key, value = torch.split(mixed, [repeat * HEAD_DIM, HEAD_DIM, HEAD_DIM], dim=3)
+    rotary = _rotary(torch.arange(SEQ))
+    query = rotary(query.reshape(SEQ, BATCH, heads, HEAD_DIM))
+    query, key, value = (t.permute(1, 2, 0, 3) for t in (query, rotary(key), value))
     attention = F.scaled_dot_product_attention(
         query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1),
         is_causal=True)
-    return F.linear(_merge_heads(attention), proj_weight)
+    return F.linear(attention.permute(2, 0, 1, 3).flatten(2), proj_weight)
 
 
 def _check_attention(rank, size, heads, groups, explicit_tiles):
