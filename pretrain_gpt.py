@@ -20,16 +20,16 @@ from megatron.training.arguments import parse_args, run_main
 
 
 def model_provider(config, args: argparse.Namespace, pre_process: bool = True,
-                   post_process: bool = True, memo=None, sppo=None):
+                   post_process: bool = True, memo=None, sppo=None, metp=None):
     """This pipeline stage's GPTModel (with MEMO layers when ``memo`` is given, SPPO's
-    subsequence attention when ``sppo`` is)."""
+    subsequence attention when ``sppo`` is, METP's attention and MLP when ``metp`` is)."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron.training.layer_specs import gpt_block_spec
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=gpt_block_spec(args, config, memo, sppo),
+        transformer_layer_spec=gpt_block_spec(args, config, memo, sppo, metp),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

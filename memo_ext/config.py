@@ -447,3 +447,20 @@ class SPPOConfig:
                     raise MemoConfigError(f"{arg_flag(field.name)} {getattr(self, field.name)} "
                                           "has no effect without --memo-sppo; add --memo-sppo "
                                           "or drop it")
+
+
+@dataclass
+class METPConfig:
+    """METP: tensor parallelism whose weight shards travel a P2P ring while activations stay
+    sequence-sharded, so no rank holds a full-sequence activation (metp.md; docs/metp.md)."""
+
+    metp: bool = memo_field(
+        False, flag="--memo-metp",
+        help="Run attention and MLP with memory-efficient tensor parallelism (METP): each TP rank "
+             "keeps its sequence shard and the weight shards travel a ring (MLP) or are "
+             "broadcast per head group with K/V on a sequence ring (attention), instead of "
+             "all-gathering the sequence. Same weights and checkpoints as TP+SP; implies "
+             "--sequence-parallel. Needs --tensor-model-parallel-size > 1, causal attention "
+             "without dropout, --seq-length divisible by 2 x TP, no context parallelism, no "
+             "recompute, no --memo-offload and no --memo-sppo (checked with the trainer's "
+             "flags in megatron.training.arguments).")

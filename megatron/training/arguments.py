@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from memo_ext.config import (
+    METPConfig,
     MemoConfigError,
     OffloadConfig,
     PlanConfig,
@@ -271,6 +272,7 @@ def _add_memo_args(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, PlanConfig, title="MEMO memory planning")
     add_config_arguments(parser, TelemetryConfig, title="MEMO memory telemetry")
     add_config_arguments(parser, SPPOConfig, title="SPPO subsequence pipeline")
+    add_config_arguments(parser, METPConfig, title="METP memory-efficient tensor parallelism")
 
 
 ArgsProvider = Callable[[argparse.ArgumentParser], None]
@@ -637,6 +639,8 @@ def _validate_memo(args: argparse.Namespace) -> None:
         raise ArgumentValidationError(str(error)) from None
     if sppo.sppo:
         _validate_sppo(args, sppo, offload.offload)
+    if config_from_args(METPConfig, args).metp:
+        _validate_metp(args, sppo.sppo, offload.offload)
     if not offload.offload:
         return
     _require(
@@ -668,6 +672,28 @@ def _validate_sppo(args: argparse.Namespace, sppo: SPPOConfig, memo_offload: boo
     _require(count is None or args.seq_length // split >= count,
              f"--memo-sppo-subsequences {count} is more than --seq-length {args.seq_length} "
              f"allows (subsequences are whole multiples of {split} tokens)")
+
+
+def _validate_metp(args: argparse.Namespace, sppo: bool, memo_offload: bool) -> None:
+    """METP's flag combinations; implies --sequence-parallel (METP keeps its layout)."""
+    tp = args.tensor_model_parallel_size
+    _require(tp > 1, "--memo-metp is a form of tensor parallelism; set "
+             "--tensor-model-parallel-size > 1")
+    _require(not sppo, "--memo-metp and --memo-sppo cannot be combined; drop one")
+    _require(not memo_offload, "--memo-metp and --memo-offload cannot be combined; drop one")
+    _require(args.context_parallel_size == 1, f"--memo-metp shards the sequence over TP itself; "
+             f"drop --context-parallel-size {args.context_parallel_size}")
+    _require(args.attention_dropout == 0, f"--memo-metp needs --attention-dropout 0 (got "
+             f"{args.attention_dropout})")
+    _require(args.attn_mask_type == "causal", "--memo-metp needs --attn-mask-type causal")
+    _require(args.recompute_granularity is None, f"--memo-metp recomputes inside its layers; "
+             f"drop --recompute-granularity {args.recompute_granularity}")
+    _require(args.seq_length % (2 * tp) == 0, f"--memo-metp cuts the sequence into 2 x TP = "
+             f"{2 * tp} equal chunks; make --seq-length {args.seq_length} a multiple of {2 * tp}")
+    query_groups = args.num_query_groups or args.num_attention_heads
+    _require(query_groups % tp == 0, f"--memo-metp needs --num-query-groups {query_groups} "
+             f"divisible by --tensor-model-parallel-size {tp}")
+    args.sequence_parallel = True
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:

@@ -46,12 +46,13 @@ def local_layer_spec(args: argparse.Namespace) -> ModuleSpec:
 
 
 def gpt_block_spec(
-    args: argparse.Namespace, config: TransformerConfig, memo=None, sppo=None
+    args: argparse.Namespace, config: TransformerConfig, memo=None, sppo=None, metp=None
 ) -> TransformerBlockSubmodules | ModuleSpec:
     """The transformer block of this pipeline stage; with ``memo`` (a
     memo_ext.offload.MemoOffload) its layers are MEMO layers built from the local spec, with
-    ``sppo`` (a memo_ext.sppo.SubsequencePipeline) local layers with SPPO's attention."""
-    for mechanism in (memo, sppo):
+    ``sppo`` (a memo_ext.sppo.SubsequencePipeline) local layers with SPPO's attention, with
+    ``metp`` (a memo_ext.metp.MemoryEfficientTP) local layers with METP's attention and MLP."""
+    for mechanism in (memo, sppo, metp):
         if mechanism is not None:
             return TransformerBlockSubmodules(
                 layer_specs=[mechanism.layer_spec(local_layer_spec(args))]

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from memo_ext.config import OffloadConfig, PlanConfig, SPPOConfig, TelemetryConfig, config_from_args
+from memo_ext.config import (METPConfig, OffloadConfig, PlanConfig, SPPOConfig, TelemetryConfig,
+                             config_from_args)
 from memo_ext.device import CopyEngine, cuda_memory_headroom, measure_offload_bandwidth
 from memo_ext.offload import ActivationShape, MemoOffload
 from memo_ext.offload.alpha import default_host_memory_bytes, microbatches_in_flight
@@ -159,6 +160,18 @@ def build_memo_sppo(args: argparse.Namespace, log,
     log(f"> {sppo.describe()}"
         + ("" if bandwidth is None else f" | D2H bandwidth {bandwidth / BYTES_PER_GB:.2f} GB/s"))
     return sppo
+
+
+def build_memo_metp(args: argparse.Namespace, log):
+    """--memo-metp's runtime (memo_ext.metp's MemoryEfficientTP), or None when off."""
+    if not config_from_args(METPConfig, args).metp:
+        return None
+    from memo_ext.metp import MemoryEfficientTP
+
+    metp = MemoryEfficientTP(config_from_args(METPConfig, args), seq_length=args.seq_length,
+                             tensor_parallel_size=args.tensor_model_parallel_size)
+    log(f"> {metp.describe()}")
+    return metp
 
 
 def _device_headroom(device: torch.device, telemetry: Optional[MemoryTelemetry]):

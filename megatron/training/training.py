@@ -31,6 +31,7 @@ from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import initialize_megatron
 from megatron.training.memo import (
     attach_memo_telemetry,
+    build_memo_metp,
     build_memo_offload,
     build_memo_planner,
     build_memo_sppo,
@@ -65,7 +66,7 @@ def print_rank_0(message: str) -> None:
 
 
 def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
-                memo=None, sppo=None) -> list:
+                memo=None, sppo=None, metp=None) -> list:
     """This stage's model chunk wrapped in megatron.core DDP (a one-element list)."""
     model = model_provider(
         config=config,
@@ -74,6 +75,7 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
         post_process=parallel_state.is_pipeline_last_stage(),
         memo=memo,
         **({} if sppo is None else {"sppo": sppo}),
+        **({} if metp is None else {"metp": metp}),
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -89,6 +91,8 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     if sppo is not None:  # last: moving to CUDA, casting and DDP's buffers replace storages
         sppo.attach(model)
+    if metp is not None:
+        metp.attach(model)
     return [model]
 
 
@@ -297,7 +301,8 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     telemetry = build_memo_telemetry(args, log=print_rank_0)
     memo = build_memo_offload(args, log=print_rank_0, telemetry=telemetry)
     sppo = build_memo_sppo(args, log=print_rank_0, telemetry=telemetry)
-    model = build_model(args, config, model_provider, memo, sppo)
+    metp = build_memo_metp(args, log=print_rank_0)
+    model = build_model(args, config, model_provider, memo, sppo, metp)
     attach_memo_telemetry(telemetry, model)
     optimizer, scheduler = build_optimizer(args, model)
     planner = build_memo_planner(args, model, log=print_rank_0)
