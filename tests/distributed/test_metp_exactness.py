@@ -2,7 +2,7 @@
 - 20 iterations of pretrain_gpt.py --memo-metp give the losses of TP+SP (--sequence-parallel) at
   the same TP size to 1e-5 relative: TP=2 with SwiGLU, GQA, rotary and biases; slow: TP=4 with
   GeLU and learned absolute positions.
-- Checkpoints interchange: TP+SP's iteration-10 checkpoint resumed under --memo-metp (and METP's
+- Checkpoints interchange (slow: two more runs): TP+SP's iteration-10 checkpoint resumed under --memo-metp (and METP's
   under TP+SP) gives iterations 11..20 of the uninterrupted TP+SP run, to 1e-5 relative."""
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def test_metp_losses_equal_tp_sp_tp2(tp2_runs):
     assert "> METP: ring P2P tensor parallelism over 2 ranks" in tp2_runs["metp"]["stdout"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved_by, loaded_by", [("tp_sp", "metp"), ("metp", "tp_sp")])
 def test_checkpoints_interchange(tp2_runs, saved_by, loaded_by, tmp_path):
     checkpoints = tp2_runs[saved_by]["checkpoints"]

@@ -86,3 +86,29 @@ def _check_all_cases(rank, size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_mlp_matches_single_process(world_size):
     run_ranks(world_size, _check_all_cases)
+
+
+def _check_transfer_progresses_during_compute(rank, size):
+    """The ring's transfer is not deferred to wait(): 16 MiB arrive in the receive buffer while
+    this rank only computes (gloo moves them on its own threads; its Work reports completion
+    only inside wait(), so the buffer itself is watched), which is what lets the next shard's
+    transfer overlap the current shard's matmuls."""
+    import time
+
+    from memo_ext.metp.ring import WEIGHTS_TAG, Ring
+
+    ring = Ring()
+    send = torch.full((4 << 20,), float(rank))
+    receive = torch.full_like(send, float("nan"))
+    transfer = ring.exchange(send, receive, WEIGHTS_TAG)
+    left = torch.randn(256, 256)
+    deadline = time.monotonic() + 20
+    while torch.isnan(receive[-1]):
+        assert time.monotonic() < deadline, "the transfer made no progress during compute"
+        left = torch.tanh(left @ left)  # compute only: no call into torch.distributed
+    transfer.wait()
+    assert torch.equal(receive, torch.full_like(send, float((rank + 1) % size)))
+
+
+def test_ring_transfer_progresses_during_compute():
+    run_ranks(2, _check_transfer_progresses_during_compute)
