@@ -1,7 +1,7 @@
 """Must-shows 1 (training half) and 3 of the METP issue, with --deterministic-mode on CPU:
 - 20 iterations of pretrain_gpt.py --memo-metp give the losses of TP+SP (--sequence-parallel) at
   the same TP size to 1e-5 relative: TP=2 with SwiGLU, GQA, rotary and biases; slow: TP=4 with
-  GeLU and learned absolute positions.
+  GeLU and learned absolute positions, and TP=2 x PP=2 with evaluation.
 - Checkpoints interchange (slow: two more runs): TP+SP's iteration-10 checkpoint resumed under --memo-metp (and METP's
   under TP+SP) gives iterations 11..20 of the uninterrupted TP+SP run, to 1e-5 relative."""
 
@@ -22,6 +22,11 @@ LAYOUTS = {
                                 "--position-embedding-type", "rope"]),
     "tp4_gelu_learned": (4, ["--tensor-model-parallel-size", "4",
                              "--position-embedding-type", "learned_absolute"]),
+    # With evaluation every 10 iterations: METP's forward under no_grad.
+    "tp2_pp2_swiglu_rope_eval": (4, ["--tensor-model-parallel-size", "2",
+                                     "--pipeline-model-parallel-size", "2", "--swiglu",
+                                     "--position-embedding-type", "rope", "--eval-interval", "10",
+                                     "--eval-iters", "1"]),
 }
 MECHANISMS = {"metp": ["--memo-metp"], "tp_sp": ["--sequence-parallel"]}
 
@@ -74,7 +79,8 @@ def test_checkpoints_interchange(tp2_runs, saved_by, loaded_by, tmp_path):
 
 
 @pytest.mark.slow
-def test_metp_losses_equal_tp_sp_tp4(tmp_path):
-    metp, _ = train("tp4_gelu_learned", "metp", tmp_path)
-    tp_sp, _ = train("tp4_gelu_learned", "tp_sp", tmp_path)
+@pytest.mark.parametrize("layout", ["tp4_gelu_learned", "tp2_pp2_swiglu_rope_eval"])
+def test_metp_losses_equal_tp_sp_slow_layouts(layout, tmp_path):
+    metp, _ = train(layout, "metp", tmp_path)
+    tp_sp, _ = train(layout, "tp_sp", tmp_path)
     assert_losses_equal(metp, tp_sp, range(1, 21))
