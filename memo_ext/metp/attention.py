@@ -19,10 +19,11 @@ row, K/V carrying their dK/dV accumulators, which reach their owners with one ex
 head group's weight gradients are reduced to rank j. Saved per layer: this rank's input and its
 attention output of every head group (2bsh/p in all) plus the log-sum-exps.
 
-Memory: Q, K, V of one head group are three matmuls on row slices of the fused QKV shard (no
+Memory: Q and K/V of one head group are two matmuls on row slices of the fused QKV shard (no
 fused temporary, no layout copies: tiles read [b, heads, s, d] views of Megatron's [s, b, heads,
-d] layout); K and V go straight into the ring's send buffer, and the projection accumulates into
-the output in place.
+d] layout); the K/V matmul's [s, b, 2, groups, d] output is itself the ring's send buffer, in
+forward and in backward's recomputation, and the projection accumulates into the output in
+place.
 
 GQA: K/V of a query group are expanded to its query heads per tile only (the ring carries the
 unexpanded ones) and dK/dV are summed back over the group's heads.
@@ -155,19 +156,24 @@ def _heads_first(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.permute(1, 2, 0, 3)
 
 
-def _ring_attention_forward(query, kv_pack: FlatPack, key_value, output, lse, shape: HeadShape,
-                            ring: Ring, layout: ZigzagLayout):
+def _split_key_value(key_value: torch.Tensor):
+    """K and V [b, groups, s, d] views of a [s, b, 2, groups, d] tensor."""
+    return _heads_first(key_value[:, :, 0]), _heads_first(key_value[:, :, 1])
+
+
+def _ring_attention_forward(query, key_value, output, lse, shape: HeadShape, ring: Ring,
+                            layout: ZigzagLayout):
     """One head group over the sequence ring: query [s/p, b, heads, d]; ``key_value`` this
-    rank's K and V [s/p, b, groups, d] packed by ``kv_pack`` (the buffer travels as is); fills
-    ``output`` (zeros, query's layout, fp32) and ``lse`` ([b, heads, s/p] fp32, -inf)."""
+    rank's K and V [s/p, b, 2, groups, d] (contiguous: it is the send buffer); fills ``output``
+    (zeros, query's layout, fp32) and ``lse`` ([b, heads, s/p] fp32, -inf)."""
     chunk = layout.chunk
-    buffers = [key_value, kv_pack.empty()]
+    buffers = [key_value, torch.empty_like(key_value)]
     query, output = _heads_first(query), _heads_first(output)
     for step in range(ring.size):
         current = buffers[step % 2]
         transfer = (ring.exchange(current, buffers[(step + 1) % 2], KEY_VALUE_TAG)
                     if step < ring.size - 1 else None)
-        key_j, value_j = (_heads_first(t) for t in kv_pack.unpack(current))
+        key_j, value_j = _split_key_value(current)
         for query_slot, key_slot, causal in _tiles(layout, ring.rank, ring.shard_at(step)):
             rows = slice(query_slot * chunk, (query_slot + 1) * chunk)
             cols = slice(key_slot * chunk, (key_slot + 1) * chunk)
@@ -182,26 +188,28 @@ def _ring_attention_forward(query, kv_pack: FlatPack, key_value, output, lse, sh
             transfer.wait()
 
 
-def _ring_attention_backward(grad_out, query, key, value, out, lse, shape: HeadShape,
+def _ring_attention_backward(grad_out, query, key_value, out, lse, shape: HeadShape,
                              ring: Ring, layout: ZigzagLayout):
-    """(dq, dk, dv) of one head group in the inputs' [s/p, b, heads or groups, d] layout;
-    dk/dv accumulators travel with K/V and end at home."""
+    """(dq, dkv) of one head group in the inputs' layouts (query [s/p, b, heads, d], key_value
+    [s/p, b, 2, groups, d]); the dK/dV accumulator travels with K/V and ends at home."""
     chunk = layout.chunk
-    kv_pack = FlatPack([key, value])
-    buffers = [kv_pack.pack([key, value]), kv_pack.empty()]
+    # From step 2 on (p > 2) the ring receives into ``key_value`` itself: safe, because the
+    # recompute graph it came from saves no K/V values (linear saves its input and weight,
+    # rotary its cos/sin tables).
+    buffers = [key_value, torch.empty_like(key_value)]
     grad_query = torch.zeros_like(query)
     grad_query_view, query = _heads_first(grad_query), _heads_first(query)
     grad_out, out = _heads_first(grad_out), _heads_first(out)
-    batch, groups, dim = key.shape[1], key.shape[2], key.shape[3]
+    batch, groups, dim = key_value.shape[1], key_value.shape[3], key_value.shape[4]
     incoming: Optional[torch.Tensor] = None
     accumulator_transfer: Optional[Transfer] = None
     for step in range(ring.size):
         current = buffers[step % 2]
         transfer = (ring.exchange(current, buffers[(step + 1) % 2], KEY_VALUE_TAG)
                     if step < ring.size - 1 else None)
-        key_j, value_j = (_heads_first(t) for t in kv_pack.unpack(current))
-        contribution = kv_pack.empty().zero_()
-        grad_key_j, grad_value_j = (_heads_first(t) for t in kv_pack.unpack(contribution))
+        key_j, value_j = _split_key_value(current)
+        contribution = torch.zeros_like(key_value)
+        grad_key_j, grad_value_j = _split_key_value(contribution)
         for query_slot, key_slot, causal in _tiles(layout, ring.rank, ring.shard_at(step)):
             rows = slice(query_slot * chunk, (query_slot + 1) * chunk)
             cols = slice(key_slot * chunk, (key_slot + 1) * chunk)
@@ -216,38 +224,46 @@ def _ring_attention_backward(grad_out, query, key, value, out, lse, shape: HeadS
         if accumulator_transfer is not None:
             accumulator_transfer.wait()
             contribution.add_(incoming)
-        incoming = kv_pack.empty()
+        incoming = torch.empty_like(key_value)
         accumulator_transfer = ring.exchange(contribution, incoming, KEY_VALUE_GRADIENTS_TAG)
         if transfer is not None:
             transfer.wait()
     accumulator_transfer.wait()  # the extra hop: this rank's own dK/dV come home
-    grad_key, grad_value = kv_pack.unpack(incoming)
-    return grad_query, grad_key, grad_value
+    return grad_query, incoming
 
 
 # ------------------------------------------------------------------------------ head groups
 
 def _project_qkv(hidden, qkv_weight, qkv_bias, shape: HeadShape, rotary: Optional[Rotary]):
-    """Q [s, b, heads, d], K and V [s, b, groups, d] of one head group from Megatron's fused
-    QKV shard (rows per query group: its query heads, then K, then V). Three matmuls on row
+    """Q [s, b, heads, d] and K/V [s, b, 2, groups, d] of one head group from Megatron's fused
+    QKV shard (rows per query group: its query heads, then K, then V). Two matmuls on row
     slices of the weight instead of one fused output split afterwards: no [s, b, 3 x] temporary
-    and no layout copies."""
+    and no layout copies; the K/V output is contiguous and travels the ring as it is."""
     per_group = (shape.heads_per_group + 2) * shape.head_dim
     query_rows = shape.heads_per_group * shape.head_dim
     weight = qkv_weight.view(shape.groups, per_group, -1)
     bias = None if qkv_bias is None else qkv_bias.view(shape.groups, per_group)
-    parts = []
-    for start, width, heads in ((0, query_rows, shape.heads),
-                                (query_rows, shape.head_dim, shape.groups),
-                                (query_rows + shape.head_dim, shape.head_dim, shape.groups)):
-        part = torch.nn.functional.linear(
-            hidden, weight[:, start:start + width].reshape(heads * shape.head_dim, -1),
-            None if bias is None else bias[:, start:start + width].reshape(-1))
-        parts.append(part.view(*hidden.shape[:2], heads, shape.head_dim))
-    query, key, value = parts
+
+    def rows(tensor, start, width, leading):
+        # [groups, width, ...] rows of every query group, as `leading` blocks of width/leading.
+        part = tensor[:, start:start + width]
+        part = part.reshape(shape.groups, leading, width // leading, *part.shape[2:])
+        return part.transpose(0, 1).reshape(-1, *part.shape[3:])
+
+    length, batch = hidden.shape[:2]
+    query = torch.nn.functional.linear(
+        hidden, weight[:, :query_rows].reshape(shape.heads * shape.head_dim, -1),
+        None if bias is None else bias[:, :query_rows].reshape(-1))
+    query = query.view(length, batch, shape.heads, shape.head_dim)
+    # K rows of all groups, then V rows of all groups: the output is [s, b, 2, groups, d].
+    key_value = torch.nn.functional.linear(
+        hidden, rows(weight, query_rows, 2 * shape.head_dim, 2),
+        None if bias is None else rows(bias, query_rows, 2 * shape.head_dim, 2))
+    key_value = key_value.view(length, batch, 2, shape.groups, shape.head_dim)
     if rotary is not None:
-        query, key = rotary(query), rotary(key)
-    return query, key, value
+        query = rotary(query)
+        key_value[:, :, 0] = rotary(key_value[:, :, 0])
+    return query, key_value
 
 
 def _merge_heads(tensor: torch.Tensor) -> torch.Tensor:
@@ -295,14 +311,10 @@ class TwoLevelAttentionFunction(torch.autograd.Function):
         saved = []
         for group in range(ring.size):
             weight_qkv, bias_qkv, weight_proj = broadcast.weights(group)
-            query, key, value = _project_qkv(hidden, weight_qkv, bias_qkv, shape, rotary)
-            kv_pack = FlatPack([key, value])
-            key_value = kv_pack.pack([key, value])
-            del key, value
+            query, key_value = _project_qkv(hidden, weight_qkv, bias_qkv, shape, rotary)
             attention = torch.zeros(*query.shape, dtype=torch.float32, device=query.device)
             lse = torch.full((batch, shape.heads, length), float("-inf"), device=query.device)
-            _ring_attention_forward(query, kv_pack, key_value, attention, lse, shape, ring,
-                                    layout)
+            _ring_attention_forward(query, key_value, attention, lse, shape, ring, layout)
             del query, key_value
             attention = attention.to(hidden.dtype)
             saved += [attention, lse]
