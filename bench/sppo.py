@@ -266,14 +266,12 @@ def write_report(out: Path, sizes: Sizes, memory: list[MemoryRow], per_token: fl
         "",
         "Without offloading, every subsequence's activations stay until its backward (backward "
         "runs in reverse order), so N alone saves only the working set that scales with the "
-        "subsequence (attention score blocks, MLP intermediates, logits); with offloading the "
-        "peak falls towards A_(N-1) + KV.",
+        "subsequence (MLP intermediates, logits; the attention runs as flash tiles, which keep "
+        "no score blocks); with offloading the peak falls towards A_(N-1) + KV.",
         "",
-        "The gap to the formula is what it leaves out: the CPU block kernel's fp32 score, "
-        "probability and gradient blocks [heads, s_i, s_j] (at N=1 several tensors of the full "
-        "s x s square per head; a flash kernel on a GPU keeps none), the dK/dV accumulators of "
-        "earlier subsequences (up to the KV size), the prefetched A_(i-1) during backward i, and "
-        "the logits of the running subsequence.",
+        "The gap to the formula with offloading is what it leaves out: the dK/dV accumulators "
+        "of earlier subsequences (up to the KV size), the prefetched A_(i-1) during backward i, "
+        "and the working set and logits of the running subsequence.",
         "",
         f"## 2. Bubble ratio of stage 0, PP=2, {sizes.bubble_seq} tokens, length partition "
         "(measured, iteration 3)",

@@ -3,10 +3,11 @@
 SPPO runs a sequence as N subsequences, forward 0..N-1 and backward N-1..0 (sppo.md). Each
 layer keeps the K/V of the subsequences already run (:class:`KVCache`, on device for the whole
 pass), and subsequence ``i``'s queries attend to blocks ``0..i``: earlier blocks fully, its own
-block with the causal (bottom-right aligned) mask. The kernel is a block-wise softmax with a
-log-sum-exp merge, in fp32 (softmax statistics) like flash attention: :class:`_BlockAttention`
-saves only Q, the output and the log-sum-exp and recomputes each block's probabilities in
-backward, so per-subsequence memory does not grow with the number of earlier blocks.
+block with the causal (bottom-right aligned) mask. Each block is one attention tile
+(memo_ext.attention_tiles: torch's flash kernels on CPU and on CUDA in fp16/bf16, an explicit
+softmax otherwise) and the tiles merge by log-sum-exp: :class:`_BlockAttention` saves only Q,
+the output and the log-sum-exp and runs each block's flash backward against them, so
+per-subsequence memory does not grow with the number of earlier blocks.
 
 Gradient flow across subsequences: earlier blocks enter subsequence ``i``'s attention as
 detached leaves, so their dK/dV *accumulate* in the leaves' ``.grad`` (the spec's on-device
@@ -15,9 +16,9 @@ accumulators) while later subsequences run backward. Subsequence ``j``'s own K/V
 ``j``'s own attention before it flows on into ``j``'s projections. That requires every later
 subsequence's backward to have run first; it is checked, never assumed.
 
-No library offers this: torch's SDPA has no log-sum-exp output on CPU and its causal mask is
-top-left aligned for q_len != kv_len; flash-attn's kv-cache kernels are inference-only and
-CUDA-only. Hence hand-written, in plain torch ops that run on CPU and CUDA alike.
+No library offers this: torch's SDPA returns no log-sum-exp and its causal mask is top-left
+aligned for q_len != kv_len; flash-attn's kv-cache kernels are inference-only. The tiles make
+it blocks of ordinary square-causal or unmasked attention.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from memo_ext.attention_tiles import merge_tile, tile_backward, tile_forward
 
 
 class SubsequenceOrderError(RuntimeError):
@@ -91,8 +94,8 @@ def _with_later(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _heads_first(tensor: torch.Tensor, repeat: int) -> torch.Tensor:
-    """[s, b, groups, d] -> [b, groups*repeat, s, d] fp32 (GQA groups expanded to heads)."""
-    tensor = tensor.permute(1, 2, 0, 3).float()
+    """[s, b, groups, d] -> [b, groups*repeat, s, d] (GQA groups expanded to heads)."""
+    tensor = tensor.permute(1, 2, 0, 3)
     return tensor if repeat == 1 else tensor.repeat_interleave(repeat, dim=1)
 
 
@@ -104,16 +107,8 @@ def _groups_last(grad: torch.Tensor, repeat: int, like: torch.Tensor) -> torch.T
     return grad.permute(2, 0, 1, 3).to(like.dtype)
 
 
-def _block_scores(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    if causal:  # the own block: query row r sees keys 0..r (q and k start at the same token)
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    return scores
-
-
 class _BlockAttention(torch.autograd.Function):
-    """softmax(Q·[K_0..K_i]^T·scale, causal in the last block)·[V_0..V_i], block by block.
+    """softmax(Q·[K_0..K_i]^T·scale, causal in the last block)·[V_0..V_i], one tile per block.
 
     Inputs in Megatron's [s, b, heads|groups, d] layout; output [s_q, b, heads*d].
     """
@@ -121,24 +116,17 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale: float, repeat: int, cached: list, query: torch.Tensor,
                 *keys_values: torch.Tensor):
-        q = query.permute(1, 2, 0, 3).float()
+        q = query.permute(1, 2, 0, 3)
         b, heads, sq, d = q.shape
-        running_max = torch.full((b, heads, sq), float("-inf"), device=q.device)
-        running_sum = torch.zeros((b, heads, sq), device=q.device)
-        accumulator = torch.zeros((b, heads, sq, d), device=q.device)
+        output = log_sum_exp = None
         blocks = len(keys_values) // 2
         for j in range(blocks):
-            scores = _block_scores(q, _heads_first(keys_values[2 * j], repeat), scale,
-                                   causal=j == blocks - 1)
-            new_max = torch.maximum(running_max, scores.amax(dim=-1))
-            correction = torch.exp(running_max - new_max)
-            probabilities = torch.exp(scores - new_max.unsqueeze(-1))
-            running_sum = running_sum * correction + probabilities.sum(dim=-1)
-            accumulator = accumulator * correction.unsqueeze(-1) + torch.matmul(
-                probabilities, _heads_first(keys_values[2 * j + 1], repeat))
-            running_max = new_max
-        output = (accumulator / running_sum.unsqueeze(-1)).to(query.dtype)
-        log_sum_exp = running_max + torch.log(running_sum)
+            tile_output, tile_lse = tile_forward(
+                q, _heads_first(keys_values[2 * j], repeat),
+                _heads_first(keys_values[2 * j + 1], repeat), causal=j == blocks - 1,
+                scale=scale)
+            output, log_sum_exp = merge_tile(output, log_sum_exp, tile_output, tile_lse)
+        output = output.to(query.dtype)
         ctx.scale, ctx.repeat, ctx.cached = scale, repeat, cached
         for block in cached:
             block.pending_backwards += 1
@@ -149,22 +137,18 @@ class _BlockAttention(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         query, output, log_sum_exp, *keys_values = ctx.saved_tensors
         scale, repeat = ctx.scale, ctx.repeat
-        q = query.permute(1, 2, 0, 3).float()
+        q = query.permute(1, 2, 0, 3)
         b, heads, sq, d = q.shape
-        grad_out = grad_output.view(sq, b, heads, d).permute(1, 2, 0, 3).float()
-        row_dot = (grad_out * output.float()).sum(dim=-1, keepdim=True)
-        grad_q = torch.zeros_like(q)
+        grad_out = grad_output.reshape(sq, b, heads, d).permute(1, 2, 0, 3).to(query.dtype)
+        grad_q = None
         grads = []
         blocks = len(keys_values) // 2
         for j in range(blocks):
             key, value = keys_values[2 * j], keys_values[2 * j + 1]
-            k, v = _heads_first(key, repeat), _heads_first(value, repeat)
-            probabilities = torch.exp(
-                _block_scores(q, k, scale, causal=j == blocks - 1) - log_sum_exp.unsqueeze(-1))
-            grad_v = torch.matmul(probabilities.transpose(-1, -2), grad_out)
-            grad_scores = probabilities * (torch.matmul(grad_out, v.transpose(-1, -2)) - row_dot)
-            grad_q += torch.matmul(grad_scores, k) * scale
-            grad_k = torch.matmul(grad_scores.transpose(-1, -2), q) * scale
+            tile_grad_q, grad_k, grad_v = tile_backward(
+                grad_out, q, _heads_first(key, repeat), _heads_first(value, repeat), output,
+                log_sum_exp, causal=j == blocks - 1, scale=scale)
+            grad_q = tile_grad_q.float() if grad_q is None else grad_q + tile_grad_q
             grads += [_groups_last(grad_k, repeat, key), _groups_last(grad_v, repeat, value)]
         for block in ctx.cached:
             block.pending_backwards -= 1
