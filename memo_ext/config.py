@@ -399,6 +399,12 @@ class SPPOConfig:
         help="Device->host bandwidth per rank for --memo-sppo-offload auto, in GB/s. Default: "
              "measured at startup with all ranks copying at once.")
 
+    sppo_host_memory_gb: Optional[float] = memo_field(
+        None, flag="--memo-sppo-host-memory-gb", metavar="GB",
+        help="Host memory per rank that --memo-sppo-offload may fill, in GB. A saved tensor that "
+             "would go beyond it stays on device (counted in the offload log line). Default: "
+             "the host memory available at startup divided by the ranks on the node.")
+
     @property
     def subsequences(self) -> Optional[int]:
         """The fixed subsequence count, or None for auto."""
@@ -428,6 +434,11 @@ class SPPOConfig:
     def pcie_bytes_per_s(self) -> Optional[float]:
         return None if self.sppo_pcie_gbps is None else self.sppo_pcie_gbps * BYTES_PER_GB
 
+    @property
+    def host_memory_bytes(self) -> Optional[int]:
+        return (None if self.sppo_host_memory_gb is None
+                else int(self.sppo_host_memory_gb * BYTES_PER_GB))
+
     def validate(self) -> None:
         """Raise MemoConfigError (one line: the flag and the fix) on any unusable value."""
         count = self.subsequences
@@ -441,6 +452,10 @@ class SPPOConfig:
                 self.sppo_pcie_gbps > 0 and math.isfinite(self.sppo_pcie_gbps)):
             raise MemoConfigError(f"--memo-sppo-pcie-gbps {_fmt(self.sppo_pcie_gbps)} must be a "
                                   "positive number of GB/s")
+        if self.sppo_host_memory_gb is not None and not (
+                self.sppo_host_memory_gb > 0 and math.isfinite(self.sppo_host_memory_gb)):
+            raise MemoConfigError(f"--memo-sppo-host-memory-gb {_fmt(self.sppo_host_memory_gb)} "
+                                  "must be a positive number of GB")
         if not self.sppo:
             for field in dataclasses.fields(self):
                 if field.name != "sppo" and getattr(self, field.name) != field.default:

@@ -144,9 +144,13 @@ def build_memo_sppo(args: argparse.Namespace, log,
     from memo_ext.sppo import LayerFlops, SubsequencePipeline
 
     engine = bandwidth = None
+    offloader_options = {}
     if config.offload_alpha != 0.0:
         engine, bandwidth = _copy_engine_and_bandwidth(_compute_device(), telemetry,
                                                        config.pcie_bytes_per_s)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        offloader_options["host_budget_bytes"] = (config.host_memory_bytes
+                                                  or default_host_memory_bytes(local_ranks))
     flops = LayerFlops.of_gpt_layer(args.hidden_size, args.ffn_hidden_size,
                                     args.num_attention_heads, args.num_query_groups,
                                     args.kv_channels, args.swiglu)
@@ -154,7 +158,7 @@ def build_memo_sppo(args: argparse.Namespace, log,
         config, seq_length=args.seq_length, pipeline_size=args.pipeline_model_parallel_size,
         micro_batch_size=args.micro_batch_size, hidden_size=args.hidden_size, layer_flops=flops,
         multiple_of=args.tensor_model_parallel_size if args.sequence_parallel else 1,
-        engine=engine, bandwidth_bytes_per_s=bandwidth, log=log,
+        engine=engine, bandwidth_bytes_per_s=bandwidth, log=log, **offloader_options,
         **({} if telemetry is None else {"host_allocation_scope": telemetry.tracker.host_allocations}),
     )
     log(f"> {sppo.describe()}"

@@ -176,7 +176,8 @@ class SubsequencePipeline:
             self.log(f"> SPPO offload after iteration {self.iterations}: offloaded "
                      f"{sum(r.offloaded_bytes for r in records) / mib:.2f} of "
                      f"{sum(r.offloadable_bytes for r in records) / mib:.2f} MiB of the last "
-                     f"sequence | next alphas "
+                     f"sequence, held back {sum(r.held_back_bytes for r in records) / mib:.2f} "
+                     "MiB for the host budget | next alphas "
                      + ("measuring" if alphas is None else ", ".join(f"{a:.2f}" for a in alphas)))
 
     def offload_alphas(self) -> Optional[list[float]]:

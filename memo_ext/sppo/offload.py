@@ -13,6 +13,8 @@ decides *how much* (``alpha_i``). With ``auto``, iteration 1 runs with nothing o
 measures, per subsequence, the offloadable bytes ``A_i`` and the forward time ``T_i``; from
 then on ``alpha_i = min(1, BW * T_{i+1} / A_i)``: what the link moves while the next
 subsequence computes. The last subsequence's backward comes first, so ``alpha_{N-1} = 0``.
+Host memory is a hard budget: a tensor whose copy would take the host bytes in use beyond it
+stays on device (counted as held back), so the offloader never fills the node's RAM.
 
 Why hand-written: MEMO's offload manager (memo_ext.offload) splits tensors token-wise and
 recomputes the rest inside one layer; SPPO keeps the rest on device and decides per
@@ -58,6 +60,7 @@ class SubsequenceRecord:
 
     offloadable_bytes: int = 0
     offloaded_bytes: int = 0
+    held_back_bytes: int = 0  # kept on device because the host budget was full
     forward_seconds: float = 0.0
     handles: list = field(default_factory=list)
 
@@ -68,14 +71,18 @@ class SubsequenceOffloader:
     ``alpha``: a fixed share in [0, 1] for every subsequence but the last, or None for auto.
     ``is_kept(tensor)``: True for tensors that must stay on device (K/V, parameters).
     ``host_allocation_scope``: entered around host buffer allocations (telemetry counts them as
-    host memory on CPU).
+    host memory on CPU). ``host_budget_bytes``: the most host bytes in use at once (None: no
+    limit).
     """
 
     def __init__(self, engine: CopyEngine, alpha: Optional[float], bandwidth_bytes_per_s: float,
                  is_kept: Callable[[torch.Tensor], bool],
                  host_allocation_scope: Callable[[], ContextManager] = contextlib.nullcontext,
-                 min_offload_bytes: int = MIN_OFFLOAD_BYTES):
+                 min_offload_bytes: int = MIN_OFFLOAD_BYTES,
+                 host_budget_bytes: Optional[int] = None):
         self.engine = engine
+        self.host_budget_bytes = host_budget_bytes
+        self.host_bytes_in_use = 0
         self.min_offload_bytes = min_offload_bytes
         self.fixed_alpha = alpha
         self.bandwidth = bandwidth_bytes_per_s
@@ -121,12 +128,18 @@ class SubsequenceOffloader:
             if alpha <= 0 or record.offloaded_bytes + nbytes > alpha * record.offloadable_bytes:
                 by_storage[key] = (tensor, tensor)
                 return tensor
+            if (self.host_budget_bytes is not None
+                    and self.host_bytes_in_use + nbytes > self.host_budget_bytes):
+                record.held_back_bytes += nbytes
+                by_storage[key] = (tensor, tensor)
+                return tensor
             with self.host_allocation_scope():
                 host = self.engine.alloc_host(nbytes)
             source = tensor.detach().reshape(-1).view(torch.uint8)
             handle = _Offloaded(host, self.engine.offload(host, source), tensor.shape,
                                 tensor.stride(), tensor.dtype)
             record.offloaded_bytes += nbytes
+            self.host_bytes_in_use += nbytes
             record.handles.append(handle)
             by_storage[key] = (handle, tensor)
             return handle
@@ -148,7 +161,9 @@ class SubsequenceOffloader:
     def release(self, index: int) -> None:
         """After subsequence ``index``'s backward: drop its prefetched device copies."""
         if index < len(self.records):
-            self.records[index].handles = []
+            record = self.records[index]
+            self.host_bytes_in_use -= sum(handle.host.numel() for handle in record.handles)
+            record.handles = []
 
     def after_iteration(self) -> list[SubsequenceRecord]:
         """Solve auto's alpha_i once the measuring iterations are done; returns the last

@@ -68,6 +68,7 @@ def test_alphas_follow_bandwidth_times_next_compute():
     ({"sppo_offload": "1.5"}, "outside"),
     ({"sppo_offload": "some"}, "not none, auto"),
     ({"sppo_pcie_gbps": -1.0}, "positive"),
+    ({"sppo_host_memory_gb": 0.0}, "--memo-sppo-host-memory-gb 0 must be a positive"),
 ])
 def test_bad_flags_are_refused(flags, message):
     with pytest.raises(MemoConfigError, match=message):
@@ -114,7 +115,7 @@ def full_sequence_grads(args):
 
 
 def sppo_run(args, subsequences: int, partition: str = "flops", offload: str = "none",
-             engine=None, tracker=None):
+             engine=None, tracker=None, host_budget_bytes=None):
     import pretrain_gpt
 
     config = SPPOConfig(sppo=True, sppo_subsequences=str(subsequences), sppo_partition=partition,
@@ -122,7 +123,7 @@ def sppo_run(args, subsequences: int, partition: str = "flops", offload: str = "
     sppo = SubsequencePipeline(
         config, seq_length=SEQ, pipeline_size=1, micro_batch_size=BATCH, hidden_size=HIDDEN,
         layer_flops=LayerFlops.of_gpt_layer(HIDDEN, 4 * HIDDEN, 4, 4, 16, False), engine=engine,
-        bandwidth_bytes_per_s=1e9, min_offload_bytes=0,
+        bandwidth_bytes_per_s=1e9, min_offload_bytes=0, host_budget_bytes=host_budget_bytes,
         **({} if tracker is None else {"host_allocation_scope": tracker.host_allocations}))
     model, config = build(args, sppo)
     if tracker is not None:
@@ -163,6 +164,23 @@ def test_offloading_keeps_gradients_and_lowers_the_device_peak(megatron_world, o
     assert worst_relative_gradient_error(grads, reference) < 1e-5
     assert sppo.offload_alphas() == [float(offload)] * 3 + [0.0]
     assert offloaded.stats()["peak_device_bytes"] < kept.stats()["peak_device_bytes"]
+
+
+def test_host_budget_caps_what_is_offloaded(megatron_world):
+    args = model_args(MODELS["gpt_learned_gelu"])
+    _, reference = full_sequence_grads(args)
+    with CopyEngine("cpu") as engine:
+        _, _, unlimited = sppo_run(args, 4, offload="1", engine=engine)
+        wanted = sum(r.offloaded_bytes for r in unlimited.offloader.after_iteration())
+        budget = wanted // 3
+        _, grads, capped = sppo_run(args, 4, offload="1", engine=engine,
+                                    host_budget_bytes=budget)
+    records = capped.offloader.after_iteration()
+    offloaded = sum(r.offloaded_bytes for r in records)
+    assert 0 < offloaded <= budget < wanted
+    assert offloaded + sum(r.held_back_bytes for r in records) == wanted
+    assert capped.offloader.host_bytes_in_use == 0  # every host copy released after backward
+    assert worst_relative_gradient_error(grads, reference) < 1e-5
 
 
 def test_backward_out_of_order_is_refused(megatron_world):
