@@ -28,8 +28,9 @@ place.
 GQA: K/V of a query group are expanded to its query heads per tile only (the ring carries the
 unexpanded ones) and dK/dV are summed back over the group's heads.
 
-Tiles run torch's CPU flash-attention kernels (which return the log-sum-exp) on CPU and an
-explicit per-tile softmax elsewhere (the tile is [s/2p x s/2p], not [s x s]).
+Tiles run memo_ext.attention_tiles' kernels (torch's flash kernels, which return the log-sum-
+exp, on CPU and for fp16/bf16 on CUDA; an explicit per-tile softmax otherwise, materialising a
+[s/2p x s/2p] tile, not [s x s]); the merge is done here, in place in the output.
 
 Written by hand: the paper has no public code, and no library ring attention works on gloo/CPU
 or shares Megatron's weight layout.
@@ -44,6 +45,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from memo_ext.attention_tiles import tile_backward, tile_forward
 from memo_ext.metp.ring import (KEY_VALUE_GRADIENTS_TAG, KEY_VALUE_TAG, FlatPack, Ring,
                                 Transfer)
 
@@ -95,46 +97,9 @@ class HeadShape:
 
 # ------------------------------------------------------------------------------------- tiles
 
-def _use_cpu_flash(tensor: torch.Tensor) -> bool:
-    """CPU tensors use torch's CPU flash kernels; tests turn this off to run the other path."""
-    return tensor.device.type == "cpu"
-
-
-def tile_forward(query, key, value, causal: bool, scale: float):
-    """Attention of one tile ([b, heads, L, d] each): (output, log-sum-exp [b, heads, L] fp32)."""
-    if _use_cpu_flash(query):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, scale=scale)
-        return out, lse.float()
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
-    if causal:
-        scores = scores + _causal_bias(scores)
-    lse = torch.logsumexp(scores, dim=-1)
-    probabilities = torch.exp(scores - lse.unsqueeze(-1)).to(value.dtype)
-    return torch.matmul(probabilities, value), lse
-
-
-def tile_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
-    """Gradients (dq, dk, dv) of one tile given the *row's* final output and log-sum-exp (so the
-    tile's probabilities are exactly its part of the full softmax)."""
-    if _use_cpu_flash(query):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, query, key, value, out, lse, 0.0, causal, scale=scale)
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
-    if causal:
-        scores = scores + _causal_bias(scores)
-    probabilities = torch.exp(scores - lse.unsqueeze(-1))
-    grad_value = torch.matmul(probabilities.to(grad_out.dtype).transpose(-1, -2), grad_out)
-    grad_probabilities = torch.matmul(grad_out, value.transpose(-1, -2)).float()
-    row_dot = (grad_out.float() * out.float()).sum(-1, keepdim=True)
-    grad_scores = (probabilities * (grad_probabilities - row_dot) * scale).to(query.dtype)
-    return (torch.matmul(grad_scores, key), torch.matmul(grad_scores.transpose(-1, -2), query),
-            grad_value)
-
-
-def _causal_bias(scores: torch.Tensor) -> torch.Tensor:
-    length = scores.shape[-1]
-    return torch.full((length, length), float("-inf"), device=scores.device).triu(1)
+#: Kernel override for memo_ext.attention_tiles (None: chosen by device and dtype); tests set
+#: "explicit" to run the off-CPU path on CPU.
+TILE_KERNEL: Optional[str] = None
 
 
 def _tiles(layout: ZigzagLayout, query_rank: int, key_rank: int):
@@ -179,7 +144,8 @@ def _ring_attention_forward(query, key_value, output, lse, shape: HeadShape, rin
             cols = slice(key_slot * chunk, (key_slot + 1) * chunk)
             tile_out, tile_lse = tile_forward(
                 query[:, :, rows], _expand_groups(key_j[:, :, cols], shape.heads_per_group),
-                _expand_groups(value_j[:, :, cols], shape.heads_per_group), causal, shape.scale)
+                _expand_groups(value_j[:, :, cols], shape.heads_per_group), causal, shape.scale,
+                kernel=TILE_KERNEL)
             merged = torch.logaddexp(lse[:, :, rows], tile_lse)
             output[:, :, rows].mul_(torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)).add_(
                 tile_out.float() * torch.exp(tile_lse - merged).unsqueeze(-1))
@@ -217,7 +183,7 @@ def _ring_attention_backward(grad_out, query, key_value, out, lse, shape: HeadSh
                 grad_out[:, :, rows], query[:, :, rows],
                 _expand_groups(key_j[:, :, cols], shape.heads_per_group),
                 _expand_groups(value_j[:, :, cols], shape.heads_per_group),
-                out[:, :, rows], lse[:, :, rows], causal, shape.scale)
+                out[:, :, rows], lse[:, :, rows], causal, shape.scale, kernel=TILE_KERNEL)
             grad_query_view[:, :, rows] += dq
             grad_key_j[:, :, cols] += dk.reshape(batch, groups, -1, chunk, dim).sum(2)
             grad_value_j[:, :, cols] += dv.reshape(batch, groups, -1, chunk, dim).sum(2)

@@ -1,7 +1,8 @@
 """METP's two-level causal attention on 2 and 4 gloo ranks against a single-process causal
 attention (metp.md): output and gradients (input, QKV weight and bias, projection weight) within
 1e-5 mean absolute error in fp32, with zigzag sharding and rotary on global positions; plain
-multi-head and GQA; CPU flash tiles and the explicit-softmax tiles used off CPU."""
+multi-head and GQA; CPU flash tiles and the explicit-softmax tiles
+(memo_ext.attention_tiles) used off CPU."""
 
 from __future__ import annotations
 
@@ -72,14 +73,13 @@ def _check_attention(rank, size, heads, groups, explicit_tiles):
     for tensor in local:
         tensor.requires_grad_()
     shape = HeadShape(heads // size, groups // size, HEAD_DIM)
-    use_cpu_flash = metp_attention._use_cpu_flash
     if explicit_tiles:  # the off-CPU tile code, run here on CPU tensors
-        metp_attention._use_cpu_flash = lambda tensor: False
+        metp_attention.TILE_KERNEL = "explicit"
     try:
         out = two_level_attention(*local, shape, Ring(), layout, _rotary(positions))
         out.backward(grad[positions])
     finally:
-        metp_attention._use_cpu_flash = use_cpu_flash
+        metp_attention.TILE_KERNEL = None
 
     expected = [reference[positions], full[0].grad[positions], full[1].grad.chunk(size, 0)[rank],
                 full[2].grad.chunk(size, 0)[rank], full[3].grad.chunk(size, 1)[rank]]
