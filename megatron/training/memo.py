@@ -106,8 +106,7 @@ def build_memo_offload(args: argparse.Namespace, log,
     engine, bandwidth = _copy_engine_and_bandwidth(device, telemetry, config.pcie_bytes_per_s)
     bandwidth_source = ("--memo-pcie-gbps" if config.pcie_bytes_per_s is not None
                         else "measured, all ranks copying at once")
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    host_memory = config.host_memory_bytes or default_host_memory_bytes(local_ranks)
+    host_memory = _host_memory_budget(config.host_memory_bytes)
     shape = ActivationShape(
         sequence_tokens=args.seq_length // args.context_parallel_size,
         micro_batch_size=args.micro_batch_size,
@@ -134,6 +133,13 @@ def build_memo_offload(args: argparse.Namespace, log,
     return memo
 
 
+def _host_memory_budget(flag_bytes: Optional[int]) -> int:
+    """Host bytes an offloader on this rank may fill: the flag's value, or the host memory
+    available now divided by the ranks on this node."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return flag_bytes or default_host_memory_bytes(local_ranks)
+
+
 def build_memo_sppo(args: argparse.Namespace, log,
                     telemetry: Optional[MemoryTelemetry] = None):
     """--memo-sppo's runtime (memo_ext.sppo's SubsequencePipeline), or None when off.
@@ -148,9 +154,7 @@ def build_memo_sppo(args: argparse.Namespace, log,
     if config.offload_alpha != 0.0:
         engine, bandwidth = _copy_engine_and_bandwidth(_compute_device(), telemetry,
                                                        config.pcie_bytes_per_s)
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        offloader_options["host_budget_bytes"] = (config.host_memory_bytes
-                                                  or default_host_memory_bytes(local_ranks))
+        offloader_options["host_budget_bytes"] = _host_memory_budget(config.host_memory_bytes)
     flops = LayerFlops.of_gpt_layer(args.hidden_size, args.ffn_hidden_size,
                                     args.num_attention_heads, args.num_query_groups,
                                     args.kv_channels, args.swiglu)
