@@ -399,6 +399,14 @@ class SPPOConfig:
         help="Device->host bandwidth per rank for --memo-sppo-offload auto, in GB/s. Default: "
              "measured at startup with all ranks copying at once.")
 
+    sppo_msp: bool = memo_field(
+        False, flag="--memo-sppo-msp",
+        help="Multiplexed sequence partitioning: during a sequence's warm-up and cool-down the "
+             "stages that would idle run part of the busy stages' transformer layers (the "
+             "owner broadcasts its layer weights, the group splits the subsequence into "
+             "FLOPs-balanced pieces and recomputes them in backward). Needs "
+             "--pipeline-model-parallel-size > 1, --tensor-model-parallel-size 1 and "
+             "--hidden-dropout 0.")
     sppo_host_memory_gb: Optional[float] = memo_field(
         None, flag="--memo-sppo-host-memory-gb", metavar="GB",
         help="Host memory per rank that --memo-sppo-offload may fill, in GB. A saved tensor that "

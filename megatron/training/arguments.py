@@ -667,6 +667,14 @@ def _validate_sppo(args: argparse.Namespace, sppo: SPPOConfig, memo_offload: boo
     _require(args.attn_mask_type == "causal", "--memo-sppo needs --attn-mask-type causal")
     _require(args.recompute_granularity is None, f"--memo-sppo replaces recomputation by "
              f"offloading; drop --recompute-granularity {args.recompute_granularity}")
+    if sppo.sppo_msp:
+        _require(args.pipeline_model_parallel_size > 1, "--memo-sppo-msp multiplexes idle "
+                 "pipeline stages; set --pipeline-model-parallel-size > 1 or drop it")
+        _require(args.tensor_model_parallel_size == 1, "--memo-sppo-msp needs "
+                 f"--tensor-model-parallel-size 1 (got {args.tensor_model_parallel_size}): a "
+                 "multiplexed piece would cut across the TP ranks' sequence shards")
+        _require(args.hidden_dropout == 0, f"--memo-sppo-msp recomputes multiplexed layers in "
+                 f"backward and needs --hidden-dropout 0 (got {args.hidden_dropout})")
     split = args.tensor_model_parallel_size if args.sequence_parallel else 1
     count = sppo.subsequences
     _require(count is None or args.seq_length // split >= count,

@@ -22,15 +22,13 @@ from memo_ext.device import CopyEngine
 from memo_ext.sppo.attention import KVCache, SubsequenceCoreAttention, SubsequenceOrderError
 from memo_ext.sppo.offload import SubsequenceOffloader
 from memo_ext.sppo.partition import LayerFlops, auto_subsequences, partition
-from memo_ext.sppo.schedule import (
-    StageTimeline,
-    fill_drain_bubble_ratio,
-    run_subsequence_pipeline,
-)
+from memo_ext.sppo.multiplex import SequenceMultiplexer, pipeline_bubble_ratio, \
+    plan_multiplexing
+from memo_ext.sppo.schedule import StageTimeline, run_subsequence_pipeline
 
 __all__ = ["SubsequencePipeline", "SubsequenceState", "SubsequenceCoreAttention",
            "SubsequenceOrderError", "LayerFlops", "partition", "StageTimeline",
-           "fill_drain_bubble_ratio"]
+           "pipeline_bubble_ratio", "plan_multiplexing"]
 
 #: Iteration whose schedule timeline is logged: the first two include one-time costs (the
 #: bandwidth probe, auto offload's measuring pass, allocator warm-up).
@@ -45,6 +43,8 @@ class SubsequenceState:
         self.index = 0
         self.caches: list[KVCache] = []
         self._kv_storages: set[int] = set()
+        #: The running --memo-sppo-msp task's pass (memo_ext.sppo.multiplex), else None.
+        self.multiplexed = None
 
     @property
     def count(self) -> int:
@@ -118,6 +118,9 @@ class SubsequencePipeline:
                 engine, alpha, bandwidth_bytes_per_s, is_kept=self.kept_on_device,
                 host_allocation_scope=host_allocation_scope, **offloader_options)
         self._parameter_storages: set[int] = set()
+        self.multiplexer = (SequenceMultiplexer(self.state, pipeline_size, layer_flops,
+                                                micro_batch_size, hidden_size)
+                            if config.sppo_msp else None)
 
     @property
     def boundaries(self) -> list[int]:
@@ -126,8 +129,13 @@ class SubsequencePipeline:
     def describe(self) -> str:
         lengths = [b - a for a, b in zip(self.boundaries, self.boundaries[1:])]
         offload = self.config.sppo_offload
-        return (f"SPPO: {len(lengths)} subsequences ({self.config.sppo_partition} partition) of "
-                f"{', '.join(map(str, lengths))} tokens | offload {offload}")
+        described = (f"SPPO: {len(lengths)} subsequences ({self.config.sppo_partition} partition) "
+                     f"of {', '.join(map(str, lengths))} tokens | offload {offload}")
+        if self.multiplexer is not None:
+            tasks = self.multiplexer.tasks.values()
+            described += (f" | MSP: {len(tasks)} multiplexed tasks per stage pass: " + ", ".join(
+                f"s{t.stage}/{t.subsequence}+{'.'.join(map(str, t.helpers))}" for t in tasks))
+        return described
 
     def layer_spec(self, spec: ModuleSpec) -> ModuleSpec:
         """``spec`` (a TransformerLayer ModuleSpec) with SPPO's subsequence core attention."""
@@ -141,13 +149,16 @@ class SubsequencePipeline:
         return spec
 
     def attach(self, model_chunk: torch.nn.Module) -> None:
-        """Offset rotary embeddings by the running subsequence's first token, and note the
-        chunk's parameters (never offloaded)."""
+        """Offset rotary embeddings by the running subsequence's first token, note the
+        chunk's parameters (never offloaded) and, with MSP, create its process groups and hook
+        the chunk's transformer block (collective)."""
         for module in model_chunk.modules():
             if isinstance(module, RotaryEmbedding):
                 module.register_forward_pre_hook(self._rotary_offset, with_kwargs=True)
         self._parameter_storages.update(p.untyped_storage()._cdata
                                         for p in model_chunk.parameters())
+        if self.multiplexer is not None:
+            self.multiplexer.setup(model_chunk)
 
     def forward_backward(self, *, forward_step_func, data_iterator, model: list,
                          num_microbatches: int, forward_only: bool, config) -> list:
@@ -156,7 +167,8 @@ class SubsequencePipeline:
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=num_microbatches, micro_batch_size=self.micro_batch_size,
             hidden_size=self.hidden_size, forward_only=forward_only, subsequences=self.state,
-            config=config, offloader=self.offloader, timeline=self.timeline)
+            config=config, offloader=self.offloader, timeline=self.timeline,
+            multiplexer=self.multiplexer)
 
     def after_iteration(self) -> None:
         """Solve auto's offload shares after the measuring iteration; log what the offloader
@@ -164,9 +176,14 @@ class SubsequencePipeline:
         self.iterations += 1
         if self.iterations == BUBBLE_LOG_ITERATION:
             stages = self.pipeline_size
-            self.log(f"> SPPO stage bubble ratio (iteration {self.iterations}, measured on this "
-                     f"rank's clock): {self.timeline.bubble_ratio():.3f} | fill-drain formula "
-                     f"(p-1)/N = {(stages - 1) / self.state.count:.3f}")
+            line = (f"> SPPO stage bubble ratio (iteration {self.iterations}, measured on this "
+                    f"rank's clock): {self.timeline.bubble_ratio():.3f} | fill-drain formula "
+                    f"(p-1)/N = {(stages - 1) / self.state.count:.3f}")
+            if self.multiplexer is not None:
+                work = [1.0] * self.state.count
+                line += (" | with MSP, equal work: "
+                         f"{pipeline_bubble_ratio(stages, work, [2.0] * len(work), self.multiplexer.tasks):.3f}")
+            self.log(line)
         if self.offloader is None:
             return
         records = self.offloader.after_iteration()

@@ -93,6 +93,14 @@ def _with_later(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad + later
 
 
+def contiguous_kv(key: torch.Tensor, value: torch.Tensor) -> tuple:
+    """K and V in storages of their own. V (and K without RoPE) are slices of the fused QKV
+    projection's output: cached as they are they would pin the whole buffer, Q included, for the
+    rest of the sequence and keep the offloader from moving it."""
+    return tuple(t if t.untyped_storage().nbytes() == t.nbytes
+                 else t.clone(memory_format=torch.contiguous_format) for t in (key, value))
+
+
 def _heads_first(tensor: torch.Tensor, repeat: int) -> torch.Tensor:
     """[s, b, groups, d] -> [b, groups*repeat, s, d] (GQA groups expanded to heads)."""
     tensor = tensor.permute(1, 2, 0, 3)
@@ -194,6 +202,8 @@ class SubsequenceCoreAttention(MegatronModule):
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("--memo-sppo supports neither packed sequences nor attention bias")
+        if self.subsequences.multiplexed is not None:  # a task of --memo-sppo-msp
+            return self.subsequences.multiplexed.attention(self, query, key, value)
         index = self.subsequences.index
         if index == 0:
             self.cache.clear()
@@ -201,11 +211,7 @@ class SubsequenceCoreAttention(MegatronModule):
             raise SubsequenceOrderError(
                 f"SPPO: subsequence {index} forward found {len(self.cache.blocks)} cached blocks; "
                 "subsequences must run forward in order 0, 1, ...")
-        # V (and K without RoPE) are slices of the fused QKV projection's output: cached as
-        # they are they would pin the whole buffer, Q included, for the rest of the sequence and
-        # keep the offloader from moving it.
-        key, value = (t if t.untyped_storage().nbytes() == t.nbytes
-                      else t.clone(memory_format=torch.contiguous_format) for t in (key, value))
+        key, value = contiguous_kv(key, value)
         block = _CachedBlock(index, key, value)
         if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
             key, value = _AddLaterGradients.apply(block, key, value)

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
+from memo_ext.sppo.multiplex import BACKWARD, FORWARD, HELP_BACKWARD, stage_program
+
 
 class SubsequenceBatches:
     """The iterator a forward step reads while subsequence ``i`` of the current sequence runs:
@@ -104,10 +106,12 @@ class _Clock:
 def run_subsequence_pipeline(*, forward_step_func: Callable, data_iterator, model: list,
                              num_microbatches: int, micro_batch_size: int, hidden_size: int,
                              forward_only: bool, subsequences, config,
-                             offloader=None, timeline: Optional[StageTimeline] = None) -> list:
+                             offloader=None, timeline: Optional[StageTimeline] = None,
+                             multiplexer=None) -> list:
     """One global batch: ``num_microbatches`` sequences, each as the subsequences of
     ``subsequences.boundaries``. Returns the loss reports of the last stage (one per
-    subsequence), like megatron.core's schedules."""
+    subsequence), like megatron.core's schedules. With ``multiplexer`` (--memo-sppo-msp) the
+    stage also runs its share of other stages' multiplexed tasks, in slot order."""
     if len(model) != 1:
         raise ValueError("--memo-sppo does not support virtual pipeline stages")
     chunk = model[0]
@@ -120,6 +124,11 @@ def run_subsequence_pipeline(*, forward_step_func: Callable, data_iterator, mode
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     set_input_tensor = get_attr_wrapped_model(chunk, "set_input_tensor")
+    program = stage_program(parallel_state.get_pipeline_model_parallel_rank(),
+                            parallel_state.get_pipeline_model_parallel_world_size(), count,
+                            multiplexer.tasks if multiplexer is not None else {}, forward_only)
+    if multiplexer is not None:
+        multiplexer.training = not forward_only
 
     def hidden_shape(index: int) -> tuple:
         tokens = boundaries[index + 1] - boundaries[index]
@@ -143,8 +152,9 @@ def run_subsequence_pipeline(*, forward_step_func: Callable, data_iterator, mode
     no_sync = config.no_sync_func if (config.no_sync_func is not None and not forward_only) \
         else None
     for microbatch in range(num_microbatches):
-        inputs, outputs = [], []
-        for index in range(count):
+        inputs, outputs = [None] * count, [None] * count
+
+        def forward(index: int) -> None:
             batches.start(index)
             subsequences.enter(index)
             input_tensor = None if first else receive(
@@ -160,12 +170,10 @@ def run_subsequence_pipeline(*, forward_step_func: Callable, data_iterator, mode
                     reports.append(report)
             if not last:
                 send(output_tensor, parallel_state.get_pipeline_model_parallel_next_rank())
-            inputs.append(input_tensor)
-            outputs.append(None if forward_only else output_tensor)
-        if forward_only:
-            subsequences.end_sequence()
-            continue
-        for index in reversed(range(count)):
+            inputs[index] = input_tensor
+            outputs[index] = None if forward_only else output_tensor
+
+        def backward(index: int) -> None:
             subsequences.enter(index)
             output_grad = None if last else receive(
                 index, parallel_state.get_pipeline_model_parallel_next_rank(), False)
@@ -185,6 +193,15 @@ def run_subsequence_pipeline(*, forward_step_func: Callable, data_iterator, mode
             if not first:
                 send(inputs[index].grad, parallel_state.get_pipeline_model_parallel_prev_rank())
             inputs[index] = outputs[index] = None
+
+        for kind, step in program:
+            if kind == FORWARD:
+                forward(step)
+            elif kind == BACKWARD:
+                backward(step)
+            else:
+                with clock.busy():
+                    multiplexer.help(step, backward=kind == HELP_BACKWARD)
         subsequences.end_sequence()
     for work, _ in pending_sends:
         work.wait()
@@ -192,29 +209,3 @@ def run_subsequence_pipeline(*, forward_step_func: Callable, data_iterator, mode
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(model, None)
     return reports
-
-
-def fill_drain_bubble_ratio(stages: int, forward_seconds: list[float],
-                            backward_seconds: list[float]) -> float:
-    """Bubble ratio (idle / busy time of a stage) of the order run_subsequence_pipeline
-    executes, for one sequence with per-subsequence forward/backward times (the same on every
-    stage): forward i on stage s starts after forward i on s-1 and forward i-1 on s; backward i
-    after backward i on s+1, backward i+1 on s and the stage's last forward. Every stage is busy
-    for the same time, so the ratio is the same on every stage; with equal times it is (p-1)/N.
-    """
-    count = len(forward_seconds)
-    forward_end = [[0.0] * count for _ in range(stages)]
-    for stage in range(stages):
-        for index in range(count):
-            ready = max(forward_end[stage - 1][index] if stage else 0.0,
-                        forward_end[stage][index - 1] if index else 0.0)
-            forward_end[stage][index] = ready + forward_seconds[index]
-    backward_end = [[0.0] * count for _ in range(stages)]
-    for stage in reversed(range(stages)):
-        for index in reversed(range(count)):
-            ready = max(backward_end[stage + 1][index] if stage < stages - 1 else 0.0,
-                        backward_end[stage][index + 1] if index < count - 1 else 0.0,
-                        forward_end[stage][count - 1])
-            backward_end[stage][index] = ready + backward_seconds[index]
-    busy = sum(forward_seconds) + sum(backward_seconds)
-    return (backward_end[0][0] - busy) / busy
