@@ -132,8 +132,9 @@ def pipeline_bubble_ratio(stages: int, forward_seconds: list[float],
     """Mean idle / busy time over the stages for one sequence, in the order every stage's
     :func:`stage_program` runs: a step starts when its inputs exist (forward ``i`` of the
     previous stage, backward ``i`` of the next) and all its group's members are free; a
-    multiplexed task takes its time over its member count. Without tasks and with equal times
-    it is (p-1)/N."""
+    multiplexed task takes its time (its backward: forward + backward, for the recomputation)
+    over its member count; weight and K/V traffic are not counted. Without tasks and with equal
+    times it is (p-1)/N."""
     tasks = tasks or {}
     count = len(forward_seconds)
     free = [0.0] * stages
@@ -152,14 +153,15 @@ def pipeline_bubble_ratio(stages: int, forward_seconds: list[float],
             seconds = forward_seconds[index]
         else:
             ready = backward_end.get((stage + 1, index), 0.0)
-            seconds = backward_seconds[index]
+            # A multiplexed backward recomputes its forward first.
+            seconds = backward_seconds[index] + (forward_seconds[index] if task else 0.0)
         start = max([ready] + [free[m] for m in members])
         end = start + seconds / len(members)
         for m in members:
             free[m] = end
         (forward_end if kind == FORWARD else backward_end)[(stage, index)] = end
     busy = sum(forward_seconds) + sum(backward_seconds)
-    return (stages * max(free) - stages * busy) / (stages * busy)
+    return (max(free) - busy) / busy
 
 
 def split_range(begin: int, end: int, parts: int, flops: LayerFlops) -> list[int]:
