@@ -1,9 +1,11 @@
 """SPPO: subsequence pipeline parallelism with sequence-aware offloading (sppo.md).
 
-Public entry point: :class:`SubsequencePipeline`. The trainer builds one per process from an
-:class:`memo_ext.config.SPPOConfig`, builds the model from :meth:`SubsequencePipeline.layer_spec`,
-calls :meth:`SubsequencePipeline.attach` on each model chunk, runs every global batch through
-:meth:`SubsequencePipeline.forward_backward` instead of megatron.core's schedule, and calls
+Public entry point: :class:`SubsequencePipeline`; with ``--memo-sppo-msp`` it runs the
+multiplexed sequence partitioning of :mod:`memo_ext.sppo.multiplex`. The trainer builds one per
+process from an :class:`memo_ext.config.SPPOConfig`, builds the model from
+:meth:`SubsequencePipeline.layer_spec`, calls :meth:`SubsequencePipeline.attach` on each model
+chunk, runs every global batch through :meth:`SubsequencePipeline.forward_backward` instead of
+megatron.core's schedule, and calls
 :meth:`SubsequencePipeline.after_iteration` after each step.
 """
 
@@ -181,8 +183,9 @@ class SubsequencePipeline:
                     f"(p-1)/N = {(stages - 1) / self.state.count:.3f}")
             if self.multiplexer is not None:
                 work = [1.0] * self.state.count
-                line += (" | with MSP, equal work: "
-                         f"{pipeline_bubble_ratio(stages, work, [2.0] * len(work), self.multiplexer.tasks):.3f}")
+                predicted = pipeline_bubble_ratio(stages, work, [2.0] * len(work),
+                                                  self.multiplexer.tasks)
+                line += f" | with MSP, equal work: {predicted:.3f}"
             self.log(line)
         if self.offloader is None:
             return

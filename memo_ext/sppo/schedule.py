@@ -17,6 +17,11 @@ no_sync_func and finalize_model_grads_func from the TransformerConfig).
 Point-to-point traffic uses torch.distributed isend/irecv on the pipeline group: every stage
 knows every subsequence's shape from the partition, and the order (blocking receives, asynchronous
 sends, no cycles) cannot deadlock.
+
+With --memo-sppo-msp every stage runs :func:`memo_ext.sppo.multiplex.stage_program`: its own
+steps and its share of other stages' multiplexed tasks, all in the order of the fill-drain
+slots. Dependencies only point to earlier slots and a multiplexed task's members all reach it
+in the same slot, so that order cannot deadlock either (tests/unit/test_sppo_msp.py plays it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Must-show 1 of the SPPO issue: with --deterministic-mode on CPU, 20 iterations of
 pretrain_gpt.py --memo-sppo give the losses of plain training on the full sequence (megatron's
-1F1B with the same layout) to 1e-5 relative: PP=2 with N in {2, 4, 8}, PP=4 with N=8; slow:
-TP=2+SP with SwiGLU/GQA under PP=2, and sequence-aware offloading."""
+1F1B with the same layout) to 1e-5 relative: PP=2 with N in {2, 4, 8}, PP=4 with N=8, and
+multiplexed sequence partitioning (--memo-sppo-msp) with PP=2, N=4; slow: TP=2+SP with
+SwiGLU/GQA under PP=2, sequence-aware offloading, MSP with PP=4 and MSP with offloading."""
 
 from __future__ import annotations
 
@@ -71,4 +72,22 @@ def test_sppo_offloading_keeps_losses(offload, tmp_path, tmp_path_factory):
                                              "--memo-sppo-pcie-gbps", "10"],
                                 tmp_path, tmp_path_factory)
     assert "> SPPO offload after iteration 2: offloaded" in stdout
+    assert "offloaded 0.00 of" not in stdout.split("after iteration 2")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("layout, subsequences", [
+    ("pp2", 4), pytest.param("pp4", 8, marks=pytest.mark.slow)])
+def test_msp_losses_equal_full_sequence_training(layout, subsequences, tmp_path,
+                                                 tmp_path_factory):
+    stdout = check_sppo_matches(layout, ["--memo-sppo-subsequences", str(subsequences),
+                                         "--memo-sppo-msp"], tmp_path, tmp_path_factory)
+    assert "multiplexed tasks per stage pass: s0/0+" in stdout
+
+
+@pytest.mark.slow
+def test_msp_with_offloading_keeps_losses(tmp_path, tmp_path_factory):
+    stdout = check_sppo_matches("pp2_wide", ["--memo-sppo-subsequences", "4", "--memo-sppo-msp",
+                                             "--memo-sppo-offload", "0.5",
+                                             "--memo-sppo-pcie-gbps", "10"],
+                                tmp_path, tmp_path_factory)
     assert "offloaded 0.00 of" not in stdout.split("after iteration 2")[1].splitlines()[0]
