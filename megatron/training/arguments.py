@@ -670,9 +670,9 @@ def _validate_sppo(args: argparse.Namespace, sppo: SPPOConfig, memo_offload: boo
     if sppo.sppo_msp:
         _require(args.pipeline_model_parallel_size > 1, "--memo-sppo-msp multiplexes idle "
                  "pipeline stages; set --pipeline-model-parallel-size > 1 or drop it")
-        _require(args.tensor_model_parallel_size == 1, "--memo-sppo-msp needs "
-                 f"--tensor-model-parallel-size 1 (got {args.tensor_model_parallel_size}): a "
-                 "multiplexed piece would cut across the TP ranks' sequence shards")
+        _require(args.tensor_model_parallel_size == 1 or args.sequence_parallel,
+                 "--memo-sppo-msp with --tensor-model-parallel-size "
+                 f"{args.tensor_model_parallel_size} needs --sequence-parallel")
         _require(args.hidden_dropout == 0, f"--memo-sppo-msp recomputes multiplexed layers in "
                  f"backward and needs --hidden-dropout 0 (got {args.hidden_dropout})")
     split = args.tensor_model_parallel_size if args.sequence_parallel else 1

@@ -7,8 +7,9 @@ Where the idle slots are. SPPO's fill-drain order (schedule.py) runs forward ``i
 tail ``t >= N`` stages ``< t - N + 1`` are done and wait for backward; backward mirrors both, with
 the same busy tasks and the same idle stages. :func:`plan_multiplexing` hands the idle stages of
 every such slot out to its busy tasks, one at a time to the task with the most work per member,
-and a task keeps its group for its forward and its backward. For p=4, N=8 the tasks with helpers
-are exactly sppo.md's left and right sets: forward 0 of stage 0 runs on all four stages, ...
+and a task keeps its group for its forward and its backward. For p=4, N=8 all 8 tasks with
+helpers lie in sppo.md's left and right sets; forward 0 of stage 0 runs on all four stages
+(tests/unit/test_sppo_msp.py lists them).
 
 How a group runs a task (the gaps sppo.md leaves are filled as in docs/sppo.md "MSP"):
 
@@ -36,8 +37,12 @@ How a group runs a task (the gaps sppo.md leaves are filled as in docs/sppo.md "
   checkpointed layer block.
 
 Collectives run inside autograd (one node per layer), so every member's backward issues them in
-the same order. MSP needs TP 1: with sequence parallelism a piece would cut across the TP ranks'
-sequence shards.
+the same order.
+
+With tensor parallelism (sequence parallel) every TP rank of a stage has its own group with the
+same TP rank of the other stages (weights are TP shards, K/V are the rank's heads). The owner's
+TP ranks all-gather the subsequence's sequence shards, and each scatters its shard of every
+piece; the outputs come back the same way, so the owner ends with its own sequence shard again.
 
 No library does this: Seq1F1B and megatron's schedules have no cross-stage helpers.
 """
@@ -61,6 +66,9 @@ from memo_ext.sppo.attention import (
     contiguous_kv,
 )
 from memo_ext.sppo.partition import LayerFlops
+
+#: Dtypes a rotary table may have (megatron keeps it in fp32; Float16Module casts buffers).
+_ROTARY_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 FORWARD, BACKWARD, HELP_FORWARD, HELP_BACKWARD = "forward", "backward", "help_forward", \
     "help_backward"
@@ -164,12 +172,15 @@ def pipeline_bubble_ratio(stages: int, forward_seconds: list[float],
     return (max(free) - busy) / busy
 
 
-def split_range(begin: int, end: int, parts: int, flops: LayerFlops) -> list[int]:
-    """``parts + 1`` offsets cutting tokens ``[begin, end)`` into pieces of equal causal FLOPs
-    (each piece keeps at least one token)."""
-    if end - begin < parts:
+def split_range(begin: int, end: int, parts: int, flops: LayerFlops,
+                multiple_of: int = 1) -> list[int]:
+    """``parts + 1`` offsets cutting tokens ``[begin, end)`` into pieces of equal causal FLOPs,
+    each a whole multiple of ``multiple_of`` tokens (the TP size under sequence parallelism)
+    counted from ``begin``, and at least one multiple long."""
+    if (end - begin) % multiple_of or (end - begin) // multiple_of < parts:
         raise ValueError(f"a subsequence of {end - begin} tokens cannot be cut into {parts} "
-                         "pieces; use fewer --memo-sppo-subsequences")
+                         f"pieces of whole multiples of {multiple_of} tokens; use fewer "
+                         "--memo-sppo-subsequences")
     half = flops.attention_per_key / 2.0
 
     def cumulative(x: float) -> float:
@@ -181,7 +192,8 @@ def split_range(begin: int, end: int, parts: int, flops: LayerFlops) -> list[int
         target = low + total * k / parts
         x = ((-flops.linear + math.sqrt(flops.linear ** 2 + 4 * half * target)) / (2 * half)
              if half > 0 else target / flops.linear)
-        cuts.append(min(max(round(x), cuts[-1] + 1), end - (parts - k)))
+        rounded = begin + multiple_of * round((x - begin) / multiple_of)
+        cuts.append(min(max(rounded, cuts[-1] + multiple_of), end - multiple_of * (parts - k)))
     return cuts + [end]
 
 
@@ -201,7 +213,13 @@ class _Pass:
 
     @property
     def piece_lengths(self) -> list[int]:
+        """Tokens of every member's piece (what the attention sees)."""
         return [b - a for a, b in zip(self.cuts, self.cuts[1:])]
+
+    @property
+    def shard_lengths(self) -> list[int]:
+        """Tokens of every member's piece on one TP rank (the layers' sequence shards)."""
+        return [n // self.runtime.tensor_parallel for n in self.piece_lengths]
 
     def attention(self, module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor) -> torch.Tensor:
@@ -386,18 +404,27 @@ class SequenceMultiplexer:
         self.stage = -1
         self.layers = None
         self.training = True
+        self.tensor_parallel = 1
+        self.tensor_parallel_rank = 0
+        self.tensor_parallel_group = None
 
     def setup(self, chunk: torch.nn.Module) -> None:
         """Create every pipeline's groups (collective over all ranks, in one order) and hook the
         chunk's transformer block."""
-        if parallel_state.get_tensor_model_parallel_world_size() != 1:
-            raise ValueError("--memo-sppo-msp needs --tensor-model-parallel-size 1")
+        self.tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+        self.tensor_parallel_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tensor_parallel_group = parallel_state.get_tensor_model_parallel_group()
+        block = get_attr_wrapped_model(chunk, "decoder")
+        if self.tensor_parallel > 1 and not block.config.sequence_parallel:
+            raise ValueError("--memo-sppo-msp with --tensor-model-parallel-size > 1 needs "
+                             "--sequence-parallel")
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         pipeline_group = parallel_state.get_pipeline_model_parallel_group()
         self.pipeline = dist.get_process_group_ranks(pipeline_group)
-        block = get_attr_wrapped_model(chunk, "decoder")
         self.layers = list(block.layers)
-        shapes = torch.tensor([len(self.layers), sum(p.numel() for p in block.layers.parameters())])
+        device = next(block.parameters()).device
+        shapes = torch.tensor([len(self.layers), sum(p.numel() for p in block.layers.parameters())],
+                              device=device)
         everyone = [torch.empty_like(shapes) for _ in self.pipeline]
         dist.all_gather(everyone, shapes, group=pipeline_group)
         if any(not torch.equal(other, shapes) for other in everyone):
@@ -406,7 +433,7 @@ class SequenceMultiplexer:
                              f"{[tuple(t.tolist()) for t in everyone]}); drop uneven pipeline "
                              "splits or --memo-sppo-msp")
         world = dist.get_world_size()
-        mine = torch.tensor(self.pipeline)
+        mine = torch.tensor(self.pipeline, device=device)
         pipelines = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(pipelines, mine)
         for ranks in sorted({tuple(p.tolist()) for p in pipelines}):
@@ -423,7 +450,7 @@ class SequenceMultiplexer:
     def piece_cuts(self, task: MultiplexedTask) -> list[int]:
         begin, end = self.state.boundaries[task.subsequence], \
             self.state.boundaries[task.subsequence + 1]
-        return split_range(begin, end, len(task.members), self.flops)
+        return split_range(begin, end, len(task.members), self.flops, self.tensor_parallel)
 
     def help(self, task: MultiplexedTask, backward: bool) -> None:
         """This rank's part of another stage's task (a helper's step of the program)."""
@@ -521,41 +548,64 @@ class SequenceMultiplexer:
     def _broadcast_rotary(self, task_pass: _Pass,
                           rotary: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The owner's rotary table of the subsequence (None without RoPE) on every member."""
-        header = torch.tensor(list(rotary.shape) if rotary is not None else [0, 0, 0, 0],
-                              dtype=torch.long)
+        # On CUDA the groups are NCCL's: every exchanged tensor lives on the device.
+        header = torch.tensor([*rotary.shape, _ROTARY_DTYPES.index(rotary.dtype)]
+                              if rotary is not None else [0] * 5, dtype=torch.long,
+                              device=self._parameters()[0].device)
         dist.broadcast(header, src=task_pass.owner, group=task_pass.group)
         if header[0] == 0:
             return None
         if not task_pass.is_owner:
-            rotary = torch.empty(header.tolist(), dtype=torch.float32,
+            *shape, dtype = header.tolist()
+            rotary = torch.empty(shape, dtype=_ROTARY_DTYPES[dtype],
                                  device=self._parameters()[0].device)
         rotary = rotary.contiguous()
         dist.broadcast(rotary, src=task_pass.owner, group=task_pass.group)
         return rotary
 
     def _scatter(self, task_pass: _Pass, whole: Optional[torch.Tensor]) -> torch.Tensor:
-        lengths = task_pass.piece_lengths
+        """This member's part of the owner's ``whole`` (its sequence shard of the subsequence):
+        this TP rank's sequence shard of the member's piece."""
+        lengths = task_pass.shard_lengths
         longest = max(lengths)
         like = self._parameters()[0]
         received = torch.empty((longest, self.micro_batch_size, self.hidden_size),
                                dtype=like.dtype, device=like.device)
         pieces = None
         if task_pass.is_owner:
-            whole = whole.detach()
+            full = torch.cat(self._tensor_parallel_all_gather(whole.detach()))
+            rank = self.tensor_parallel_rank
             offsets = [c - task_pass.cuts[0] for c in task_pass.cuts]
-            pieces = [_pad(whole[a:b], longest, dim=0) for a, b in zip(offsets, offsets[1:])]
+            pieces = [_pad(full[a + rank * n:a + (rank + 1) * n], longest, dim=0)
+                      for a, n in zip(offsets, lengths)]
         dist.scatter(received, pieces, src=task_pass.owner, group=task_pass.group)
         return received[:lengths[task_pass.piece]].clone()
 
     def _gather(self, task_pass: _Pass, piece: torch.Tensor) -> Optional[torch.Tensor]:
-        lengths = task_pass.piece_lengths
+        """Inverse of :meth:`_scatter`: the owner's sequence shard of the pieces' outputs."""
+        lengths = task_pass.shard_lengths
         longest = max(lengths)
         padded = _pad(piece.detach(), longest, dim=0)
         gathered = [torch.empty_like(padded) for _ in lengths] if task_pass.is_owner else None
         dist.gather(padded, gathered, dst=task_pass.owner, group=task_pass.group)
         if not task_pass.is_owner:
             return None
-        return torch.cat([g[:n] for g, n in zip(gathered, lengths)])
+        # This TP rank's shard of every piece, then every rank's: the whole subsequence.
+        shards = self._tensor_parallel_all_gather(
+            torch.cat([g[:n] for g, n in zip(gathered, lengths)]))
+        starts = [sum(lengths[:j]) for j in range(len(lengths))]
+        full = torch.cat([shard[start:start + n] for start, n in zip(starts, lengths)
+                          for shard in shards])
+        size = full.shape[0] // self.tensor_parallel
+        return full[self.tensor_parallel_rank * size:(self.tensor_parallel_rank + 1) * size]
+
+    def _tensor_parallel_all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if self.tensor_parallel == 1:
+            return [tensor]
+        tensor = tensor.contiguous()
+        gathered = [torch.empty_like(tensor) for _ in range(self.tensor_parallel)]
+        dist.all_gather(gathered, tensor, group=self.tensor_parallel_group)
+        return gathered
 
     # -- the owner's hook ------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 pretrain_gpt.py --memo-sppo give the losses of plain training on the full sequence (megatron's
 1F1B with the same layout) to 1e-5 relative: PP=2 with N in {2, 4, 8}, PP=4 with N=8, and
 multiplexed sequence partitioning (--memo-sppo-msp) with PP=2, N=4; slow: TP=2+SP with
-SwiGLU/GQA under PP=2, sequence-aware offloading, MSP with PP=4 and MSP with offloading."""
+SwiGLU/GQA under PP=2, sequence-aware offloading, and MSP with PP=4, with TP=2+SP and with
+offloading."""
 
 from __future__ import annotations
 
@@ -82,6 +83,12 @@ def test_msp_losses_equal_full_sequence_training(layout, subsequences, tmp_path,
     stdout = check_sppo_matches(layout, ["--memo-sppo-subsequences", str(subsequences),
                                          "--memo-sppo-msp"], tmp_path, tmp_path_factory)
     assert "multiplexed tasks per stage pass: s0/0+" in stdout
+
+
+@pytest.mark.slow
+def test_msp_with_tensor_and_sequence_parallel(tmp_path, tmp_path_factory):
+    check_sppo_matches("tp2_sp_pp2_swiglu_gqa", ["--memo-sppo-subsequences", "4",
+                                                 "--memo-sppo-msp"], tmp_path, tmp_path_factory)
 
 
 @pytest.mark.slow

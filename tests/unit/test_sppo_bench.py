@@ -1,5 +1,6 @@
 """bench/sppo.py --quick: stage memory vs. N measured under the tracker with the formula beside
-it, bubble ratios from two PP=2 runs, the predicted partition comparison; report, JSON, PNG."""
+it, PP=2 runs of every N with and without MSP (iteration times, bubble ratios, the simulated
+bubbles), the predicted partition and MSP comparison; report, JSON, PNG."""
 
 from __future__ import annotations
 
@@ -26,8 +27,23 @@ def test_quick_run_writes_the_report(tmp_path):
     # Smaller subsequences, smaller working set.
     assert rows[(4, "none")]["activation_bytes"] < rows[(1, "none")]["activation_bytes"]
     assert [b["subsequences"] for b in report["bubbles"]] == [1, 4]
-    assert all(b["measured"] > 0 for b in report["bubbles"])
+    for b in report["bubbles"]:
+        plain, msp = b["plain"], b["msp"]
+        # Both jobs ran every iteration; the median is over iterations 3.. .
+        assert len(plain["iteration_seconds"]) == len(msp["iteration_seconds"]) == 4
+        assert plain["seconds"] > 0 and msp["seconds"] > 0 and b["measured"] > 0
+        assert b["time_ratio"] == msp["seconds"] / plain["seconds"]
+        # The MSP job multiplexed: the trainer listed its tasks and predicted what we did.
+        assert plain["tasks"] is None and msp["tasks"] and b["msp_tasks"] == 2
+        assert abs(msp["trainer_predicted"] - b["predicted_msp"]) < 1e-3
+        # Fill-drain without MSP is (p-1)/N; multiplexing idle stages shrinks it.
+        assert abs(b["predicted"] - 1 / b["subsequences"]) < 1e-9
+        assert 0 <= b["predicted_msp"] < b["predicted"]
+        assert b["predicted_time_ratio"] < 1
     for row in report["partitions"]:  # FLOPs-balanced subsequences leave the smaller bubble
         assert row["flops"] < row["length"] and abs(row["flops"] - row["formula"]) < 0.02
-    assert "MSP) is not built" in (tmp_path / "sppo.md").read_text()
+        assert 0 <= row["msp"] < row["flops"] and row["msp_tasks"] > 0
+    text = (tmp_path / "sppo.md").read_text()
+    assert "plain SPPO vs. MSP (measured on CPU)" in text and "FLOPs partition + MSP" in text
+    assert "NVLink" in text and "predicted, not measured" in text
     assert (tmp_path / "sppo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -119,6 +119,14 @@ def test_pieces_have_equal_causal_flops():
         split_range(10, 13, 4, GPT_7B_FLOPS)
 
 
+def test_pieces_are_whole_multiples_of_the_sequence_parallel_size():
+    cuts = split_range(1000, 1400, 3, GPT_7B_FLOPS, multiple_of=8)
+    assert all((c - 1000) % 8 == 0 for c in cuts) and cuts[-1] == 1400
+    assert split_range(16, 40, 3, GPT_7B_FLOPS, multiple_of=8) == [16, 24, 32, 40]
+    with pytest.raises(ValueError, match="whole multiples of 8 tokens"):
+        split_range(16, 36, 2, GPT_7B_FLOPS, multiple_of=8)
+
+
 def test_msp_flag_needs_memo_sppo():
     with pytest.raises(MemoConfigError, match="--memo-sppo-msp True has no effect without"):
         SPPOConfig(sppo_msp=True).validate()
