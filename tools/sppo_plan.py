@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host memory per node for the offload, GB (default: the profile's)")
     parser.add_argument("--distributed-optimizer", action="store_true",
                         help="shard the fp32 optimizer states over DP (default: not sharded)")
+    parser.add_argument("--msp", action="store_true",
+                        help="plan with multiplexed sequence partitioning (--memo-sppo-msp)")
     parser.add_argument("--top", type=int, default=0, help="also print the best K candidates")
     return parser
 
@@ -81,7 +83,7 @@ def alpha_range(alphas: list[float]) -> str:
 
 def report(best, problem: Problem) -> list[str]:
     memory = best.memory
-    lines = [f"SPPO plan, {PREDICTED}:",
+    lines = [f"SPPO plan{' with MSP' if problem.msp else ''}, {PREDICTED}:",
              f"  layout: TP/SP {best.tp}, PP {best.pp}, DP {best.dp}, N {best.subsequences} "
              f"subsequences",
              f"  subsequence tokens: first {best.lengths[0]}, last {best.lengths[-1]} "
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                           seq=parse_tokens(opts.seq_length),
                           host_memory_bytes_per_node=(None if opts.host_memory_gb is None
                                                       else opts.host_memory_gb * GB),
-                          distributed_optimizer=opts.distributed_optimizer)
+                          distributed_optimizer=opts.distributed_optimizer, msp=opts.msp)
         fitting, smallest = solve(problem)
     except (UsageError, ModelError, EstimateError, SolverError) as exc:
         print(f"sppo_plan.py: error: {exc}", file=sys.stderr)

@@ -45,6 +45,14 @@ backward (IB or NVLink, see placement). Stage time per subsequence ``tau_i``; th
 takes ``sum_i tau_i + (p - 1) · max_i tau_i`` (= sppo.md's ``(p-1+N)/N · F(N)`` when the
 ``tau_i`` are equal), plus offload time not hidden under the next subsequence's forward, plus
 one DP all-reduce of the stage's bf16 gradients.
+
+With MSP (``Problem.msp``, ``--memo-sppo-msp``) the pipeline time is the makespan of
+:func:`memo_ext.sppo.multiplex.pipeline_bubble_ratio`'s simulation of the multiplexed order
+(forward ``tau_i / 3``, backward ``2 tau_i / 3``, a multiplexed backward recomputing its
+forward), plus the weight traffic of every slot with multiplexed tasks, not overlapped: the
+stage's bf16 parameters broadcast once before a forward slot, broadcast again and their
+gradients reduced after a backward slot, over the PP link. A helper holds the owner's bf16
+weights while it helps (``msp_weights``).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from memo_ext.estimate.cost import Efficiency, model_flops_per_sequence, parameter_count
+from memo_ext.sppo.multiplex import forward_slot, pipeline_bubble_ratio, plan_multiplexing
 from memo_ext.sppo.offload import solve_alphas
 from memo_ext.sppo.partition import LayerFlops, flops_boundaries
 
@@ -110,18 +119,22 @@ class Memory:
     dkv_accumulators: float
     staging: float
     logits: float
+    msp_weights: float = 0.0
     reserved: float = RESERVED_BYTES
 
     @property
     def total(self) -> float:
         return (self.model_states + self.kv_cache + self.activations + self.dkv_accumulators
-                + self.staging + self.logits + self.reserved)
+                + self.staging + self.logits + self.msp_weights + self.reserved)
 
     def terms(self) -> dict:
-        return {"model states": self.model_states, "KV cache": self.kv_cache,
-                "activations": self.activations, "dK/dV accumulators": self.dkv_accumulators,
-                "offload staging": self.staging, "logits": self.logits,
-                "reserved": self.reserved}
+        terms = {"model states": self.model_states, "KV cache": self.kv_cache,
+                 "activations": self.activations, "dK/dV accumulators": self.dkv_accumulators,
+                 "offload staging": self.staging, "logits": self.logits,
+                 "reserved": self.reserved}
+        if self.msp_weights:
+            terms["MSP weights"] = self.msp_weights
+        return terms
 
 
 @dataclass
@@ -161,6 +174,7 @@ class Problem:
     seq: int
     host_memory_bytes_per_node: Optional[float] = None
     distributed_optimizer: bool = False
+    msp: bool = False
 
     @property
     def gpus_per_node(self) -> int:
@@ -278,19 +292,30 @@ def evaluate(problem: Problem, tp: int, pp: int, subsequences: int) -> Candidate
                     kv_cache=kv_per_token * seq,
                     activations=activation_peak, dkv_accumulators=dkv_at_peak,
                     staging=max(al * a for al, a in zip(alphas, activation)),
-                    logits=max(lengths) * model["vocab_size"] * FP32_BYTES / tp)
+                    logits=max(lengths) * model["vocab_size"] * FP32_BYTES / tp,
+                    msp_weights=stage_params * BF16_BYTES if problem.msp and pp > 1 else 0.0)
 
     # --- step
     dp_s = 0.0
     if dp > 1:
         dp_link = ib if problem.gpus > int(hardware["gpus_per_node"]) else nvlink
         dp_s = stage_params * BF16_BYTES * 2 * (dp - 1) / dp / dp_link
-    pipeline_s = sum(tau) + (pp - 1) * max(tau)
-    step = pipeline_s + exposed + dp_s
+    msp_s = 0.0
+    if problem.msp and pp > 1:
+        work = [t / 3 for t in tau]
+        tasks = plan_multiplexing(pp, work)
+        bubble = sum(tau) * pipeline_bubble_ratio(pp, work, [2 * w for w in work], tasks)
+        forward_slots = {forward_slot(stage, index) for stage, index in tasks}
+        msp_s = len(forward_slots) * 3 * stage_params * BF16_BYTES / p2p_link
+    else:
+        bubble = (pp - 1) * max(tau)
+    step = sum(tau) + bubble + msp_s + exposed + dp_s
     mfu = dp * model_flops_per_sequence(model, seq) / (problem.gpus * peak * step)
     terms = {"compute and overhead": sum(tau) - tp_s - p2p_s, "TP collectives": tp_s,
-             "PP p2p": p2p_s, "bubble": (pp - 1) * max(tau), "offload not hidden": exposed,
+             "PP p2p": p2p_s, "bubble": bubble, "offload not hidden": exposed,
              "DP all-reduce": dp_s}
+    if problem.msp and pp > 1:
+        terms["MSP weight traffic"] = msp_s
     return Candidate(tp, pp, dp, subsequences, lengths, alphas, memory, host, host_full, step,
                      mfu, int(hardware["device_memory_bytes"]), terms)
 

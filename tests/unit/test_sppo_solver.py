@@ -95,3 +95,27 @@ def test_cli_plan_table_and_errors(capsys):
                      "--seq-length", "4M"]) == 2
     assert "--gpu tpu" in capsys.readouterr().err
     assert cli.parse_tokens("896K") == 917504 and cli.parse_tokens("4M") == 4 << 20
+
+
+def test_msp_trades_bubble_for_weight_traffic_and_memory():
+    model = model_shape("7b")
+    plain = evaluate(Problem(model, gpus=32, hardware=A100, seq=1 << 20), 4, 8, 16)
+    msp = evaluate(Problem(model, gpus=32, hardware=A100, seq=1 << 20, msp=True), 4, 8, 16)
+    assert msp.time_terms["bubble"] < plain.time_terms["bubble"] / 2
+    stage_bf16 = plain.memory.model_states / 16 * 2  # a stage's bf16 weights, sharded over TP
+    assert msp.memory.msp_weights == pytest.approx(stage_bf16)
+    # 7 warm-up forward slots with helpers (p=8): each broadcasts, and its backward broadcasts
+    # again and reduces the gradients, over InfiniBand (t*p = 32 GPUs > 8 per node).
+    ib = A100["ib_gbps"] * 1e9 * 0.75
+    assert msp.time_terms["MSP weight traffic"] == pytest.approx(
+        2 * 7 * 3 * stage_bf16 / ib, rel=0.01)
+    assert msp.step_s < plain.step_s
+    single = evaluate(Problem(model, gpus=8, hardware=A100, seq=1 << 16, msp=True), 8, 1, 4)
+    assert "MSP weight traffic" not in single.time_terms and single.memory.msp_weights == 0
+
+
+def test_cli_plans_with_msp(capsys):
+    assert _cli().main(["--model", "7b", "--gpus", "32", "--gpu", "a100-80gb", "--seq-length",
+                        "896K", "--msp"]) == 0
+    out = capsys.readouterr().out
+    assert "SPPO plan with MSP, predicted" in out and "MSP weight traffic" in out
