@@ -5,6 +5,7 @@ bubbles), the predicted partition and MSP comparison; report, JSON, PNG."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -29,10 +30,16 @@ def test_quick_run_writes_the_report(tmp_path):
     assert [b["subsequences"] for b in report["bubbles"]] == [1, 4]
     for b in report["bubbles"]:
         plain, msp = b["plain"], b["msp"]
-        # Both jobs ran every iteration; the median is over iterations 3.. .
-        assert len(plain["iteration_seconds"]) == len(msp["iteration_seconds"]) == 4
-        assert plain["seconds"] > 0 and msp["seconds"] > 0 and b["measured"] > 0
+        # One job per mode in --quick, every iteration logged; the median is over iterations 3..
+        assert len(plain["runs"]) == len(msp["runs"]) == 1
+        for mode in (plain, msp):
+            times = mode["runs"][0]["iteration_seconds"]
+            assert len(times) == 4 and min(times) > 0
+            assert mode["seconds"] == statistics.median(times[2:])
+        assert b["measured"] > 0 and b["measured_msp"] >= 0
         assert b["time_ratio"] == msp["seconds"] / plain["seconds"]
+        assert b["time_ratio_range"][0] <= b["time_ratio"] <= b["time_ratio_range"][1]
+        assert all(b["msp_traffic_bytes"][kind] > 0 for kind in ("weights", "hidden", "kv"))
         # The MSP job multiplexed: the trainer listed its tasks and predicted what we did.
         assert plain["tasks"] is None and msp["tasks"] and b["msp_tasks"] == 2
         assert abs(msp["trainer_predicted"] - b["predicted_msp"]) < 1e-3
