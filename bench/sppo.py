@@ -558,21 +558,22 @@ def write_report(out: Path, sizes: Sizes, memory: list[MemoryRow], per_token: fl
     left.set(xscale="log", xlabel="subsequences N", ylabel="stage activation MiB",
              title="peak activation bytes of one stage")
     counts = [b["subsequences"] for b in bubbles]
-    right.plot(counts, [b["measured"] for b in bubbles], "o-", color="tab:blue",
-               label="PP=2 plain, measured (CPU)")
-    right.plot(counts, [b["predicted"] for b in bubbles], "--", color="tab:blue",
-               label="PP=2 plain, predicted = (p-1)/N")
-    right.plot(counts, [b["measured_msp"] for b in bubbles], "o-", color="tab:red",
-               label="PP=2 MSP, measured (CPU; helper steps count busy)")
-    right.plot(counts, [b["predicted_msp"] for b in bubbles], "--", color="tab:red",
-               label="PP=2 MSP, predicted")
     partition_counts = [p["subsequences"] for p in partitions]
-    right.plot(partition_counts, [p["length"] for p in partitions], "s:", color="tab:gray",
-               label="7B 1M PP=4 length partition (predicted)")
-    right.plot(partition_counts, [p["flops"] for p in partitions], "^:", color="tab:green",
-               label="7B 1M PP=4 FLOPs partition (predicted)")
-    right.plot(partition_counts, [p["msp"] for p in partitions], "v:", color="tab:purple",
-               label="7B 1M PP=4 FLOPs partition + MSP (predicted)")
+    lines_of_bubbles = [
+        (counts, bubbles, "measured", "o-", "tab:blue", "PP=2 plain, measured (CPU)"),
+        (counts, bubbles, "predicted", "--", "tab:blue", "PP=2 plain, predicted = (p-1)/N"),
+        (counts, bubbles, "measured_msp", "o-", "tab:red",
+         "PP=2 MSP, measured (CPU; helper steps count busy)"),
+        (counts, bubbles, "predicted_msp", "--", "tab:red", "PP=2 MSP, predicted"),
+        (partition_counts, partitions, "length", "s:", "tab:gray",
+         "7B 1M PP=4 length partition (predicted)"),
+        (partition_counts, partitions, "flops", "^:", "tab:green",
+         "7B 1M PP=4 FLOPs partition (predicted)"),
+        (partition_counts, partitions, "msp", "v:", "tab:purple",
+         "7B 1M PP=4 FLOPs partition + MSP (predicted)"),
+    ]
+    for xs, rows, key, style, colour, label in lines_of_bubbles:
+        right.plot(xs, [row[key] for row in rows], style, color=colour, label=label)
     right.set(xscale="log", xlabel="subsequences N", ylabel="idle / busy",
               title="pipeline bubble ratio")
     right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
