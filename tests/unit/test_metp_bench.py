@@ -31,5 +31,6 @@ def test_quick_run_writes_the_report(tmp_path):
         assert abs(ratios[(p, 512)]["spec_ratio"] - (3 + 2 * p) / (p * (4 + p))) < 1e-12
     # The crossover: at 64 tokens and p=2 METP's double-buffered weights outweigh the sequence.
     assert ratios[(2, 64)]["attention_forward_peak_ratio"] > 1
-    assert "METP needs more than TP+SP at 64 tokens" in (tmp_path / "metp_memory.md").read_text()
+    assert "under METP needs more than under TP+SP at 64 tokens" in (
+        tmp_path / "metp_memory.md").read_text()
     assert (tmp_path / "metp_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
