@@ -49,7 +49,6 @@ No library does this: Seq1F1B and megatron's schedules have no cross-stage helpe
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -181,17 +180,10 @@ def split_range(begin: int, end: int, parts: int, flops: LayerFlops,
         raise ValueError(f"a subsequence of {end - begin} tokens cannot be cut into {parts} "
                          f"pieces of whole multiples of {multiple_of} tokens; use fewer "
                          "--memo-sppo-subsequences")
-    half = flops.attention_per_key / 2.0
-
-    def cumulative(x: float) -> float:
-        return flops.linear * x + half * x * x
-
-    low, total = cumulative(begin), cumulative(end) - cumulative(begin)
+    low, total = flops.up_to(begin), flops.up_to(end) - flops.up_to(begin)
     cuts = [begin]
     for k in range(1, parts):
-        target = low + total * k / parts
-        x = ((-flops.linear + math.sqrt(flops.linear ** 2 + 4 * half * target)) / (2 * half)
-             if half > 0 else target / flops.linear)
+        x = flops.token_at(low + total * k / parts)
         rounded = begin + multiple_of * round((x - begin) / multiple_of)
         cuts.append(min(max(rounded, cuts[-1] + multiple_of), end - multiple_of * (parts - k)))
     return cuts + [end]
@@ -395,7 +387,6 @@ class SequenceMultiplexer:
         self.state = state
         self.micro_batch_size = micro_batch_size
         self.hidden_size = hidden_size
-        self.stages = stages
         self.flops = flops
         work = [flops.of_range(a, b) for a, b in zip(state.boundaries, state.boundaries[1:])]
         self.tasks = plan_multiplexing(stages, work)

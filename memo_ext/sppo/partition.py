@@ -43,6 +43,17 @@ class LayerFlops:
         mlp = hidden_size * ffn_hidden_size * (3 if swiglu else 2)
         return cls(linear=2.0 * (qkv + projection + mlp), attention_per_key=4.0 * query_width)
 
+    def up_to(self, token: float) -> float:
+        """Causal forward FLOPs of tokens ``[0, token)``: W(x) = linear*x + attention*x^2/2."""
+        return self.linear * token + self.attention_per_key / 2.0 * token * token
+
+    def token_at(self, work: float) -> float:
+        """The inverse of :meth:`up_to`: the (fractional) token where ``work`` FLOPs end."""
+        half = self.attention_per_key / 2.0
+        if half == 0:
+            return work / self.linear
+        return (-self.linear + math.sqrt(self.linear ** 2 + 4 * half * work)) / (2 * half)
+
     def of_range(self, start: int, end: int) -> float:
         """Causal forward FLOPs of tokens ``[start, end)`` (each attends to all earlier keys)."""
         tokens = end - start
@@ -62,15 +73,9 @@ def flops_boundaries(seq_length: int, subsequences: int, flops: LayerFlops,
     the rounding to ``multiple_of``); every subsequence keeps at least ``multiple_of`` tokens."""
     _check(seq_length, subsequences, multiple_of)
     total = flops.of_range(0, seq_length)
-    half_attention = flops.attention_per_key / 2.0
     boundaries = [0]
     for k in range(1, subsequences):
-        target = total * k / subsequences
-        if half_attention > 0:  # W(x) = lin*x + half*x^2 = target
-            x = (-flops.linear + math.sqrt(flops.linear ** 2 + 4 * half_attention * target)) / (
-                2 * half_attention)
-        else:
-            x = target / flops.linear
+        x = flops.token_at(total * k / subsequences)
         rounded = multiple_of * round(x / multiple_of)
         lowest = boundaries[-1] + multiple_of
         highest = seq_length - multiple_of * (subsequences - k)
