@@ -6,8 +6,10 @@
         --tp 4 --cp 2 --max-seq-length
     python tools/estimate.py --model 7b --gpus 8 --gpu a800 --recommend --max-seq-length
 
-Rank 0 of the layout is traced on fake tensors at two sequence lengths (tools/trace.py, about
-15-25 s each for 7B, cached under ~/.cache/megatron-memo/traces); every request size is linear
+One rank of the layout is traced on fake tensors at two sequence lengths (tools/trace.py, about
+15-25 s each for 7B, cached under ~/.cache/megatron-memo/traces); with pipeline parallelism, one
+rank of the first stage (with 1F1B's micro-batches in flight) and one of the last (output layer
+and loss), and the worst of them is the prediction. Every request size is linear
 in the sequence length, so the trace at any length follows, and is replayed (persistent state
 once, then three iterations) through the allocator model on the GPU's memory. The work the
 trace counted (GEMM and attention FLOPs, bytes moved, collectives, PCIe copies) goes through the
@@ -139,23 +141,42 @@ def model_argv(name: str) -> tuple[list[str], dict]:
     return argv, shape
 
 
+def _memory_lines(memory, device_bytes: int, label: str, verdict: str) -> list[str]:
+    return [f"{label}peak {memory.peak_reserved_bytes / GiB:.2f} GiB reserved + "
+            f"{memory.external_bytes / GiB:.2f} GiB outside the allocator = "
+            f"{memory.peak_device_bytes / GiB:.2f} of {device_bytes / GiB:.2f} GiB per rank: "
+            f"{verdict}",
+            "  live at the peak: " + ", ".join(
+                f"{name} {nbytes / GiB:.2f} GiB"
+                for name, nbytes in sorted(memory.peak_by_category.items(),
+                                           key=lambda kv: -kv[1]) if nbytes),
+            f"  fragmentation {memory.fragmentation:.1%}, reorganisations in 3 iterations "
+            f"{memory.reorganisations}"]
+
+
 def describe(prediction, device_bytes: int) -> list[str]:
-    memory, step = prediction.memory, prediction.step
-    lines = [f"seq {prediction.seq}: peak {memory.peak_reserved_bytes / GiB:.2f} GiB reserved + "
-             f"{memory.external_bytes / GiB:.2f} GiB outside the allocator = "
-             f"{memory.peak_device_bytes / GiB:.2f} of {device_bytes / GiB:.2f} GiB per rank: "
-             f"{prediction.verdict()}",
-             "  live at the peak: " + ", ".join(
-                 f"{name} {nbytes / GiB:.2f} GiB"
-                 for name, nbytes in sorted(memory.peak_by_category.items(),
-                                            key=lambda kv: -kv[1]) if nbytes),
-             f"  fragmentation {memory.fragmentation:.1%}, reorganisations in 3 iterations "
-             f"{memory.reorganisations}"]
-    if memory.host_bytes:
-        lines.append(f"  host memory for offloaded activations: {memory.host_bytes / GiB:.2f} "
+    """The prediction's lines: memory (per traced pipeline stage when PP > 1), host memory,
+    the slowest stage's time and the MFU."""
+    if len(prediction.stages) == 1:
+        lines = _memory_lines(prediction.memory, device_bytes, f"seq {prediction.seq}: ",
+                              prediction.verdict())
+    else:
+        lines = [f"seq {prediction.seq}: {prediction.verdict()}"]
+        for stage in prediction.stages:
+            in_flight = stage.stage.microbatches_in_flight
+            lines += _memory_lines(
+                stage.memory, device_bytes,
+                f" stage {stage.stage.index} (rank {stage.stage.rank}, {in_flight} "
+                f"micro-batch{'es' if in_flight > 1 else ''} in flight): ",
+                "FITS" if stage.memory.fits else "OOM")
+    step = prediction.step
+    if prediction.memory.host_bytes:
+        lines.append(f"  host memory for offloaded activations: "
+                     f"{prediction.host_bytes_per_node / prediction.ranks_per_node / GiB:.2f} "
                      f"GiB per rank, {prediction.host_bytes_per_node / 1e9:.0f} of "
                      f"{prediction.host_capacity_bytes / 1e9:.0f} GB per node")
-    lines.append(f"  time: {step.breakdown()}")
+    slowest = "" if len(prediction.stages) == 1 else " (the slowest traced stage)"
+    lines.append(f"  time{slowest}: {step.breakdown()}")
     lines.append(f"  predicted MFU {step.mfu:.1%} ({prediction.layout.gpus} GPUs, "
                  f"{step.microbatches * prediction.layout.dp * prediction.layout.micro_batch} "
                  f"sequences per iteration)")
@@ -178,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     from memo_ext.estimate import EstimateError, load_hardware
     from memo_ext.estimate.cost import CostModelError
     from memo_ext.estimate.layout import (
+        FIT_SEQS,
         Layout,
         LayoutModel,
         TraceCache,
@@ -267,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                                   allocator=opts.allocator,
                                   host_memory_gb_per_node=opts.host_memory_gb)
         print(f"estimate: {opts.model} on {opts.gpu} ({device / GiB:.2f} GiB per GPU), "
-              f"{gpus} GPUs: {layout.describe()}, {model.allocator} allocator model, rank 0 "
-              f"(predicted; traces at 131072 and 262144 tokens)")
+              f"{gpus} GPUs: {layout.describe()}, {model.allocator} allocator model, "
+              f"rank{'s' if len(model.stages) > 1 else ''} "
+              f"{', '.join(str(m.stage.rank) for m in model.stages)} traced (predicted; traces "
+              f"at {FIT_SEQS[0]} and {FIT_SEQS[1]} tokens)")
         if opts.seq_length is not None:
             for text in describe(model.predict(opts.seq_length), device):
                 print(text)

@@ -1,11 +1,18 @@
 """One parallel layout of a job, predicted end to end (memory and time), and the search over
 layouts the recommender runs.
 
-A :class:`LayoutModel` traces the layout's rank 0 at two sequence lengths (tools/trace.py on fake
-tensors, cached on disk by :class:`TraceCache`), then answers at any length: the allocation
-trace through the allocator model (memory.py: fit or OOM, reorganisations) and the work through
-the cost model (cost.py: step time, MFU). Host memory is checked too: MEMO's offload slots of
-every rank of a node must fit the node's host memory.
+A :class:`LayoutModel` traces each distinct pipeline stage of the layout at two sequence lengths
+(tools/trace.py on fake tensors, cached on disk by :class:`TraceCache`), then answers at any
+length: the allocation trace through the allocator model (memory.py: fit or OOM,
+reorganisations) and the work through the cost model (cost.py: step time, MFU). The prediction
+is the worst stage's memory and the slowest stage's time. Host memory is checked too: MEMO's
+offload slots of every rank of a node must fit the node's host memory.
+
+Which ranks are traced (:meth:`Layout.stages`): the ranks of one stage are alike (TP shards
+split evenly, CP's load-balanced chunks carry equal work, DP replicas are copies), so one rank
+per stage is enough. Of the stages, the first and the last suffice: 1F1B keeps min(PP - s, m)
+micro-batches in flight on stage s, so a middle stage holds no more than stage 0 (same layers,
+no embedding) and the last stage alone carries the output layer and the loss.
 
 :func:`candidate_layouts` enumerates (TP, CP, PP, DP, policy, alpha, micro-batch) for a number
 of GPUs and drops, before any tracing, what cannot run: shapes that do not divide, and layouts
@@ -71,6 +78,16 @@ TRACER_SOURCES = ("tools/trace.py", "memo_ext/planner/trace.py", "memo_ext/plann
 
 
 @dataclass(frozen=True)
+class Stage:
+    """A traced pipeline stage: its first global rank (megatron's order puts PP outermost) and
+    the micro-batches 1F1B keeps in flight on it."""
+
+    index: int
+    rank: int
+    microbatches_in_flight: int
+
+
+@dataclass(frozen=True)
 class Layout:
     """A parallel layout and memory policy (what a job's flags choose)."""
 
@@ -86,12 +103,23 @@ class Layout:
     def gpus(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
-    def trace_argv(self, model_argv: list[str]) -> list[str]:
+    def stages(self, microbatches: int) -> list[Stage]:
+        """The stages whose ranks are traced (module docstring: first and last), for
+        ``microbatches`` micro-batches per iteration."""
+        if self.pp == 1:
+            return [Stage(0, 0, 1)]
+        return [Stage(0, 0, min(self.pp, microbatches)),
+                Stage(self.pp - 1, (self.pp - 1) * self.tp * self.cp * self.dp, 1)]
+
+    def trace_argv(self, model_argv: list[str], stage: Optional[Stage] = None) -> list[str]:
         argv = [*model_argv, "--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp),
                 "--dp", str(self.dp), "--micro-batch-size", str(self.micro_batch), "--bf16",
                 *POLICY_FLAGS[self.policy]]
         if self.policy == "memo":
             argv += ["--memo-alpha", f"{self.alpha:g}"]
+        if stage is not None and self.pp > 1:
+            argv += ["--rank", str(stage.rank),
+                     "--microbatches-in-flight", str(stage.microbatches_in_flight)]
         return argv
 
     def describe(self) -> str:
@@ -143,15 +171,43 @@ def default_cache_dir() -> Path:
 
 
 @dataclass
+class StagePrediction:
+    """One traced stage at one sequence length: its rank's memory and the iteration's time as
+    that stage's pace would set it."""
+
+    stage: Stage
+    memory: MemoryEstimate
+    step: StepTime
+
+
+@dataclass
 class Prediction:
-    """A layout at one sequence length: memory (per rank) and time (per iteration)."""
+    """A layout at one sequence length: memory (per traced stage) and time (per iteration)."""
 
     layout: Layout
     seq: int
-    memory: MemoryEstimate
-    step: StepTime
-    host_bytes_per_node: int
+    stages: list[StagePrediction]
     host_capacity_bytes: int
+    ranks_per_node: int
+
+    @property
+    def worst_stage(self) -> StagePrediction:
+        """The stage that fails first, else the one with the highest peak."""
+        return max(self.stages, key=lambda p: (not p.memory.fits, p.memory.peak_device_bytes))
+
+    @property
+    def memory(self) -> MemoryEstimate:
+        return self.worst_stage.memory
+
+    @property
+    def step(self) -> StepTime:
+        """The slowest stage's iteration: 1F1B runs at the pace of its slowest stage."""
+        return max((p.step for p in self.stages), key=lambda step: step.step_s)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """MEMO's offload slots of a node's ranks, each counted at the largest stage's."""
+        return max(p.memory.host_bytes for p in self.stages) * self.ranks_per_node
 
     @property
     def host_fits(self) -> bool:
@@ -162,11 +218,21 @@ class Prediction:
         return self.memory.fits and self.host_fits
 
     def verdict(self) -> str:
-        """FITS, or OOM and where: device (with the failing request) or host."""
+        """FITS, or OOM and where: device (which rank, the failing request, the largest
+        category at the peak) or host."""
         if not self.memory.fits:
-            request = self.memory.oom_request_bytes
-            return "OOM on device" + (f" (a {request / (1 << 30):.2f} GiB request fails)"
-                                      if request else "")
+            worst = self.worst_stage
+            where = f"rank {worst.stage.rank}"
+            if self.layout.pp > 1:
+                where += f", pipeline stage {worst.stage.index}"
+            request = worst.memory.oom_request_bytes
+            if request:
+                where += f": a {request / (1 << 30):.2f} GiB request fails"
+            categories = worst.memory.peak_by_category
+            if categories:
+                name = max(categories, key=categories.get)
+                where += f"; largest at the peak: {name} {categories[name] / (1 << 30):.2f} GiB"
+            return f"OOM on device ({where})"
         if not self.host_fits:
             return (f"OOM on host ({self.host_bytes_per_node / 1e9:.0f} GB of offloaded "
                     f"activations per node > {self.host_capacity_bytes / 1e9:.0f} GB)")
@@ -174,16 +240,24 @@ class Prediction:
 
 
 @dataclass
+class StageModel:
+    """A traced stage's allocation and work lines (any sequence length)."""
+
+    stage: Stage
+    line: LinearTrace
+    work: WorkLine
+
+
+@dataclass
 class LayoutModel:
-    """Predictions for one layout at any sequence length (two traces)."""
+    """Predictions for one layout at any sequence length (two traces per traced stage)."""
 
     layout: Layout
     hardware: dict
     global_batch: int
     allocator: str
     host_capacity_bytes: int
-    line: LinearTrace
-    work: WorkLine
+    stages: list[StageModel]
     efficiency: Efficiency
     _cache: dict = field(default_factory=dict)
 
@@ -191,33 +265,39 @@ class LayoutModel:
     def build(cls, model_argv: list[str], layout: Layout, hardware: dict, *, global_batch: int,
               cache: TraceCache, allocator: Optional[str] = None,
               host_memory_gb_per_node: Optional[float] = None) -> "LayoutModel":
-        argv = layout.trace_argv(model_argv)
-        first, second = (cache.trace(argv, seq) for seq in FIT_SEQS)
+        microbatches = max(1, global_batch // (layout.dp * layout.micro_batch))
+        stages = []
+        for stage in layout.stages(microbatches):
+            argv = layout.trace_argv(model_argv, stage)
+            first, second = (cache.trace(argv, seq) for seq in FIT_SEQS)
+            stages.append(StageModel(stage, LinearTrace.from_traces(first, second),
+                                     WorkLine.from_headers(first.header, second.header)))
         host = host_memory_gb_per_node or hardware["host_memory_gb_per_node"]
         return cls(layout=layout, hardware=hardware, global_batch=global_batch,
                    allocator=allocator or ("arena" if layout.policy == "memo" else "caching"),
-                   host_capacity_bytes=int(float(host) * 1e9),
-                   line=LinearTrace.from_traces(first, second),
-                   work=WorkLine.from_headers(first.header, second.header),
+                   host_capacity_bytes=int(float(host) * 1e9), stages=stages,
                    efficiency=Efficiency.from_profile(hardware))
 
     def predict(self, seq: int, efficiency: Optional[Efficiency] = None) -> Prediction:
         """Memory and time at ``seq`` tokens; ``efficiency`` overrides the profile's (the
         memory side, which does not depend on it, is memoised per length)."""
-        if seq not in self._cache:
-            trace = self.line.at(seq)
-            memory = estimate_at(trace, int(self.hardware["device_memory_bytes"]),
-                                 self.allocator, REPLAY_ITERATIONS)
-            self._cache[seq] = (trace.header, persistent_bytes(trace), self.work.at(seq),
-                                memory)
-        header, persistent, work, memory = self._cache[seq]
-        step = predict_step(
-            work, header, self.hardware, efficiency or self.efficiency,
-            global_batch=self.global_batch, persistent=persistent,
-            reorganisations_per_iteration=memory.reorganisations / REPLAY_ITERATIONS)
+        per_stage = []
+        for model in self.stages:
+            key = (model.stage.index, seq)
+            if key not in self._cache:
+                trace = model.line.at(seq)
+                memory = estimate_at(trace, int(self.hardware["device_memory_bytes"]),
+                                     self.allocator, REPLAY_ITERATIONS)
+                self._cache[key] = (trace.header, persistent_bytes(trace), model.work.at(seq),
+                                    memory)
+            header, persistent, work, memory = self._cache[key]
+            step = predict_step(
+                work, header, self.hardware, efficiency or self.efficiency,
+                global_batch=self.global_batch, persistent=persistent,
+                reorganisations_per_iteration=memory.reorganisations / REPLAY_ITERATIONS)
+            per_stage.append(StagePrediction(model.stage, memory, step))
         ranks_per_node = min(int(self.hardware["gpus_per_node"]), self.layout.gpus)
-        return Prediction(self.layout, seq, memory, step, memory.host_bytes * ranks_per_node,
-                          self.host_capacity_bytes)
+        return Prediction(self.layout, seq, per_stage, self.host_capacity_bytes, ranks_per_node)
 
     def longest(self, step: int, maximum: int, fine_step: Optional[int] = None) -> int:
         """Longest sequence that fits (device and host), in ``step`` tokens (0 if none)."""

@@ -16,6 +16,7 @@ from memo_ext.estimate import (
     max_sequence_length,
     trace_rank,
 )
+from memo_ext.estimate.layout import Layout, Stage
 from tests.conftest import REPO_ROOT, run_estimate_cli
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -85,6 +86,45 @@ def test_cli_refuses_bad_input():
                       "--seq-length", "1024"])[0] == 2
     assert run_estimate_cli(["--model", "7b", "--gpu", "a800", "--policy", "memo", "--memo-alpha",
                       "2", "--seq-length", "1024"])[0] == 2
+
+
+def test_pipeline_layouts_trace_their_first_and_last_stage():
+    assert Layout(2, 1, 1, 4).stages(16) == [Stage(0, 0, 1)]
+    # megatron's rank order puts PP outermost: stage 3 starts at rank 3 x TP x CP x DP
+    assert Layout(2, 2, 4, 1).stages(16) == [Stage(0, 0, 4), Stage(3, 12, 1)]
+    assert Layout(1, 1, 4, 2).stages(3) == [Stage(0, 0, 3), Stage(3, 6, 1)]
+    argv = Layout(2, 2, 4, 1).trace_argv(["--model", "7b"], Stage(3, 12, 1))
+    assert argv[-4:] == ["--rank", "12", "--microbatches-in-flight", "1"]
+    assert "--rank" not in Layout(2, 2, 1, 1).trace_argv(["--model", "7b"], Stage(0, 0, 1))
+
+
+def test_pipeline_estimate_names_the_stage_that_runs_out(tmp_path):
+    """With a large vocabulary the last stage (logits, loss) peaks above the first, which
+    holds two micro-batches: a capacity between the two fails on the last stage's rank."""
+    import json
+
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256,
+                                 "num_attention_heads": 4, "vocab_size": 16384}))
+    argv = ["--model", str(model), "--tp", "1", "--pp", "2", "--global-batch-size", "4",
+            "--seq-length", "16384", "--cache-dir", str(tmp_path / "cache")]
+    code, out = run_estimate_cli([*argv, "--gpu", "a100-40gb"])
+    assert code == 0, out
+    stages = re.findall(r"^ stage (\d) \(rank (\d+), (\d) micro-batch.*= ([\d.]+) of [\d.]+ "
+                        r"GiB per rank: FITS$", out, re.M)
+    assert [s[:3] for s in stages] == [("0", "0", "2"), ("1", "1", "1")], out
+    first, last = (float(s[3]) for s in stages)
+    assert last > first + 0.5
+    profile = {**json.loads((REPO_ROOT / "memo_ext/estimate/hardware.json").read_text())
+               ["a100-40gb"], "device_memory_bytes": int((first + last) / 2 * (1 << 30))}
+    hardware = tmp_path / "gpus.json"
+    hardware.write_text(json.dumps({"small": profile}))
+    code, out = run_estimate_cli([*argv, "--gpu", "small", "--hardware-file", str(hardware)])
+    assert code == 0, out
+    assert re.search(r"^seq 16384: OOM on device \(rank 1, pipeline stage 1: .*largest at the "
+                     r"peak: activation", out, re.M), out
+    assert re.search(r"^ stage 0 .*: FITS$", out, re.M) and re.search(r"^ stage 1 .*: OOM$", out,
+                                                                        re.M)
 
 
 def _max_seq(out: str) -> int:
@@ -180,8 +220,9 @@ def test_megatron_mfu_within_5_points_of_the_paper_at_every_length(calibration):
 @pytest.mark.slow
 def test_memo_policy_on_8_a800s_prints_its_longest_sequence_and_mfu():
     """Issue 9's command: the layout is searched for the policy."""
-    code, out = run_estimate_cli(["--model", "7b", "--gpus", "8", "--gpu", "a800", "--host-memory-gb",
-                           "2048", "--max-seq-length", "--policy", "memo"])
+    code, out = run_estimate_cli(["--model", "7b", "--gpus", "8", "--gpu", "a800",
+                                  "--host-memory-gb", "2048", "--max-seq-length", "--policy",
+                                  "memo"])
     assert code == 0, out
     match = re.search(r"^max sequence length: (\d+) tokens, predicted MFU ([\d.]+)%$", out, re.M)
     assert match and int(match.group(1)) >= 1024 * 1024 and 40 <= float(match.group(2)) <= 60
