@@ -31,6 +31,7 @@ from memo_ext.sppo.solver import (  # noqa: E402
     Problem,
     SolverError,
     not_fit_message,
+    report_lines,
     solve,
 )
 
@@ -72,33 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def alpha_range(alphas: list[float]) -> str:
-    """min/max over the subsequences that offload (the last one never does: its backward
-    comes first)."""
-    if len(alphas) < 2:
-        return "none (one subsequence: nothing runs while it would be copied)"
-    offloading = alphas[:-1]
-    return f"min {min(offloading):.3f}, max {max(offloading):.3f} (last subsequence 0)"
-
-
-def report(best, problem: Problem) -> list[str]:
-    memory = best.memory
-    lines = [f"SPPO plan{' with MSP' if problem.msp else ''}, {PREDICTED}:",
-             f"  layout: TP/SP {best.tp}, PP {best.pp}, DP {best.dp}, N {best.subsequences} "
-             f"subsequences",
-             f"  subsequence tokens: first {best.lengths[0]}, last {best.lengths[-1]} "
-             f"(FLOPs-balanced)",
-             f"  offload alpha: {alpha_range(best.alphas)}",
-             f"  device memory per GPU: {memory.total / GiB:.1f} GiB of "
-             f"{best.capacity_bytes / GiB:.1f} GiB"]
-    lines += [f"    {name:<20} {value / GiB:8.2f} GiB" for name, value in memory.terms().items()]
-    lines.append(f"  host memory per node: {best.host_bytes_per_node / GB:.0f} GB of "
-                 f"{problem.host_bytes / GB:.0f} GB")
-    lines.append(f"  step time: {best.step_s:.2f} s, MFU {100 * best.mfu:.1f}%")
-    lines += [f"    {name:<20} {value:8.3f} s" for name, value in best.time_terms.items()]
-    return lines
-
-
 def table(candidates, top: int) -> list[str]:
     lines = [f"best {min(top, len(candidates))} of the fitting candidates ({PREDICTED}):",
              f"  {'layout':<22} {'first/last tok':>15} {'GiB/GPU':>8} {'host GB':>8} "
@@ -129,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if not fitting:
         print(not_fit_message(smallest[0], problem))
         return 1
-    print("\n".join(report(fitting[0], problem)))
+    print("\n".join(report_lines(fitting[0], problem)))
     if opts.top:
         print("\n".join(table(fitting, opts.top)))
     return 0

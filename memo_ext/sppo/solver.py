@@ -37,7 +37,9 @@ Step time (seconds): per layer and subsequence, forward compute is the linear FL
 (FLOPs from :meth:`LayerFlops.of_range`, divided by ``t``; both efficiencies fall for short
 subsequences, :data:`GEMM_HALF_ROWS`, :data:`ATTENTION_TILE_ROWS`), plus
 :data:`LAUNCH_OVERHEAD_S`;
-training is 3x forward (SPPO recomputes nothing). Sequence parallelism adds 4 collectives per
+the backward is :data:`LINEAR_BACKWARD_RATIO` times the linear part and
+:data:`ATTENTION_BACKWARD_RATIO` times the attention part (SPPO recomputes nothing). Sequence
+parallelism adds 4 collectives per
 layer forward (all-gather before attention and MLP, reduce-scatter after each) and 4 in
 backward, each of ``s_i · h · 2`` bytes over NVLink (ring: (t-1)/t of it on the wire), not
 overlapped. Each stage boundary moves ``s_i · h · 2 / t`` bytes forward and the same gradient
@@ -48,8 +50,8 @@ one DP all-reduce of the stage's bf16 gradients.
 
 With MSP (``Problem.msp``, ``--memo-sppo-msp``) the pipeline time is the makespan of
 :func:`memo_ext.sppo.multiplex.pipeline_bubble_ratio`'s simulation of the multiplexed order
-(forward ``tau_i / 3``, backward ``2 tau_i / 3``, a multiplexed backward recomputing its
-forward), plus the weight traffic of every slot with multiplexed tasks, not overlapped: the
+(each subsequence's forward and backward, collectives split 1:2 between them, a multiplexed
+backward recomputing its forward), plus the weight traffic of every slot with multiplexed tasks, not overlapped: the
 stage's bf16 parameters broadcast once before a forward slot, broadcast again and their
 gradients reduced after a backward slot, over the PP link. A helper holds the owner's bf16
 weights while it helps (``msp_weights``).
@@ -76,6 +78,12 @@ MODEL_STATE_BYTES_PER_PARAM = 16
 OPTIMIZER_BYTES_PER_PARAM = 12
 BF16_BYTES = 2
 FP32_BYTES = 4
+#: Backward over forward time: a GEMM's backward computes the input and the weight gradients
+#: (2x); flash attention's recomputes the scores (five GEMMs against the forward's two, 2.5x).
+#: The traced cost model counts the same (memo_ext/planner/work.py), and the efficiencies both
+#: use were fitted on those counts.
+LINEAR_BACKWARD_RATIO = 2.0
+ATTENTION_BACKWARD_RATIO = 2.5
 #: Fixed cost per layer per subsequence forward (backward counted twice, like its FLOPs):
 #: ~15 kernel launches of ~3 us each plus the host-side bookkeeping of the subsequence
 #: scheduler. It is what makes very short subsequences lose, mirroring the paper's finding
@@ -242,7 +250,7 @@ def evaluate(problem: Problem, tp: int, pp: int, subsequences: int) -> Candidate
     pcie = float(hardware["pcie_gbps"]) * GB * efficiency.pcie
 
     # --- time
-    forward, tau = [], []
+    forward, backward, tau = [], [], []
     tp_wire = (tp - 1) / tp
     p2p_link = ib if tp * pp > problem.gpus_per_node else nvlink
     tp_s = p2p_s = 0.0
@@ -254,10 +262,13 @@ def evaluate(problem: Problem, tp: int, pp: int, subsequences: int) -> Candidate
         linear = flops.linear * s / tp / (peak * gemm)
         attention = (flops.of_range(a, b) - flops.linear * s) / tp / (peak * attention_eff)
         layer_forward = linear + attention + LAUNCH_OVERHEAD_S
+        layer_backward = (LINEAR_BACKWARD_RATIO * (linear + LAUNCH_OVERHEAD_S)
+                          + ATTENTION_BACKWARD_RATIO * attention)
         collectives = 8 * tp_wire * s * hidden * BF16_BYTES / nvlink if tp > 1 else 0.0
         p2p = 2 * s * hidden * BF16_BYTES / tp / p2p_link if pp > 1 else 0.0
         forward.append(per_stage * layer_forward)
-        tau.append(per_stage * (3 * layer_forward + collectives) + p2p)
+        backward.append(per_stage * layer_backward)
+        tau.append(per_stage * (layer_forward + layer_backward + collectives) + p2p)
         tp_s += per_stage * collectives
         p2p_s += p2p
 
@@ -302,9 +313,11 @@ def evaluate(problem: Problem, tp: int, pp: int, subsequences: int) -> Candidate
         dp_s = stage_params * BF16_BYTES * 2 * (dp - 1) / dp / dp_link
     msp_s = 0.0
     if problem.msp and pp > 1:
-        work = [t / 3 for t in tau]
-        tasks = plan_multiplexing(pp, work)
-        bubble = sum(tau) * pipeline_bubble_ratio(pp, work, [2 * w for w in work], tasks)
+        rest = [t - f - b for t, f, b in zip(tau, forward, backward)]  # collectives, p2p
+        forward_work = [f + r / 3 for f, r in zip(forward, rest)]
+        backward_work = [t - f for t, f in zip(tau, forward_work)]
+        tasks = plan_multiplexing(pp, forward_work)
+        bubble = sum(tau) * pipeline_bubble_ratio(pp, forward_work, backward_work, tasks)
         forward_slots = {forward_slot(stage, index) for stage, index in tasks}
         msp_s = len(forward_slots) * 3 * stage_params * BF16_BYTES / p2p_link
     else:
@@ -351,6 +364,35 @@ def not_fit_message(smallest: Candidate, problem: Problem) -> str:
                     f"{smallest.host_full_bytes_per_node / 1e12:.1f} TB per node, have "
                     f"{problem.host_bytes / 1e12:.1f} TB")
     return message
+
+
+def alpha_range(alphas: list[float]) -> str:
+    """min/max over the subsequences that offload (the last one never does: its backward
+    comes first)."""
+    if len(alphas) < 2:
+        return "none (one subsequence: nothing runs while it would be copied)"
+    offloading = alphas[:-1]
+    return f"min {min(offloading):.3f}, max {max(offloading):.3f} (last subsequence 0)"
+
+
+def report_lines(best: Candidate, problem: Problem) -> list[str]:
+    """The plan of ``best`` as printed lines: layout, subsequences, alphas, memory terms, host
+    memory, step time and its terms."""
+    memory = best.memory
+    lines = [f"SPPO plan{' with MSP' if problem.msp else ''}, {PREDICTED}:",
+             f"  layout: TP/SP {best.tp}, PP {best.pp}, DP {best.dp}, N {best.subsequences} "
+             f"subsequences",
+             f"  subsequence tokens: first {best.lengths[0]}, last {best.lengths[-1]} "
+             f"(FLOPs-balanced)",
+             f"  offload alpha: {alpha_range(best.alphas)}",
+             f"  device memory per GPU: {memory.total / GiB:.1f} GiB of "
+             f"{best.capacity_bytes / GiB:.1f} GiB"]
+    lines += [f"    {name:<20} {value / GiB:8.2f} GiB" for name, value in memory.terms().items()]
+    lines.append(f"  host memory per node: {best.host_bytes_per_node / GB:.0f} GB of "
+                 f"{problem.host_bytes / GB:.0f} GB")
+    lines.append(f"  step time: {best.step_s:.2f} s, MFU {100 * best.mfu:.1f}%")
+    lines += [f"    {name:<20} {value:8.3f} s" for name, value in best.time_terms.items()]
+    return lines
 
 
 def _check(problem: Problem) -> None:
