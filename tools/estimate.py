@@ -39,6 +39,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from memo_ext.estimate.models import MODELS, ModelError, model_shape  # noqa: E402
+from memo_ext.estimate.sppo_layouts import (  # noqa: E402
+    SPPOLayoutModel,
+    SPPOPrediction,
+    sppo_layout_models,
+)
 
 GiB = 1 << 30
 #: Keys of a --model JSON file -> tools/trace.py flags.
@@ -47,6 +52,7 @@ MODEL_FILE_KEYS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                    "num_attention_heads": "--num-attention-heads",
                    "num_query_groups": "--num-query-groups", "vocab_size": "--vocab-size"}
 SEARCH_STEP, FINE_STEP = 131072, 16384
+POLICIES = ("megatron", "megatron-none", "memo", "sppo")
 #: memo.md's calibration runs: 16 sequences per iteration.
 DEFAULT_GLOBAL_BATCH = 16
 
@@ -70,8 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH,
                         help="sequences per iteration (default 16, as memo.md's calibration)")
-    parser.add_argument("--policy", choices=("megatron", "megatron-none", "memo"),
-                        default="megatron")
+    parser.add_argument("--policy", choices=POLICIES, default="megatron",
+                        help="megatron (full recompute), megatron-none (no recompute), memo "
+                             "(MEMO's offload at --memo-alpha) or sppo (SPPO's subsequence "
+                             "pipeline, predicted by memo_ext/sppo/solver.py's analytic model: "
+                             "N, and MSP when PP > 1, are searched)")
     parser.add_argument("--memo-alpha", default=None, metavar="ALPHA",
                         help="with --policy memo: the offloaded fraction (a number in [0, 1]; "
                              "default 0, or --alphas when the layout is searched)")
@@ -91,12 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     search = parser.add_argument_group("recommender (--recommend)")
     search.add_argument("--recommend", action="store_true",
                         help="search layouts and policies for --gpus GPUs; print the best")
-    search.add_argument("--policies", default="megatron,megatron-none,memo",
-                        help="policies searched (comma-separated)")
+    search.add_argument("--policies", default=",".join(POLICIES),
+                        help="policies searched (comma-separated; default all)")
     search.add_argument("--alphas", default="0,1",
                         help="MEMO alphas searched (comma-separated, default 0,1)")
     search.add_argument("--pp-sizes", default="1",
-                        help="pipeline sizes searched (comma-separated; default 1)")
+                        help="pipeline sizes searched for the traced policies (comma-separated; "
+                             "default 1); SPPO's solver searches every pipeline size")
     search.add_argument("--micro-batch-sizes", default="1",
                         help="micro-batch sizes searched (comma-separated)")
     search.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
@@ -156,7 +166,9 @@ def _memory_lines(memory, device_bytes: int, label: str, verdict: str) -> list[s
 
 def describe(prediction, device_bytes: int) -> list[str]:
     """The prediction's lines: memory (per traced pipeline stage when PP > 1), host memory,
-    the slowest stage's time and the MFU."""
+    the slowest stage's time and the MFU; an SPPO prediction's are the solver's report."""
+    if isinstance(prediction, SPPOPrediction):
+        return prediction.lines()
     if len(prediction.stages) == 1:
         lines = _memory_lines(prediction.memory, device_bytes, f"seq {prediction.seq}: ",
                               prediction.verdict())
@@ -187,10 +199,10 @@ def table(predictions, top: int) -> list[str]:
     lines = ["| # | layout | seq | peak GiB/rank | host GB/node | step s | MFU | fits |",
              "|---|---|---|---|---|---|---|---|"]
     for index, p in enumerate(predictions[:top], 1):
-        lines.append(f"| {index} | {p.layout.describe()} | {p.seq} | "
-                     f"{p.memory.peak_device_bytes / GiB:.1f} | "
-                     f"{p.host_bytes_per_node / 1e9:.0f} | {p.step.step_s:.1f} | "
-                     f"{p.step.mfu:.1%} | {p.verdict()} |")
+        lines.append(f"| {index} | {p.describe()} | {p.seq} | "
+                     f"{p.peak_device_bytes / GiB:.1f} | "
+                     f"{p.host_bytes_per_node / 1e9:.0f} | {p.step_s:.1f} | "
+                     f"{p.mfu:.1%} | {p.verdict()} |")
     return lines
 
 
@@ -226,21 +238,30 @@ def main(argv: list[str] | None = None) -> int:
                 policies = [opts.policy]
                 if opts.memo_alpha is not None:
                     opts.alphas = opts.memo_alpha
-            unknown = [p for p in policies if p not in ("megatron", "megatron-none", "memo")]
+            unknown = [p for p in policies if p not in POLICIES]
             if unknown:
-                raise UsageError(f"--policies: unknown {', '.join(unknown)}")
+                raise UsageError(f"--policies: unknown {', '.join(unknown)}; use "
+                                 f"{', '.join(POLICIES)}")
             alphas = _numbers(opts.alphas, "--alphas")
             if any(not 0 <= a <= 1 for a in alphas):
                 raise UsageError(f"--alphas {opts.alphas}: each in [0, 1]")
+            traced = [p for p in policies if p != "sppo"]
             layouts, dropped = candidate_layouts(
-                shape, opts.gpus, hardware, policies=policies, alphas=alphas,
+                shape, opts.gpus, hardware, policies=traced, alphas=alphas,
                 micro_batches=_numbers(opts.micro_batch_sizes, "--micro-batch-sizes", int),
                 global_batch=opts.global_batch_size,
-                pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int))
+                pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int)) if traced \
+                else ([], [])
+            sppo_models, sppo_dropped = sppo_layout_models(
+                shape, opts.gpus, hardware, global_batch=opts.global_batch_size,
+                host_memory_gb_per_node=opts.host_memory_gb,
+                seq=opts.seq_length) if "sppo" in policies \
+                else ([], [])
             print(f"{'recommend' if opts.recommend else 'layout search'}: {opts.model} on "
                   f"{opts.gpus} x {opts.gpu}, policies {', '.join(policies)}, {len(layouts)} "
-                  f"layouts to predict ({len(dropped)} ruled out before tracing); SPPO layouts "
-                  "are planned by tools/sppo_plan.py")
+                  f"layouts to trace ({len(dropped)} ruled out before tracing)"
+                  + (f", {len(sppo_models)} SPPO layouts from its analytic model "
+                     f"({len(sppo_dropped)} ruled out)" if "sppo" in policies else ""))
             models, failed = build_models(shape_argv, layouts, hardware,
                                           global_batch=opts.global_batch_size, cache=cache,
                                           jobs=opts.jobs,
@@ -248,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                                           log=lambda line: print(f"  {line}", flush=True))
             for layout, reason in failed:
                 print(f"  not predicted: {layout.describe()}: {reason}")
+            models += sppo_models
             if opts.max_seq_length:
                 ranked = rank_longest(models, SEARCH_STEP, opts.search_max, FINE_STEP)
             else:
@@ -260,12 +282,12 @@ def main(argv: list[str] | None = None) -> int:
                                           else f" at {opts.seq_length} tokens"))
                 return 1
             best = ranked[0]
-            print(f"best: {best.layout.describe()}")
+            print(f"best: {best.describe()}")
             for text in describe(best, device):
                 print(text)
             if opts.max_seq_length:
                 print(f"max sequence length: {best.seq} tokens, predicted MFU "
-                      f"{best.step.mfu * 100:.1f}%")
+                      f"{best.mfu * 100:.1f}%")
             return 0
 
         opts.tp, opts.cp, opts.pp = opts.tp or 1, opts.cp or 1, opts.pp or 1
@@ -282,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                 alpha = -1.0
             if not 0.0 <= alpha <= 1.0:
                 raise UsageError(f"--memo-alpha {opts.memo_alpha}: give a number in [0, 1]")
+        if opts.policy == "sppo":
+            return _fixed_sppo_layout(opts, shape, hardware, gpus, started)
         layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
                         opts.micro_batch_size)
         model = LayoutModel.build(shape_argv, layout, hardware,
@@ -309,6 +333,40 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (UsageError, EstimateError, CostModelError) as exc:
         return _fail(str(exc))
+
+
+def _fixed_sppo_layout(opts, shape: dict, hardware: dict, gpus: int, started: float) -> int:
+    """--policy sppo with --tp/--pp: the solver's best N (and MSP) for that layout."""
+    from memo_ext.sppo.solver import SolverError
+
+    if opts.cp != 1:
+        raise UsageError(f"--policy sppo --cp {opts.cp}: SPPO splits the sequence over the "
+                         "pipeline, not over context-parallel ranks; give --cp 1")
+    if opts.micro_batch_size != 1:
+        raise UsageError("--policy sppo plans micro-batch 1; drop --micro-batch-size")
+    model = SPPOLayoutModel(shape, gpus, hardware, opts.tp, opts.pp, opts.global_batch_size,
+                            None if opts.host_memory_gb is None else opts.host_memory_gb * 1e9)
+    device = int(hardware["device_memory_bytes"])
+    print(f"estimate: {opts.model} on {opts.gpu} ({device / GiB:.2f} GiB per GPU), {gpus} "
+          f"GPUs: TP={opts.tp} PP={opts.pp} DP={model.dp} SPPO (analytic model, "
+          "memo_ext/sppo/solver.py; predicted)")
+    try:
+        if opts.seq_length is not None:
+            for text in model.predict(opts.seq_length - opts.seq_length % model.multiple).lines():
+                print(text)
+            return 0
+        longest = model.longest(SEARCH_STEP, opts.search_max, FINE_STEP)
+    except SolverError as exc:
+        raise UsageError(str(exc)) from None
+    mfu = "n/a (nothing fits)"
+    if longest:
+        prediction = model.predict(longest)
+        for text in prediction.lines():
+            print(text)
+        mfu = f"{prediction.mfu * 100:.1f}%"
+    print(f"estimated in {time.perf_counter() - started:.1f} s")
+    print(f"max sequence length: {longest} tokens, predicted MFU {mfu}")
+    return 0
 
 
 if __name__ == "__main__":

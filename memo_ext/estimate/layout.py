@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +206,21 @@ class Prediction:
         return max((p.step for p in self.stages), key=lambda step: step.step_s)
 
     @property
+    def peak_device_bytes(self) -> int:
+        return self.memory.peak_device_bytes
+
+    @property
+    def step_s(self) -> float:
+        return self.step.step_s
+
+    @property
+    def mfu(self) -> float:
+        return self.step.mfu
+
+    def describe(self) -> str:
+        return self.layout.describe()
+
+    @property
     def host_bytes_per_node(self) -> int:
         """MEMO's offload slots of a node's ranks, each counted at the largest stage's."""
         return max(p.memory.host_bytes for p in self.stages) * self.ranks_per_node
@@ -299,12 +315,16 @@ class LayoutModel:
         ranks_per_node = min(int(self.hardware["gpus_per_node"]), self.layout.gpus)
         return Prediction(self.layout, seq, per_stage, self.host_capacity_bytes, ranks_per_node)
 
+    @property
+    def multiple(self) -> int:
+        """Lengths are rounded down to a multiple of this (CP's load-balanced chunks, TP's
+        sequence-parallel shards)."""
+        return 2 * self.layout.tp * self.layout.cp
+
     def longest(self, step: int, maximum: int, fine_step: Optional[int] = None) -> int:
         """Longest sequence that fits (device and host), in ``step`` tokens (0 if none)."""
-        multiple = 2 * self.layout.tp * self.layout.cp
-
         def estimate(seq: int):
-            seq -= seq % multiple
+            seq -= seq % self.multiple
             return _FitOnly(self.predict(seq).fits if seq else True)
 
         return max_sequence_length(estimate, step, maximum, fine_step)
@@ -381,12 +401,15 @@ def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *
                  ) -> tuple[list[LayoutModel], list[tuple[Layout, str]]]:
     """A LayoutModel per layout, tracing ``jobs`` at a time; layouts whose tracing fails are
     returned with the reason."""
+    log_lock = threading.Lock()  # one line at a time from the worker threads
+
     def build(layout: Layout):
         try:
             model = LayoutModel.build(model_argv, layout, hardware, global_batch=global_batch,
                                       cache=cache,
                                       host_memory_gb_per_node=host_memory_gb_per_node)
-            log(f"traced {layout.describe()}")
+            with log_lock:
+                log(f"traced {layout.describe()}")
             return model, None
         except (EstimateError, CostModelError) as exc:
             return None, (layout, str(exc))
@@ -397,19 +420,19 @@ def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *
             [failure for _, failure in results if failure is not None])
 
 
-def rank_at(models: list[LayoutModel], seq: int) -> list[Prediction]:
-    """Every layout's prediction at ``seq`` tokens, fitting ones first, by MFU."""
-    predictions = [m.predict(seq - seq % (2 * m.layout.tp * m.layout.cp)) for m in models]
-    return sorted(predictions, key=lambda p: (not p.fits, -p.step.mfu))
+def rank_at(models: list, seq: int) -> list:
+    """Every layout's prediction at ``seq`` tokens, fitting ones first, by MFU. ``models``:
+    LayoutModels and SPPOLayoutModels (memo_ext.estimate.sppo_layouts)."""
+    predictions = [m.predict(seq - seq % m.multiple) for m in models]
+    return sorted(predictions, key=lambda p: (not p.fits, -p.mfu))
 
 
-def rank_longest(models: list[LayoutModel], step: int, maximum: int,
-                 fine_step: Optional[int] = None) -> list[Prediction]:
+def rank_longest(models: list, step: int, maximum: int,
+                 fine_step: Optional[int] = None) -> list:
     """Every layout at its own longest fitting sequence, longest first, then by MFU."""
     predictions = []
     for model in models:
         longest = model.longest(step, maximum, fine_step)
         if longest:
-            predictions.append(model.predict(longest - longest % (2 * model.layout.tp
-                                                                  * model.layout.cp)))
-    return sorted(predictions, key=lambda p: (-p.seq, -p.step.mfu))
+            predictions.append(model.predict(longest - longest % model.multiple))
+    return sorted(predictions, key=lambda p: (-p.seq, -p.mfu))

@@ -51,10 +51,10 @@ one DP all-reduce of the stage's bf16 gradients.
 With MSP (``Problem.msp``, ``--memo-sppo-msp``) the pipeline time is the makespan of
 :func:`memo_ext.sppo.multiplex.pipeline_bubble_ratio`'s simulation of the multiplexed order
 (each subsequence's forward and backward, collectives split 1:2 between them, a multiplexed
-backward recomputing its forward), plus the weight traffic of every slot with multiplexed tasks, not overlapped: the
-stage's bf16 parameters broadcast once before a forward slot, broadcast again and their
-gradients reduced after a backward slot, over the PP link. A helper holds the owner's bf16
-weights while it helps (``msp_weights``).
+backward recomputing its forward), plus the weight traffic of every slot with multiplexed
+tasks, not overlapped: the stage's bf16 parameters broadcast once before a forward slot,
+broadcast again and their gradients reduced after a backward slot, over the PP link. A helper
+holds the owner's bf16 weights while it helps (``msp_weights``).
 """
 
 from __future__ import annotations

@@ -127,6 +127,41 @@ def test_pipeline_estimate_names_the_stage_that_runs_out(tmp_path):
                                                                         re.M)
 
 
+def test_recommender_ranks_sppo_layouts_from_the_solver():
+    """SPPO's rows come from memo_ext/sppo/solver.py (no tracing): each (TP, PP)'s fastest
+    fitting N at the asked length, ranked by MFU with the other policies' rows."""
+    code, out = run_estimate_cli(["--model", "7b", "--gpus", "8", "--gpu", "a800",
+                                  "--recommend", "--policies", "sppo", "--seq-length",
+                                  "262144"])
+    assert code == 0, out
+    rows = re.findall(r"^\| \d+ \| TP=(\d) CP=1 PP=(\d) DP=(\d) mbs=1 SPPO N=(\d+)( MSP)? \| "
+                      r"262144 \| ([\d.]+) \| \d+ \| [\d.]+ \| ([\d.]+)% \| FITS \|$", out, re.M)
+    assert rows, out
+    assert all(int(tp) * int(pp) * int(dp) == 8 for tp, pp, dp, *_ in rows)
+    assert all(float(peak) <= 79.3 for *_, peak, _ in rows)
+    mfus = [float(mfu) for *_, mfu in rows]
+    assert mfus == sorted(mfus, reverse=True)
+    assert "SPPO plan" in out and "16 sequences per iteration" in out
+
+
+def test_sppo_policy_longest_sequence_and_refusals():
+    from memo_ext.estimate import load_hardware
+    from memo_ext.estimate.models import model_shape
+    from memo_ext.estimate.sppo_layouts import SPPOLayoutModel
+
+    argv = ["--model", "7b", "--gpu", "a800", "--gpus", "8", "--tp", "4", "--pp", "2",
+            "--policy", "sppo", "--max-seq-length"]
+    code, out = run_estimate_cli(argv)
+    assert code == 0, out
+    longest = _max_seq(out)
+    model = SPPOLayoutModel(model_shape("7b"), 8, load_hardware("a800"), 4, 2, 16)
+    assert longest >= 131072 and model.predict(longest).fits
+    assert not model.predict(longest + 131072).fits
+    assert "SPPO plan" in out
+    code, _ = run_estimate_cli([*argv[:-1], "--cp", "2", "--seq-length", "131072"])
+    assert code == 2
+
+
 def _max_seq(out: str) -> int:
     match = re.search(r"^max sequence length: (\d+) tokens", out, re.M)
     assert match, out
@@ -226,3 +261,26 @@ def test_memo_policy_on_8_a800s_prints_its_longest_sequence_and_mfu():
     assert code == 0, out
     match = re.search(r"^max sequence length: (\d+) tokens, predicted MFU ([\d.]+)%$", out, re.M)
     assert match and int(match.group(1)) >= 1024 * 1024 and 40 <= float(match.group(2)) <= 60
+
+
+@pytest.mark.slow
+def test_megatron_without_context_parallelism_reaches_the_papers_640k(tmp_path):
+    """bench/megatron_baseline.py: Megatron-LM without CP (7B TP=8; 13B TP=8 PP=2, the first
+    stage with two micro-batches in flight) fits the paper's 640K and not 768K; with CP, 13B
+    fits far longer than the paper's Megatron-LM did."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    output = tmp_path / "megatron_baseline.md"
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "megatron_baseline.py"),
+                           "--output", str(output)], cwd=REPO_ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=3600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    longest = {(model, layout.split(" mbs")[0], family): int(seq) for model, layout, family, seq
+               in re.findall(r"^\| (\w+) \| \d+ \| (TP=.*?) \((with(?:out)? CP)\) \| (\d+)K \|",
+                             output.read_text(), re.M)}
+    assert longest[("7b", "TP=8 CP=1 PP=1 DP=1", "without CP")] == 640
+    assert longest[("13b", "TP=8 CP=1 PP=2 DP=1", "without CP")] == 640
+    assert longest[("13b", "TP=4 CP=4 PP=1 DP=1", "with CP")] >= 896
