@@ -5,10 +5,10 @@ other figure of memo.md's calibration table out of sample.
     python bench/cost_calibration.py --models 7b,13b
 
 For each model the recommender's candidate layouts (PP 1; Megatron with full or no recompute;
-MEMO at alpha 0 and 1; for 13B only TP 4 and 8 by default, to bound the tracing) are traced once (cached: $MEMO_ESTIMATE_CACHE or
-~/.cache/megatron-memo/traces). A system's predicted MFU at a length is that of its best layout
-that fits there (the paper tuned each system's configuration); its longest sequence is the
-longest any of its layouts fits.
+MEMO at alpha 0 and 1; for 13B TP 2, 4 and 8 by default, TP 1 cannot hold it) are traced once
+(cached: $MEMO_ESTIMATE_CACHE or ~/.cache/megatron-memo/traces). A system's predicted MFU at a
+length is that of its best layout that fits there (the paper tuned each system's
+configuration); its longest sequence is the longest any of its layouts fits.
 
 The GEMM and attention efficiencies are fitted on the 7B MEMO column alone (grid search,
 minimising the largest error); the 7B Megatron-LM column and both 13B columns are predictions.
@@ -82,7 +82,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="7b", help="7b and/or 13b (comma-separated)")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--tp-sizes-13b", default="4,8",
+    parser.add_argument("--tp-sizes-13b", default="2,4,8",
                         help="TP sizes searched for 13B (each costs two 13B traces per policy)")
     parser.add_argument("--output", type=Path, default=RESULTS / "cost_calibration.md")
     opts = parser.parse_args()

@@ -68,7 +68,7 @@ POLICY_NAMES = {"megatron": "Megatron full recompute", "megatron-none": "Megatro
 
 #: Persistent bytes per parameter of a bf16 run with megatron's defaults: bf16 weights (2) and
 #: fp32 gradient buffer (4) on every rank of the model-parallel shard; fp32 main weights, Adam
-#: m and v (12) sharded over DP by the distributed optimizer.
+#: m and v (12) sharded over DP x CP by the distributed optimizer.
 WEIGHT_AND_GRAD_BYTES_PER_PARAM = 6
 OPTIMIZER_BYTES_PER_PARAM = 12
 
@@ -386,8 +386,10 @@ def _infeasible(layout: Layout, model: dict, heads: int, groups: int, per_node: 
     if global_batch % (layout.dp * layout.micro_batch):
         return f"global batch {global_batch} does not divide by DP x micro-batch"
     shard = params / (layout.tp * layout.pp)
+    # megatron's distributed optimizer shards over the data-parallel group with the context-
+    # parallel ranks in it (CP ranks hold the same weights)
     persistent = shard * WEIGHT_AND_GRAD_BYTES_PER_PARAM + shard * OPTIMIZER_BYTES_PER_PARAM \
-        / layout.dp
+        / (layout.dp * layout.cp)
     if persistent >= device:
         return (f"weights, gradients and optimizer state alone need {persistent / 2**30:.0f} "
                 f"GiB per rank")

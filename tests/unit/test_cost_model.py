@@ -136,12 +136,18 @@ def test_candidate_layouts_rule_out_what_cannot_run():
     kept, dropped = candidate_layouts(model, 8, a800, policies=["megatron", "memo"],
                                       alphas=[0.0, 1.0], micro_batches=[1], global_batch=16,
                                       pipeline_sizes=[1, 2])
-    reasons = {layout: reason for layout, reason in dropped}
-    assert all(layout.gpus == 8 for layout in kept)
-    # 7B unsharded: 6.65e9 parameters x 18 bytes = 111 GiB of weights, gradients and Adam.
-    assert "alone need 111 GiB" in reasons[Layout(1, 8, 1, 1, "megatron")]
-    # Sharding Adam over 8 data-parallel ranks leaves 37 + 9 GiB: traced, not ruled out.
-    assert Layout(1, 1, 1, 8, "megatron") in kept
+    assert all(layout.gpus == 8 for layout in kept) and not any(
+        "alone need" in reason for _, reason in dropped)
+    # 7B without TP: 6.65e9 parameters x 6 bytes of weights and fp32 gradients = 37 GiB, and
+    # Adam's 12 bytes sharded over DP x CP = 8 ranks, 9 GiB: traced, whether DP or CP.
+    assert Layout(1, 1, 1, 8, "megatron") in kept and Layout(1, 8, 1, 1, "megatron") in kept
+    # 65B on TP=8: 8.1e9 parameters per rank x 18 bytes, nothing to shard Adam over.
+    big, big_dropped = candidate_layouts({**model, "num_layers": 80, "hidden_size": 8192,
+                                          "ffn_hidden_size": 32768, "num_attention_heads": 64},
+                                         8, a800, policies=["megatron"], alphas=[],
+                                         micro_batches=[1], global_batch=16)
+    assert not big
+    assert "alone need 136 GiB" in dict(big_dropped)[Layout(8, 1, 1, 1, "megatron")]
     assert Layout(4, 2, 1, 1, "memo", 0.0) in kept and Layout(8, 1, 1, 1, "megatron") in kept
     assert len({(l.tp, l.cp, l.pp, l.dp) for l in kept}) >= 8
 
@@ -172,11 +178,13 @@ def test_recommend_ranks_layouts_and_reuses_its_trace_cache(tmp_path):
 def test_cli_refuses_bad_recommender_input(tmp_path):
     base = ["--model", "7b", "--gpu", "a800", "--seq-length", "1024"]
     assert run_estimate_cli(base + ["--recommend"])[0] == 2  # no --gpus
-    assert run_estimate_cli(base + ["--recommend", "--gpus", "8", "--policies", "deepspeed"])[0] == 2
+    assert run_estimate_cli(base + ["--recommend", "--gpus", "8", "--policies",
+                                    "deepspeed"])[0] == 2
     assert run_estimate_cli(base + ["--recommend", "--gpus", "8", "--alphas", "2"])[0] == 2
     bad_model = tmp_path / "model.json"
     bad_model.write_text('{"hidden_size": 64}')
-    assert run_estimate_cli(["--model", str(bad_model), "--gpu", "a800", "--seq-length", "1024"])[0] == 2
+    assert run_estimate_cli(["--model", str(bad_model), "--gpu", "a800", "--seq-length",
+                             "1024"])[0] == 2
 
 
 def test_trace_cache_never_trusts_a_damaged_entry(tmp_path):
