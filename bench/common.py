@@ -27,6 +27,15 @@ def seq_label(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
+def mfu_axis(axis, title: str) -> None:
+    """An MFU-against-sequence-length panel's scales, labels, title and legend."""
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("sequence length (K tokens)")
+    axis.set_ylabel("MFU %")
+    axis.set_title(title)
+    axis.legend(fontsize=8)
+
+
 # ------------------------------------------------------------------------------------ traces
 
 def record_trace(trace_argv: list[str], seq: int, workdir: Path) -> tuple[EventTrace, float]:

@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.common import seq_label  # noqa: E402
+from bench.common import mfu_axis, seq_label  # noqa: E402
 from memo_ext.estimate import load_hardware  # noqa: E402
 from memo_ext.estimate.cost import Efficiency  # noqa: E402
 from memo_ext.estimate.layout import (  # noqa: E402
@@ -192,11 +192,7 @@ def _plot(series: dict, path: Path) -> None:
                       color=colour, label=f"{system} (paper, measured)")
             axis.plot(xs, [m if m is not None else float("nan") for _, _, m in rows], "x--",
                       color=colour, label=f"{system} (predicted)")
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("sequence length (K tokens)")
-        axis.set_ylabel("MFU %")
-        axis.set_title(f"{name}, A800-80GB")
-        axis.legend(fontsize=8)
+        mfu_axis(axis, f"{name}, A800-80GB")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
