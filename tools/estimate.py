@@ -52,7 +52,9 @@ MODEL_FILE_KEYS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                    "num_attention_heads": "--num-attention-heads",
                    "num_query_groups": "--num-query-groups", "vocab_size": "--vocab-size"}
 SEARCH_STEP, FINE_STEP = 131072, 16384
-POLICIES = ("megatron", "megatron-none", "memo", "sppo")
+POLICIES = ("megatron", "megatron-none", "megatron-block", "memo", "sppo")
+#: Block recompute multiplies the traced Megatron layouts by its layer counts: opt-in.
+DEFAULT_POLICIES = "megatron,megatron-none,memo,sppo"
 #: memo.md's calibration runs: 16 sequences per iteration.
 DEFAULT_GLOBAL_BATCH = 16
 
@@ -77,13 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH,
                         help="sequences per iteration (default 16, as memo.md's calibration)")
     parser.add_argument("--policy", choices=POLICIES, default="megatron",
-                        help="megatron (full recompute), megatron-none (no recompute), memo "
+                        help="megatron (full recompute), megatron-none (no recompute), "
+                             "megatron-block (full recompute of --recompute-num-layers layers "
+                             "per stage, megatron's --recompute-method block), memo "
                              "(MEMO's offload at --memo-alpha) or sppo (SPPO's subsequence "
                              "pipeline, predicted by memo_ext/sppo/solver.py's analytic model: "
                              "N, and MSP when PP > 1, are searched)")
     parser.add_argument("--memo-alpha", default=None, metavar="ALPHA",
                         help="with --policy memo: the offloaded fraction (a number in [0, 1]; "
                              "default 0, or --alphas when the layout is searched)")
+    parser.add_argument("--recompute-num-layers", type=int, default=None,
+                        help="with --policy megatron-block: layers recomputed per stage")
     parser.add_argument("--host-memory-gb", type=float, default=None,
                         help="host memory per node for MEMO's offload (default: the profile's)")
     parser.add_argument("--allocator", choices=("caching", "expandable", "arena"), default=None,
@@ -100,8 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     search = parser.add_argument_group("recommender (--recommend)")
     search.add_argument("--recommend", action="store_true",
                         help="search layouts and policies for --gpus GPUs; print the best")
-    search.add_argument("--policies", default=",".join(POLICIES),
-                        help="policies searched (comma-separated; default all)")
+    search.add_argument("--policies", default=DEFAULT_POLICIES,
+                        help=f"policies searched (comma-separated; default {DEFAULT_POLICIES}; "
+                             f"also megatron-block)")
+    search.add_argument("--block-recompute-fractions", default="0.25,0.5,0.75",
+                        help="megatron-block: the layers per stage tried, as fractions of a "
+                             "stage's layers (comma-separated)")
     search.add_argument("--alphas", default="0,1",
                         help="MEMO alphas searched (comma-separated, default 0,1)")
     search.add_argument("--pp-sizes", default="1",
@@ -246,12 +256,16 @@ def main(argv: list[str] | None = None) -> int:
             if any(not 0 <= a <= 1 for a in alphas):
                 raise UsageError(f"--alphas {opts.alphas}: each in [0, 1]")
             traced = [p for p in policies if p != "sppo"]
+            fractions = _numbers(opts.block_recompute_fractions, "--block-recompute-fractions")
+            if any(not 0 < f < 1 for f in fractions):
+                raise UsageError(f"--block-recompute-fractions {opts.block_recompute_fractions}:"
+                                 " each strictly between 0 and 1")
             layouts, dropped = candidate_layouts(
                 shape, opts.gpus, hardware, policies=traced, alphas=alphas,
                 micro_batches=_numbers(opts.micro_batch_sizes, "--micro-batch-sizes", int),
                 global_batch=opts.global_batch_size,
-                pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int)) if traced \
-                else ([], [])
+                pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int),
+                block_fractions=fractions) if traced else ([], [])
             sppo_models, sppo_dropped = sppo_layout_models(
                 shape, opts.gpus, hardware, global_batch=opts.global_batch_size,
                 host_memory_gb_per_node=opts.host_memory_gb,
@@ -306,8 +320,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--memo-alpha {opts.memo_alpha}: give a number in [0, 1]")
         if opts.policy == "sppo":
             return _fixed_sppo_layout(opts, shape, hardware, gpus, started)
+        recompute_layers = None
+        if opts.policy == "megatron-block":
+            stage_layers = shape["num_layers"] // opts.pp
+            if opts.recompute_num_layers is None or not \
+                    1 <= opts.recompute_num_layers <= stage_layers:
+                raise UsageError(f"--policy megatron-block needs --recompute-num-layers K, 1 <= K"
+                                 f" <= {stage_layers} (the layers of a stage)")
+            recompute_layers = opts.recompute_num_layers
         layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
-                        opts.micro_batch_size)
+                        opts.micro_batch_size, recompute_layers)
         model = LayoutModel.build(shape_argv, layout, hardware,
                                   global_batch=opts.global_batch_size, cache=cache,
                                   allocator=opts.allocator,

@@ -61,10 +61,13 @@ POLICY_FLAGS = {
     "megatron": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1"],
     "megatron-none": [],
+    "megatron-block": ["--recompute-granularity", "full", "--recompute-method", "block"],
     "memo": ["--memo-offload"],
 }
 POLICY_NAMES = {"megatron": "Megatron full recompute", "megatron-none": "Megatron no recompute",
-                "memo": "MEMO offload"}
+                "megatron-block": "Megatron block recompute", "memo": "MEMO offload"}
+#: Block recompute's layers per stage the recommender tries, as fractions of a stage's layers.
+BLOCK_RECOMPUTE_FRACTIONS = (0.25, 0.5, 0.75)
 
 #: Persistent bytes per parameter of a bf16 run with megatron's defaults: bf16 weights (2) and
 #: fp32 gradient buffer (4) on every rank of the model-parallel shard; fp32 main weights, Adam
@@ -99,6 +102,7 @@ class Layout:
     policy: str = "megatron"
     alpha: Optional[float] = None  # MEMO's offloaded fraction
     micro_batch: int = 1
+    recompute_layers: Optional[int] = None  # megatron-block: layers recomputed per stage
 
     @property
     def gpus(self) -> int:
@@ -118,6 +122,8 @@ class Layout:
                 *POLICY_FLAGS[self.policy]]
         if self.policy == "memo":
             argv += ["--memo-alpha", f"{self.alpha:g}"]
+        if self.policy == "megatron-block":
+            argv += ["--recompute-num-layers", str(self.recompute_layers)]
         if stage is not None and self.pp > 1:
             argv += ["--rank", str(stage.rank),
                      "--microbatches-in-flight", str(stage.microbatches_in_flight)]
@@ -127,6 +133,8 @@ class Layout:
         policy = POLICY_NAMES[self.policy]
         if self.policy == "memo":
             policy += f" alpha {self.alpha:g}"
+        if self.policy == "megatron-block":
+            policy += f" {self.recompute_layers} layers per stage"
         return (f"TP={self.tp} CP={self.cp} PP={self.pp} DP={self.dp} mbs={self.micro_batch} "
                 f"{policy}")
 
@@ -339,9 +347,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def block_recompute_layers(layers_per_stage: int,
+                           fractions=BLOCK_RECOMPUTE_FRACTIONS) -> list[int]:
+    """Layers per stage block recompute tries: each fraction of the stage's layers, rounded,
+    between 1 and all but one (all is full recompute, none is no recompute)."""
+    return sorted({min(layers_per_stage - 1, max(1, round(f * layers_per_stage)))
+                   for f in fractions} - {0}) if layers_per_stage > 1 else []
+
+
 def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[str],
                       alphas: list[float], micro_batches: list[int], global_batch: int,
-                      pipeline_sizes: Optional[list[int]] = None
+                      pipeline_sizes: Optional[list[int]] = None,
+                      block_fractions=BLOCK_RECOMPUTE_FRACTIONS
                       ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """(layouts worth tracing, [(layout, why it was dropped)]) for ``gpus`` GPUs.
 
@@ -362,10 +379,15 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                 if pipeline_sizes is not None and pp not in pipeline_sizes:
                     continue
                 dp = gpus // (tp * cp * pp)
+                blocks = block_recompute_layers(model["num_layers"] // pp, block_fractions)
                 for policy in policies:
-                    for alpha in (alphas if policy == "memo" else [None]):
+                    variants = ([(alpha, None) for alpha in alphas] if policy == "memo" else
+                                [(None, k) for k in blocks] if policy == "megatron-block" else
+                                [(None, None)])
+                    for alpha, recompute_layers in variants:
                         for micro_batch in micro_batches:
-                            layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch)
+                            layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch,
+                                            recompute_layers)
                             reason = _infeasible(layout, model, heads, groups, per_node,
                                                  params, device, global_batch)
                             (dropped.append((layout, reason)) if reason else kept.append(layout))

@@ -152,6 +152,32 @@ def test_candidate_layouts_rule_out_what_cannot_run():
     assert len({(l.tp, l.cp, l.pp, l.dp) for l in kept}) >= 8
 
 
+def test_block_recompute_layouts():
+    from memo_ext.estimate.layout import block_recompute_layers
+
+    assert block_recompute_layers(32) == [8, 16, 24]
+    assert block_recompute_layers(4) == [1, 2, 3]
+    assert block_recompute_layers(2) == [1] and block_recompute_layers(1) == []
+    a800 = load_hardware("a800")
+    model = {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 16384,
+             "num_attention_heads": 32, "vocab_size": 50257}
+    kept, _ = candidate_layouts(model, 8, a800, policies=["megatron-block"], alphas=[],
+                                micro_batches=[1], global_batch=16, pipeline_sizes=[1, 2])
+    assert {(l.pp, l.recompute_layers) for l in kept} == {(1, 8), (1, 16), (1, 24), (2, 4),
+                                                          (2, 8), (2, 12)}
+    layout = Layout(8, 1, 1, 1, "megatron-block", recompute_layers=16)
+    assert layout.trace_argv(["--model", "7b"])[-6:] == [
+        "--recompute-granularity", "full", "--recompute-method", "block",
+        "--recompute-num-layers", "16"]
+    assert layout.describe().endswith("Megatron block recompute 16 layers per stage")
+    base = ["--model", "7b", "--gpu", "a800", "--tp", "8", "--seq-length", "131072",
+            "--policy", "megatron-block"]
+    assert run_estimate_cli(base)[0] == 2  # no --recompute-num-layers
+    assert run_estimate_cli([*base, "--recompute-num-layers", "33"])[0] == 2
+    assert run_estimate_cli(["--model", "7b", "--gpu", "a800", "--gpus", "8", "--recommend",
+                             "--seq-length", "1024", "--block-recompute-fractions", "1"])[0] == 2
+
+
 def test_recommend_ranks_layouts_and_reuses_its_trace_cache(tmp_path):
     model_file = tmp_path / "small.json"
     model_file.write_text(json.dumps({"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256,
