@@ -3,8 +3,10 @@ fits, from allocation traces replayed through the allocator models (memo_ext.all
 
 Entry points: :func:`linear_trace` (two traces of a rank, any sequence length from them),
 :func:`estimate_at` (one length through one allocator model), :func:`max_sequence_length`,
-:func:`load_hardware` (GPU profiles in hardware.json). ``tools/estimate.py`` is the command.
-The time side (cost model, MFU) is not built yet.
+:func:`load_hardware` (GPU profiles in hardware.json). The time side is
+:mod:`memo_ext.estimate.cost`, whole layouts (every traced pipeline stage, memory and time) and
+the recommender's search :mod:`memo_ext.estimate.layout`, SPPO's rows
+:mod:`memo_ext.estimate.sppo_layouts`. ``tools/estimate.py`` is the command.
 """
 
 from memo_ext.estimate.memory import (
