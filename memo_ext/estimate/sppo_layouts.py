@@ -19,9 +19,12 @@ an upper bound), so the MFU is the solver's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from memo_ext.estimate.memory import max_sequence_length
+
+if TYPE_CHECKING:  # memo_ext.sppo's package imports megatron: imported lazily below
+    from memo_ext.sppo.solver import Candidate, Problem
 
 GiB = 1 << 30
 
@@ -30,8 +33,8 @@ GiB = 1 << 30
 class SPPOPrediction:
     """An SPPO layout at one sequence length (the solver's best candidate for it)."""
 
-    candidate: object       # memo_ext.sppo.solver.Candidate
-    problem: object         # memo_ext.sppo.solver.Problem
+    candidate: "Candidate"
+    problem: "Problem"
     global_batch: int
 
     @property
