@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from memo_ext.estimate.memory import max_sequence_length
+from memo_ext.estimate.memory import EstimateError, max_sequence_length
 
 if TYPE_CHECKING:  # memo_ext.sppo's package imports megatron: imported lazily below
     from memo_ext.sppo.solver import Candidate, Problem
@@ -109,8 +109,16 @@ class SPPOLayoutModel:
         return self.tp
 
     def predict(self, seq: int) -> SPPOPrediction:
-        from memo_ext.sppo.solver import Problem, evaluate, subsequence_counts
+        from memo_ext.sppo.solver import (
+            MIN_SUBSEQUENCE_TOKENS,
+            Problem,
+            evaluate,
+            subsequence_counts,
+        )
 
+        if seq < max(MIN_SUBSEQUENCE_TOKENS, self.tp):
+            raise EstimateError(f"--seq-length {seq}: SPPO needs at least "
+                                f"{max(MIN_SUBSEQUENCE_TOKENS, self.tp)} tokens")
         if seq not in self._cache:
             candidates = []
             for msp in ((False, True) if self.pp > 1 else (False,)):

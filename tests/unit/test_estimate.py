@@ -160,6 +160,7 @@ def test_sppo_policy_longest_sequence_and_refusals():
     assert "SPPO plan" in out
     code, _ = run_estimate_cli([*argv[:-1], "--cp", "2", "--seq-length", "131072"])
     assert code == 2
+    assert run_estimate_cli([*argv[:-1], "--seq-length", "100"])[0] == 2  # < 256 tokens
 
 
 def _max_seq(out: str) -> int:
