@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         hardware = load_hardware(opts.gpu, opts.hardware_file)
         device = int(hardware["device_memory_bytes"])
         cache = TraceCache(None if opts.no_cache else (opts.cache_dir or default_cache_dir()))
+        if opts.recompute_num_layers is not None and opts.policy != "megatron-block":
+            raise UsageError("--recompute-num-layers applies to --policy megatron-block only "
+                             "(megatron full recompute is 1 layer per block, uniform)")
         fixed_layout = any(v is not None for v in (opts.tp, opts.cp, opts.pp))
         if opts.recommend or (opts.gpus and not fixed_layout):
             if not opts.gpus:

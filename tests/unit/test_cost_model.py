@@ -174,6 +174,7 @@ def test_block_recompute_layouts():
             "--policy", "megatron-block"]
     assert run_estimate_cli(base)[0] == 2  # no --recompute-num-layers
     assert run_estimate_cli([*base, "--recompute-num-layers", "33"])[0] == 2
+    assert run_estimate_cli([*base[:-1], "megatron", "--recompute-num-layers", "8"])[0] == 2
     assert run_estimate_cli(["--model", "7b", "--gpu", "a800", "--gpus", "8", "--recommend",
                              "--seq-length", "1024", "--block-recompute-fractions", "1"])[0] == 2
 
