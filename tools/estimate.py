@@ -38,6 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS  # noqa: E402
 from memo_ext.estimate.models import MODELS, ModelError, model_shape  # noqa: E402
 from memo_ext.estimate.sppo_layouts import (  # noqa: E402
     SPPOLayoutModel,
@@ -109,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--policies", default=DEFAULT_POLICIES,
                         help=f"policies searched (comma-separated; default {DEFAULT_POLICIES}; "
                              f"also megatron-block)")
-    search.add_argument("--block-recompute-fractions", default="0.25,0.5,0.75",
+    search.add_argument("--block-recompute-fractions",
+                        default=",".join(f"{f:g}" for f in BLOCK_RECOMPUTE_FRACTIONS),
                         help="megatron-block: the layers per stage tried, as fractions of a "
                              "stage's layers (comma-separated)")
     search.add_argument("--alphas", default="0,1",

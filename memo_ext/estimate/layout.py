@@ -352,7 +352,7 @@ def block_recompute_layers(layers_per_stage: int,
     """Layers per stage block recompute tries: each fraction of the stage's layers, rounded,
     between 1 and all but one (all is full recompute, none is no recompute)."""
     return sorted({min(layers_per_stage - 1, max(1, round(f * layers_per_stage)))
-                   for f in fractions} - {0}) if layers_per_stage > 1 else []
+                   for f in fractions}) if layers_per_stage > 1 else []
 
 
 def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[str],

@@ -29,6 +29,14 @@ if TYPE_CHECKING:  # memo_ext.sppo's package imports megatron: imported lazily b
 GiB = 1 << 30
 
 
+def shortest_sequence(tp: int) -> int:
+    """The fewest tokens the solver plans at TP ``tp``: one subsequence of its minimum length,
+    a whole number of sequence-parallel shards."""
+    from memo_ext.sppo.solver import MIN_SUBSEQUENCE_TOKENS
+
+    return max(MIN_SUBSEQUENCE_TOKENS, tp)
+
+
 @dataclass
 class SPPOPrediction:
     """An SPPO layout at one sequence length (the solver's best candidate for it)."""
@@ -109,16 +117,11 @@ class SPPOLayoutModel:
         return self.tp
 
     def predict(self, seq: int) -> SPPOPrediction:
-        from memo_ext.sppo.solver import (
-            MIN_SUBSEQUENCE_TOKENS,
-            Problem,
-            evaluate,
-            subsequence_counts,
-        )
+        from memo_ext.sppo.solver import Problem, evaluate, subsequence_counts
 
-        if seq < max(MIN_SUBSEQUENCE_TOKENS, self.tp):
+        if seq < shortest_sequence(self.tp):
             raise EstimateError(f"--seq-length {seq}: SPPO needs at least "
-                                f"{max(MIN_SUBSEQUENCE_TOKENS, self.tp)} tokens")
+                                f"{shortest_sequence(self.tp)} tokens")
         if seq not in self._cache:
             candidates = []
             for msp in ((False, True) if self.pp > 1 else (False,)):
@@ -137,11 +140,9 @@ class SPPOLayoutModel:
 
     def longest(self, step: int, maximum: int, fine_step: Optional[int] = None) -> int:
         """Longest sequence with a fitting N, in ``step`` tokens (0 if none)."""
-        from memo_ext.sppo.solver import MIN_SUBSEQUENCE_TOKENS
-
         def estimate(seq: int):
             seq -= seq % self.multiple
-            return self.predict(seq) if seq >= MIN_SUBSEQUENCE_TOKENS else _Fits(True)
+            return self.predict(seq) if seq >= shortest_sequence(self.tp) else _Fits(True)
 
         return max_sequence_length(estimate, step, maximum, fine_step)
 
@@ -157,14 +158,14 @@ def sppo_layout_models(shape: dict, gpus: int, hardware: dict, *, global_batch: 
                        ) -> tuple[list[SPPOLayoutModel], list[tuple[str, str]]]:
     """(an SPPOLayoutModel per (TP, PP) the solver would try, [(layout, why it was dropped)]);
     ``seq``: the one length asked for, if any."""
-    from memo_ext.sppo.solver import MIN_SUBSEQUENCE_TOKENS, Problem, layouts
+    from memo_ext.sppo.solver import Problem, layouts
 
     host = None if host_memory_gb_per_node is None else host_memory_gb_per_node * 1e9
     kept, dropped = [], []
     for tp, pp, dp in layouts(Problem(shape, gpus, hardware, 1 << 20, host)):
-        if seq is not None and seq < max(MIN_SUBSEQUENCE_TOKENS, tp):
+        if seq is not None and seq < shortest_sequence(tp):
             dropped.append((f"TP={tp} PP={pp} DP={dp} SPPO",
-                            f"{seq} tokens: SPPO needs at least {MIN_SUBSEQUENCE_TOKENS}"))
+                            f"{seq} tokens: SPPO needs at least {shortest_sequence(tp)}"))
             continue
         if global_batch % dp:
             dropped.append((f"TP={tp} PP={pp} DP={dp} SPPO",
