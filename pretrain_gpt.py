@@ -22,12 +22,19 @@ from megatron.training.arguments import parse_args, run_main
 def model_provider(config, args: argparse.Namespace, pre_process: bool = True,
                    post_process: bool = True, memo=None, sppo=None, metp=None):
     """This pipeline stage's GPTModel (with MEMO layers when ``memo`` is given, SPPO's
-    subsequence attention when ``sppo`` is, METP's attention and MLP when ``metp`` is)."""
+    subsequence attention when ``sppo`` is, METP's attention and MLP when ``metp`` is; with
+    memo_ext.loss's chunked output layer and loss for --cross-entropy-fusion-impl chunked)."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron.training.layer_specs import gpt_block_spec
 
-    return GPTModel(
+    model_class, extra = GPTModel, {}
+    if config.cross_entropy_loss_fusion and config.cross_entropy_fusion_impl == "chunked":
+        from memo_ext.loss import ChunkedLossGPTModel
+
+        model_class = ChunkedLossGPTModel
+        extra = {"cross_entropy_chunk_size": args.cross_entropy_chunk_size}
+    return model_class(
         config=config,
         transformer_layer_spec=gpt_block_spec(args, config, memo, sppo, metp),
         vocab_size=args.padded_vocab_size,
@@ -39,6 +46,7 @@ def model_provider(config, args: argparse.Namespace, pre_process: bool = True,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        **extra,
     )
 
 

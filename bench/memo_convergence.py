@@ -232,7 +232,9 @@ def read_metrics(path: Path) -> tuple[dict[int, float], dict[int, float], float 
         iteration = record["iteration"]
         losses[iteration] = float(record["lm_loss"])
         times[iteration] = float(record["iteration_time_s"])
-        memory = record.get("mem_rss_mib", record.get("mem_peak_allocated_mib"))
+        memory = next((record[key] for key in ("mem_peak_rss_mib", "mem_peak_rss_since_start_mib",
+                                               "mem_peak_allocated_mib", "mem_rss_mib")
+                       if key in record), None)
         if memory is not None:
             peak = memory if peak is None else max(peak, memory)
     return losses, times, peak
@@ -412,8 +414,8 @@ def write_report(path: Path, results: list[RunResult], comparisons: dict[str, Co
          "iterations; relative = |loss - baseline| / |baseline|. Times are measured on this "
         "machine (mean `iteration_time_s` of the trainer's log, iteration 1 left out as "
         "warm-up; tokens/s = tokens per iteration / that mean). Peak RSS is the largest "
-        "per-rank process RSS the trainer logged. CPU timings are noisy on a shared 2-core "
-        "machine and say nothing about GPU speed."),
+        "per-rank peak RSS the trainer logged (`mem_peak_rss_mib`). CPU timings are noisy on "
+        "a shared 2-core machine and say nothing about GPU speed."),
         "",
         ("| run | final loss | max abs diff | max rel diff | first differing iteration | "
          "first iteration > 1e-5 rel | mean iter time (s) | tokens/s | peak RSS (MiB) | "

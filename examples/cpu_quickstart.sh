@@ -108,7 +108,8 @@ if not train:
     sys.exit(f"cpu_quickstart.sh: error: no training loss was logged to {path}")
 first, last = train[0], train[-1]
 tokens_per_s = sum(r["tokens_per_s"] for r in train) / len(train)
-memory = max(r.get("mem_rss_mib", r.get("mem_peak_allocated_mib", 0.0)) for r in train)
+memory_keys = ("mem_peak_rss_mib", "mem_peak_rss_since_start_mib", "mem_peak_allocated_mib")
+memory = max(next((r[k] for k in memory_keys if k in r), 0.0) for r in train)
 print(f"lm loss: {first['lm_loss']:.3f} at iteration {first['iteration']} -> "
       f"{last['lm_loss']:.3f} at iteration {last['iteration']}")
 if valid:

@@ -487,3 +487,50 @@ class METPConfig:
              "without dropout, --seq-length divisible by 2 x TP, no context parallelism, no "
              "recompute, no --memo-offload and no --memo-sppo (checked with the trainer's "
              "flags in megatron.training.arguments).")
+
+
+@dataclass
+class TiledMLPConfig:
+    """Sequence-tiled MLP: each layer's MLP runs tile by tile and recomputes each tile in
+    backward, so its working set is one tile's intermediate, not the sequence's
+    (docs/tiled_mlp.md)."""
+
+    mlp_tile_size: int = memo_field(
+        0, flag="--memo-mlp-tile-size", metavar="TOKENS",
+        help="Run every transformer layer's MLP over tiles of this many tokens of the "
+             "sequence as the MLP's fc1 sees it (after sequence parallelism's all-gather: each "
+             "TP rank contributes TOKENS/TP of its own), saving only the MLP input for "
+             "backward and recomputing each tile there. The MLP's intermediate "
+             "[TOKENS, micro-batch, ffn/TP] then replaces [s/CP, micro-batch, ffn/TP] at the "
+             "peak, and fc1/activation outputs are no longer saved, for one extra MLP forward "
+             "per layer. Use it when the sequence is long enough that the MLP intermediate "
+             "matters (s/CP several times TOKENS); keep tiles large enough for efficient GEMMs, "
+             "e.g. 4096-16384 on GPUs (a starting point, not tuned). "
+             "0 (the default): off, Megatron's MLP as is. Under --sequence-parallel a multiple "
+             "of --tensor-model-parallel-size.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mlp_tile_size > 0
+
+    def tile_rows(self, tensor_parallel_size: int, sequence_parallel: bool) -> int:
+        """One rank's rows per tile: the tile counts tokens as fc1 sees them (after SP's
+        all-gather), so the intermediate [tile, b, ffn/TP] does not depend on the TP size.
+        Raises MemoConfigError when tiling is off or SP cannot split the tile evenly."""
+        tile = self.mlp_tile_size
+        if tile < 1:
+            raise MemoConfigError(f"--memo-mlp-tile-size {tile} must be >= 1 to tile the MLP")
+        if not sequence_parallel:
+            return tile
+        if tile % tensor_parallel_size:
+            raise MemoConfigError(
+                f"--memo-mlp-tile-size {tile} is not a multiple of --tensor-model-parallel-size "
+                f"{tensor_parallel_size}: under --sequence-parallel each TP rank contributes "
+                f"tile/TP tokens; use a multiple of {tensor_parallel_size}")
+        return tile // tensor_parallel_size
+
+    def validate(self) -> None:
+        """Raise MemoConfigError (one line: the flag and the fix) on a negative tile size."""
+        if self.mlp_tile_size < 0:
+            raise MemoConfigError(f"--memo-mlp-tile-size {self.mlp_tile_size} is negative; give "
+                                  "a tile of TOKENS > 0, or 0 to turn tiling off")

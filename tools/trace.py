@@ -3,10 +3,9 @@
     python tools/trace.py --model 7b --seq-length 1048576 --tp 4 --cp 2 --pp 1 --rank 0 \\
         --bf16 -o trace.jsonl.gz
 
-The model is built the trainer's way (megatron.training.arguments validation,
-pretrain_gpt.model_provider, megatron.training.layer_specs' local spec, megatron-core DDP) with
-one substitution: the core attention is memo_ext.planner's flash-attention custom op. By default
-it runs offline: a fake process group stands in for the TP x CP x PP x DP world and every tensor
+The model is the trainer's own, built its way (megatron.training.arguments validation,
+pretrain_gpt.model_provider, megatron.training.layer_specs' local spec with memo_ext.attention's
+core attention, megatron-core DDP); nothing is substituted. By default it runs offline: a fake process group stands in for the TP x CP x PP x DP world and every tensor
 is a FakeTensor on the CPU device, so a 1M-token 7B trace takes seconds and little memory.
 ``--live`` uses real CPU tensors instead (small models only; same events).
 
@@ -25,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import resource
+import shlex
 import sys
 import warnings
 from collections.abc import Iterator
@@ -102,12 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--memo-alpha", default=None, metavar="ALPHA",
                           help="Fraction of alpha-split tokens offloaded (a number; 'auto' needs "
                                "measured timings and cannot be traced). Default 0.")
+    training.add_argument("--memo-mlp-tile-size", type=int, default=0, metavar="TOKENS",
+                          help="Sequence-tiled MLP with tiles of TOKENS (the trainer's flag; "
+                               "docs/tiled_mlp.md). Default 0: off.")
     training.add_argument("--no-distributed-optimizer", action="store_true",
                           help="Replicate optimizer state on every DP rank.")
     training.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     training.add_argument("--param-dtype-grad-buffer", action="store_true",
                           help="Gradient buffer in the parameter dtype instead of fp32 "
                                "(Megatron-LM uses fp32 with --bf16).")
+    training.add_argument("--trainer-args", default="", metavar="'FLAGS'",
+                          help="More pretrain_gpt.py flags for the traced model, appended to "
+                               "the trainer command line (shell-split; write it with '=' when "
+                               "it is one flag), e.g. --trainer-args='--cross-entropy-loss-fusion "
+                               "--cross-entropy-fusion-impl chunked' (docs/loss.md).")
 
     trace = parser.add_argument_group("trace")
     trace.add_argument("-o", "--output", default=None, help="Trace file (.jsonl.gz).")
@@ -123,13 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "iteration; 'auto' is 'iteration' with --memo-offload, else "
                             "'forward'.")
     trace.add_argument("--no-flash-workspace", action="store_true",
-                       help="Do not model flash-attention's backward workspaces.")
-    trace.add_argument("--core-attention", choices=("flash", "sdpa"), default="flash",
-                       help="'flash': memo_planner's flash custom op (what TE / flash-attn "
-                            "allocate on GPUs; q, k, v made contiguous). 'sdpa': the trainer's "
-                            "CPU core attention (megatron.training.compat SDPACoreAttention), "
-                            "to predict a CPU run: it saves v as a view of the fused QKV "
-                            "output, which keeps that whole output alive until backward.")
+                       help="Do not record flash-attention 2's backward workspaces (declared "
+                            "next to the kernels in memo_ext.attention.kernels).")
     trace.add_argument("--no-cuda-semantics", action="store_true",
                        help="Record CPU op output sizes as they are (layer-norm statistics in "
                             "16 bits) instead of the CUDA kernels' (fp32).")
@@ -205,26 +208,9 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
         argv += ["--memo-offload", "--memo-alpha", alpha,
                  "--memo-host-memory-gb", str(TRACE_HOST_MEMORY_GB),
                  "--memo-pcie-gbps", str(TRACE_PCIE_GBPS)]
-    return argv
-
-
-@contextlib.contextmanager
-def flash_attention_layer_spec(core_attention: str = "flash"):
-    """Build models with memo_ext.planner's flash core attention (``core_attention`` "flash";
-    "sdpa" keeps the trainer's CPU attention) in the local layer spec (and the local spec even
-    where Transformer Engine exists): patches the two names megatron.training.layer_specs looks
-    up while a model is built."""
-    from megatron.training import layer_specs
-    from memo_ext.planner.trace import FlashCoreAttention
-
-    saved = layer_specs.SDPACoreAttention, layer_specs.transformer_engine_available
-    if core_attention == "flash":
-        layer_specs.SDPACoreAttention = FlashCoreAttention
-    layer_specs.transformer_engine_available = lambda: False
-    try:
-        yield
-    finally:
-        layer_specs.SDPACoreAttention, layer_specs.transformer_engine_available = saved
+    if opts.memo_mlp_tile_size:
+        argv += ["--memo-mlp-tile-size", str(opts.memo_mlp_tile_size)]
+    return argv + shlex.split(opts.trainer_args)
 
 
 def rank_coordinates(rank: int) -> dict:
@@ -342,6 +328,7 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
     )
 
     import pretrain_gpt
+    from memo_ext.attention import kernels
     from memo_ext.planner.trace import (
         AllocationRecorder,
         ProcessConstants,
@@ -374,14 +361,11 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
         memo = None
         if opts.memo_offload:
             memo = build_memo(args, recorder, stack, opts.microbatches_in_flight)
-        with flash_attention_layer_spec(opts.core_attention):
-            model = pretrain_gpt.model_provider(
-                config, args, pre_process=parallel_state.is_pipeline_first_stage(),
-                post_process=parallel_state.is_pipeline_last_stage(), memo=memo)
-        if opts.no_flash_workspace:
-            for module in model.modules():
-                if hasattr(module, "model_workspace"):
-                    module.model_workspace = False
+        # The trainer's model, built by its own spec (--transformer-impl local).
+        model = pretrain_gpt.model_provider(
+            config, args, pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(), memo=memo)
+        stack.enter_context(kernels.declared_workspaces(not opts.no_flash_workspace))
         # FakeTensorMode's op cache costs more than it saves on DDP's thousands of one-off
         # views into the contiguous buffers (measured: 9.5 s -> 5.5 s for 7B).
         with uncached(fake_mode):
@@ -508,9 +492,7 @@ def trace_header(opts, args, coordinates: dict, constants) -> dict:
                     "warmup": warmup_mode(opts),
                     "flash_workspace": not opts.no_flash_workspace,
                     "cuda_semantics": not opts.no_cuda_semantics,
-                    "attention": ("memo_planner flash custom op (K/V all-gather CP)"
-                                  if opts.core_attention == "flash"
-                                  else "trainer's CPU SDPA (megatron.training.compat)")},
+                    "attention": "memo_ext.attention (ring CP, flash tiles)"},
         "constants": dataclasses.asdict(constants),
         "versions": {"torch": torch.__version__, "megatron_core": package_info.__version__},
         "trainer_argv": trainer_argv(opts),

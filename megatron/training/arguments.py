@@ -9,6 +9,7 @@ at fault and the fix.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import warnings
@@ -24,9 +25,11 @@ from memo_ext.config import (
     PlanConfig,
     SPPOConfig,
     TelemetryConfig,
+    TiledMLPConfig,
     add_config_arguments,
     config_from_args,
 )
+from memo_ext.loss.chunked import DEFAULT_CHUNK_BYTES as DEFAULT_CROSS_ENTROPY_CHUNK_BYTES
 from memo_ext.telemetry.monitor import MEMORY_EXIT_STATUS, MemoryBudgetExceeded
 
 TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer")
@@ -34,6 +37,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ATTN_MASK_TYPES = ("causal", "no_mask")
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "chunked")
 
 # Per-GPU dense bf16 peaks (TFLOP/s) used for MFU when --peak-tflops is not given. Matched
 # against torch.cuda.get_device_name(); dense, not sparsity-doubled, figures.
@@ -55,6 +59,15 @@ class ArgumentValidationError(ValueError):
 
 def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="network size")
+    group.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
+        help="Layer implementation. 'local' (default): megatron.core's local spec with "
+        "memo_ext.attention's core attention, the modules tools/trace.py and tools/estimate.py "
+        "measure, on CPU and GPU. 'transformer_engine': megatron.core's TE spec (CUDA and "
+        "transformer_engine needed; not what the estimator predicts; no --memo-* mechanism).",
+    )
     group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
     group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
     group.add_argument(
@@ -159,6 +172,24 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         help="Deterministic algorithms only: two runs give bitwise-identical losses.",
     )
     group.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes.")
+    group.add_argument(
+        "--cross-entropy-loss-fusion", action="store_true",
+        help="Fuse the output layer and the cross-entropy (implementation: "
+        "--cross-entropy-fusion-impl). Default off: megatron's unfused vocab-parallel loss.",
+    )
+    group.add_argument(
+        "--cross-entropy-fusion-impl", default=None, choices=CROSS_ENTROPY_FUSION_IMPLS,
+        help="With --cross-entropy-loss-fusion: 'native' (megatron-core's fused kernel), 'te' "
+        "(Transformer Engine, CUDA), 'chunked' (memo_ext.loss: logits computed "
+        "--cross-entropy-chunk-size tokens at a time and never kept; for long sequences, "
+        "docs/loss.md). Default native.",
+    )
+    group.add_argument(
+        "--cross-entropy-chunk-size", type=int, default=None, metavar="TOKENS",
+        help="With --cross-entropy-fusion-impl chunked: tokens whose logits exist at once. "
+        f"Default: as many as fit {DEFAULT_CROSS_ENTROPY_CHUNK_BYTES >> 20} MiB of logits "
+        "(3328 tokens at 7B TP4 bf16; docs/loss.md).",
+    )
 
 
 def _add_initialization_args(parser: argparse.ArgumentParser) -> None:
@@ -273,6 +304,7 @@ def _add_memo_args(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, TelemetryConfig, title="MEMO memory telemetry")
     add_config_arguments(parser, SPPOConfig, title="SPPO subsequence pipeline")
     add_config_arguments(parser, METPConfig, title="METP memory-efficient tensor parallelism")
+    add_config_arguments(parser, TiledMLPConfig, title="Sequence-tiled MLP")
 
 
 ArgsProvider = Callable[[argparse.ArgumentParser], None]
@@ -516,6 +548,18 @@ def _validate_recompute(args: argparse.Namespace) -> None:
 
 def _validate_precision(args: argparse.Namespace, cuda_available: bool) -> None:
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive; keep one")
+    _require(
+        args.transformer_impl == "local"
+        or (cuda_available and importlib.util.find_spec("transformer_engine") is not None),
+        "--transformer-impl transformer_engine needs CUDA and transformer_engine installed; "
+        "use --transformer-impl local",
+    )
+    _require(
+        args.transformer_impl == "local"
+        or not (args.memo_offload or args.memo_sppo or args.memo_metp),
+        "--memo-offload, --memo-sppo and --memo-metp build local layers; drop "
+        "--transformer-impl transformer_engine",
+    )
     if not cuda_available:
         _require(
             not (args.fp16 or args.bf16),
@@ -528,6 +572,27 @@ def _validate_precision(args: argparse.Namespace, cuda_available: bool) -> None:
             "only wraps CUDA tensors; on CPU drop the flag",
         )
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _validate_cross_entropy(args: argparse.Namespace, cuda_available: bool) -> None:
+    impl = args.cross_entropy_fusion_impl
+    _require(
+        impl is None or args.cross_entropy_loss_fusion,
+        f"--cross-entropy-fusion-impl {impl} has no effect without --cross-entropy-loss-fusion; "
+        "add --cross-entropy-loss-fusion",
+    )
+    args.cross_entropy_fusion_impl = impl = impl or "native"
+    _require(
+        impl != "te" or (cuda_available and importlib.util.find_spec("transformer_engine")),
+        "--cross-entropy-fusion-impl te needs Transformer Engine on CUDA; use native or chunked",
+    )
+    chunk = args.cross_entropy_chunk_size
+    _require(
+        chunk is None or (args.cross_entropy_loss_fusion and impl == "chunked"),
+        "--cross-entropy-chunk-size applies to --cross-entropy-loss-fusion "
+        "--cross-entropy-fusion-impl chunked only; add those flags or drop it",
+    )
+    _require(chunk is None or chunk > 0, f"--cross-entropy-chunk-size must be positive, got {chunk}")
 
 
 def _validate_optimization(args: argparse.Namespace) -> None:
@@ -635,12 +700,17 @@ def _validate_memo(args: argparse.Namespace) -> None:
         config_from_args(TelemetryConfig, args).validate()
         sppo = config_from_args(SPPOConfig, args)
         sppo.validate()
+        tiled_mlp = config_from_args(TiledMLPConfig, args)
+        tiled_mlp.validate()
     except MemoConfigError as error:
         raise ArgumentValidationError(str(error)) from None
     if sppo.sppo:
         _validate_sppo(args, sppo, offload.offload)
-    if config_from_args(METPConfig, args).metp:
+    metp = config_from_args(METPConfig, args).metp
+    if metp:
         _validate_metp(args, sppo.sppo, offload.offload)
+    if tiled_mlp.enabled:
+        _validate_tiled_mlp(args, tiled_mlp, metp)
     if not offload.offload:
         return
     _require(
@@ -682,6 +752,16 @@ def _validate_sppo(args: argparse.Namespace, sppo: SPPOConfig, memo_offload: boo
              f"allows (subsequences are whole multiples of {split} tokens)")
 
 
+def _validate_tiled_mlp(args: argparse.Namespace, tiled_mlp: TiledMLPConfig, metp: bool) -> None:
+    """--memo-mlp-tile-size's flag combinations (the tile is counted after SP's all-gather)."""
+    _require(not metp, f"--memo-mlp-tile-size {tiled_mlp.mlp_tile_size} tiles Megatron's MLP, "
+             "which --memo-metp replaces by its ring MLP; drop one")
+    try:
+        tiled_mlp.tile_rows(args.tensor_model_parallel_size, args.sequence_parallel)
+    except MemoConfigError as error:
+        raise ArgumentValidationError(str(error)) from None
+
+
 def _validate_metp(args: argparse.Namespace, sppo: bool, memo_offload: bool) -> None:
     """METP's flag combinations; implies --sequence-parallel (METP keeps its layout)."""
     tp = args.tensor_model_parallel_size
@@ -715,6 +795,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_batch(args)
     _validate_recompute(args)
     _validate_precision(args, cuda_available)
+    _validate_cross_entropy(args, cuda_available)
     _validate_optimization(args)
     _validate_checkpointing(args)
     _validate_data(args)
@@ -777,7 +858,10 @@ def core_transformer_config_from_args(args: argparse.Namespace):
         masked_softmax_fusion=cuda,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        # "chunked" is not megatron-core's: pretrain_gpt.model_provider builds
+        # memo_ext.loss's GPTModel for it (the dataclass does not check its Literal).
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         batch_p2p_comm=True,
         # 0.16.1's default "full" only triggers a deprecation warning; [] means the same.
         cuda_graph_scope=[],

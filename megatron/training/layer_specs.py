@@ -1,8 +1,10 @@
 """Which layer implementation a GPT model is built from.
 
-With CUDA and Transformer Engine: megatron.core's TE spec. Otherwise megatron.core's local spec
-with two substitutions from megatron.training.compat (SequenceParallelTorchNorm for the norms,
-SDPACoreAttention for the core attention), which add sequence- and context-parallel support.
+By default (``--transformer-impl local``, on CPU and GPU) megatron.core's local spec with two
+substitutions: megatron.training.compat's SequenceParallelTorchNorm for the norms and
+memo_ext.attention's CoreAttention (flash tiles, context parallelism as a ring) for the core
+attention, the same modules tools/trace.py traces. ``--transformer-impl transformer_engine``
+builds megatron.core's TE spec instead (CUDA only).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import argparse
 import copy
 
-import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -20,29 +21,20 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.training.compat.attention import SDPACoreAttention
 from megatron.training.compat.norm import SequenceParallelTorchNorm
-
-
-def transformer_engine_available() -> bool:
-    """True when TE can be used: CUDA present and transformer_engine importable."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from memo_ext.attention import CoreAttention
+from memo_ext.config import TiledMLPConfig, config_from_args
+from memo_ext.tiled_mlp import with_tiled_mlp
 
 
 def local_layer_spec(args: argparse.Namespace) -> ModuleSpec:
-    """megatron.core's local GPT layer spec with SP-capable norms and SDPA/CP attention."""
+    """megatron.core's local GPT layer spec with SP-capable norms and memo_ext's attention."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=args.normalization))
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType[args.attn_mask_type]
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return spec
+    spec.submodules.self_attention.submodules.core_attention = CoreAttention
+    return with_tiled_mlp(spec, config_from_args(TiledMLPConfig, args))  # --memo-mlp-tile-size
 
 
 def gpt_block_spec(
@@ -59,12 +51,13 @@ def gpt_block_spec(
                 * get_num_layers_to_build(config),
                 layer_norm=SequenceParallelTorchNorm,
             )
-    if transformer_engine_available():
+    if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(normalization=args.normalization)
+        return with_tiled_mlp(get_gpt_layer_with_transformer_engine_spec(
+            normalization=args.normalization), config_from_args(TiledMLPConfig, args))
     return TransformerBlockSubmodules(
         layer_specs=[local_layer_spec(args)] * get_num_layers_to_build(config),
         layer_norm=SequenceParallelTorchNorm,

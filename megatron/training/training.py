@@ -221,13 +221,16 @@ class TrainingLogger:
             self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
         self.interval_start = time.perf_counter()
         self.interval_iterations = 0
+        if not torch.cuda.is_available():
+            metrics.rss_peak_meter()  # start sampling now: each line reports its interval's peak
 
     def log(self, iteration: int, losses: dict[str, float], lr: float, grad_norm: float,
             skipped: bool) -> None:
         self.interval_iterations += 1
         if iteration % self.args.log_interval != 0:
             return
-        # Memory is gathered from every rank, so all ranks take part in logging.
+        # Memory is gathered from every rank, so all ranks take part in logging. Peaks are
+        # since the previous log line (CPU: peak RSS, mem_peak_rss_mib; CUDA: allocator peak).
         memory = metrics.max_over_ranks(metrics.memory_report())
         elapsed = (time.perf_counter() - self.interval_start) / self.interval_iterations
         self.interval_start = time.perf_counter()
@@ -249,12 +252,16 @@ class TrainingLogger:
         if not self.is_writer:
             return
         memory_text = " | ".join(f"{k.removeprefix('mem_')}: {v:.1f}" for k, v in memory.items())
+        if not any(k.endswith("_since_start_mib") for k in memory):
+            memory_text += " (MiB, max over ranks; peaks since the previous log line)"
+        else:
+            memory_text += " (MiB, max over ranks)"
         loss_text = " | ".join(f"{name}: {value:.6E}" for name, value in losses.items())
         print(
             f" iteration {iteration:8d}/{self.args.train_iters:8d} | {loss_text} | lr: {lr:.4E} "
             f"| grad norm: {float(grad_norm):.3f} | iter time (s): {elapsed:.3f} "
             f"| tokens/s: {tokens_per_s:.1f} | TFLOP/s/device: {achieved_tflops:.3f} "
-            f"| MFU: {100 * record['mfu']:.2f}% | {memory_text} (MiB, max over ranks)"
+            f"| MFU: {100 * record['mfu']:.2f}% | {memory_text}"
             + (" | skipped (overflow)" if skipped else ""),
             flush=True,
         )

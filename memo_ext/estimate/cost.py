@@ -11,6 +11,10 @@ measurement (no GPU is involved). Per micro-batch on the traced rank:
   NVLink when the group sits in one node, InfiniBand otherwise, times e_collective. Not
   overlapped with compute: megatron-core without Transformer Engine's comm overlap runs them on
   the compute stream;
+* the context-parallel ring's point-to-point K/V (and dK/dV) transfers (memo_ext.attention):
+  posted before each step's tiles compute, so only their excess over the phase's compute is
+  exposed; a send and its matching receive are the same bytes on a full-duplex link, counted
+  once;
 * MEMO's offload (forward) and prefetch (backward) over PCIe at e_pcie of the link, overlapped
   with that phase's compute: only the excess is exposed (memo.md's LP keeps it hidden);
 * pipeline: (micro-batches + PP - 1) micro-batch times (1F1B's fill and drain) plus the stage
@@ -221,15 +225,19 @@ def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficienc
                 + totals.get("memory_bytes", 0) / (hbm * efficiency.memory))
 
     collectives = dict.fromkeys(("forward", "recompute", "backward", "optimizer"), 0.0)
+    ring = dict.fromkeys(collectives, 0.0)
     for record in work["collectives"]:
+        if record["op"] == "recv":  # the matching send's bytes
+            continue
         wire = _wire_fraction(record["op"], len(record["ranks"])) * record["bytes"]
         seconds = wire / (_link_bytes_per_s(record["ranks"], hardware) * efficiency.collective)
-        collectives[record["phase"]] = collectives.get(record["phase"], 0.0) + seconds
+        exposed = ring if record["op"] == "send" else collectives
+        exposed[record["phase"]] = exposed.get(record["phase"], 0.0) + seconds
     phases = work["phases"]
     per_mb = {}
     for phase in ("forward", "recompute", "backward"):
-        totals = phases.get(phase, {})
-        per_mb[phase] = (compute_s(totals) + collectives[phase]) / traced_microbatches
+        compute = compute_s(phases.get(phase, {}))
+        per_mb[phase] = (max(compute, ring[phase]) + collectives[phase]) / traced_microbatches
     forward, backward = phases.get("forward", {}), phases.get("backward", {})
     offload_exposed = (max(0.0, forward.get("d2h_bytes", 0) / pcie - per_mb["forward"])
                        + max(0.0, backward.get("h2d_bytes", 0) / pcie

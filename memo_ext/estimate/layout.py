@@ -56,13 +56,17 @@ FIT_SEQS = (131072, 262144)
 #: Allocator iterations replayed per estimate (persistent state once, then these).
 REPLAY_ITERATIONS = 3
 
-#: Megatron-LM policies as trainer flags; MEMO's is --memo-offload --memo-alpha A.
+#: The trainer flags of memo_ext.loss's chunked output layer and loss (docs/loss.md).
+CHUNKED_LOSS_TRAINER_FLAGS = "--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"
+#: Megatron-LM policies as trainer flags; MEMO's is --memo-offload --memo-alpha A with the
+#: chunked loss (the Megatron policies keep the unfused loss Megatron-LM ships, whose
+#: [s/CP, V/TP] logits are the largest item of a long run).
 POLICY_FLAGS = {
     "megatron": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1"],
     "megatron-none": [],
     "megatron-block": ["--recompute-granularity", "full", "--recompute-method", "block"],
-    "memo": ["--memo-offload"],
+    "memo": ["--memo-offload", f"--trainer-args={CHUNKED_LOSS_TRAINER_FLAGS}"],
 }
 POLICY_NAMES = {"megatron": "Megatron full recompute", "megatron-none": "Megatron no recompute",
                 "megatron-block": "Megatron block recompute", "memo": "MEMO offload"}
@@ -78,7 +82,8 @@ OPTIMIZER_BYTES_PER_PARAM = 12
 #: Sources whose change changes a trace: part of every cache key.
 TRACER_SOURCES = ("tools/trace.py", "memo_ext/planner/trace.py", "memo_ext/planner/work.py",
                   "memo_ext/offload/manager.py", "memo_ext/offload/layer.py",
-                  "megatron/training/layer_specs.py", "pretrain_gpt.py")
+                  "megatron/training/layer_specs.py", "pretrain_gpt.py",
+                  "memo_ext/loss/chunked.py", "memo_ext/loss/model.py")
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from memo_ext.config import METPConfig
-from memo_ext.metp.attention import HeadShape, ZigzagLayout, two_level_attention
+from memo_ext.attention import Ring, ZigzagLayout
+from memo_ext.metp.attention import HeadShape, two_level_attention
 from memo_ext.metp.layers import MetpMLP, MetpSelfAttention
 from memo_ext.metp.mlp import ring_mlp
-from memo_ext.metp.ring import Ring
 
 __all__ = ["MemoryEfficientTP", "MetpMLP", "MetpSelfAttention", "ZigzagLayout", "HeadShape",
            "Ring", "ring_mlp", "two_level_attention"]

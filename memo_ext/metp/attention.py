@@ -9,9 +9,10 @@ The next head group's weights are broadcast while the current one computes, and 
 shard travels while the current tile computes (double buffering).
 
 Causal mask, which the paper omits: the sequence is cut into 2p equal chunks and rank r holds
-chunks r and 2p-1-r (zigzag, :class:`ZigzagLayout`), so every rank has the same causal work. A
-tile of query chunk a and key chunk c is skipped when c > a, runs with the causal (diagonal)
-mask when c == a, and unmasked when c < a; no mask tensor is ever built.
+chunks r and 2p-1-r (zigzag, memo_ext.attention's :class:`ZigzagLayout`, the split context
+parallelism uses), so every rank has the same causal work. The ring is memo_ext.attention's
+:class:`RingAttention`, the one the trainer's core attention runs over the context-parallel
+group; no mask tensor is ever built.
 
 Backward: broadcast the weights again, recompute Q, K, V (and rotary) per head group, rerun the
 ring with each tile's flash backward against the saved output and log-sum-exp of the whole
@@ -25,12 +26,7 @@ d] layout); the K/V matmul's [s, b, 2, groups, d] output is itself the ring's se
 forward and in backward's recomputation, and the projection accumulates into the output in
 place.
 
-GQA: K/V of a query group are expanded to its query heads per tile only (the ring carries the
-unexpanded ones) and dK/dV are summed back over the group's heads.
-
-Tiles run memo_ext.attention_tiles' kernels (torch's flash kernels, which return the log-sum-
-exp, on CPU and for fp16/bf16 on CUDA; an explicit per-tile softmax otherwise, materialising a
-[s/2p x s/2p] tile, not [s x s]); the merge is done here, in place in the output.
+GQA: the ring carries K/V in their query groups and the tile kernels take them so.
 
 Written by hand: the paper has no public code, and no library ring attention works on gloo/CPU
 or shares Megatron's weight layout.
@@ -38,6 +34,7 @@ or shares Megatron's weight layout.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -45,37 +42,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from memo_ext.attention_tiles import tile_backward, tile_forward
-from memo_ext.metp.ring import (KEY_VALUE_GRADIENTS_TAG, KEY_VALUE_TAG, FlatPack, Ring,
-                                Transfer)
+from memo_ext.attention import FlatPack, Ring, RingAttention, ZigzagLayout
 
 Rotary = Callable[[torch.Tensor], torch.Tensor]
 
-
-class ZigzagLayout:
-    """Load-balanced sharding of ``seq_length`` tokens over ``size`` ranks: 2*size equal chunks,
-    rank r holding chunks r and 2*size-1-r (in that order)."""
-
-    def __init__(self, seq_length: int, size: int):
-        if seq_length % (2 * size):
-            raise ValueError(f"METP's zigzag sharding needs a sequence length divisible by "
-                             f"2 x TP = {2 * size}, got {seq_length}")
-        self.seq_length = seq_length
-        self.size = size
-        self.chunk = seq_length // (2 * size)
-
-    def chunks(self, rank: int) -> tuple[int, int]:
-        return rank, 2 * self.size - 1 - rank
-
-    def positions(self, rank: int) -> torch.Tensor:
-        """Global token positions (int64) held by ``rank``, in local order."""
-        return torch.cat([torch.arange(c * self.chunk, (c + 1) * self.chunk)
-                          for c in self.chunks(rank)])
-
-    def permutation(self) -> torch.Tensor:
-        """Global positions in the order that a contiguous split into ``size`` shards (Megatron's
-        sequence-parallel scatter) hands out the zigzag shards."""
-        return torch.cat([self.positions(rank) for rank in range(self.size)])
+#: METP has no attention dropout (the flags refuse it): every tile's seed is unused.
+_NO_DROPOUT = itertools.repeat(0)
 
 
 @dataclass(frozen=True)
@@ -93,109 +65,6 @@ class HeadShape:
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
-
-
-# ------------------------------------------------------------------------------------- tiles
-
-#: Kernel override for memo_ext.attention_tiles (None: chosen by device and dtype); tests set
-#: "explicit" to run the off-CPU path on CPU.
-TILE_KERNEL: Optional[str] = None
-
-
-def _tiles(layout: ZigzagLayout, query_rank: int, key_rank: int):
-    """(query chunk slot, key chunk slot, causal) of every non-empty tile between two shards."""
-    for query_slot, query_chunk in enumerate(layout.chunks(query_rank)):
-        for key_slot, key_chunk in enumerate(layout.chunks(key_rank)):
-            if key_chunk <= query_chunk:
-                yield query_slot, key_slot, key_chunk == query_chunk
-
-
-def _expand_groups(tensor: torch.Tensor, heads_per_group: int) -> torch.Tensor:
-    return tensor if heads_per_group == 1 else tensor.repeat_interleave(heads_per_group, dim=1)
-
-
-# ----------------------------------------------------------------------------- sequence ring
-# Activations stay in Megatron's [s, b, heads, d] layout; tiles see [b, heads, s, d] views.
-
-def _heads_first(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.permute(1, 2, 0, 3)
-
-
-def _split_key_value(key_value: torch.Tensor):
-    """K and V [b, groups, s, d] views of a [s, b, 2, groups, d] tensor."""
-    return _heads_first(key_value[:, :, 0]), _heads_first(key_value[:, :, 1])
-
-
-def _ring_attention_forward(query, key_value, output, lse, shape: HeadShape, ring: Ring,
-                            layout: ZigzagLayout):
-    """One head group over the sequence ring: query [s/p, b, heads, d]; ``key_value`` this
-    rank's K and V [s/p, b, 2, groups, d] (contiguous: it is the send buffer); fills ``output``
-    (zeros, query's layout, fp32) and ``lse`` ([b, heads, s/p] fp32, -inf)."""
-    chunk = layout.chunk
-    buffers = [key_value, torch.empty_like(key_value)]
-    query, output = _heads_first(query), _heads_first(output)
-    for step in range(ring.size):
-        current = buffers[step % 2]
-        transfer = (ring.exchange(current, buffers[(step + 1) % 2], KEY_VALUE_TAG)
-                    if step < ring.size - 1 else None)
-        key_j, value_j = _split_key_value(current)
-        for query_slot, key_slot, causal in _tiles(layout, ring.rank, ring.shard_at(step)):
-            rows = slice(query_slot * chunk, (query_slot + 1) * chunk)
-            cols = slice(key_slot * chunk, (key_slot + 1) * chunk)
-            tile_out, tile_lse = tile_forward(
-                query[:, :, rows], _expand_groups(key_j[:, :, cols], shape.heads_per_group),
-                _expand_groups(value_j[:, :, cols], shape.heads_per_group), causal, shape.scale,
-                kernel=TILE_KERNEL)
-            merged = torch.logaddexp(lse[:, :, rows], tile_lse)
-            output[:, :, rows].mul_(torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)).add_(
-                tile_out.float() * torch.exp(tile_lse - merged).unsqueeze(-1))
-            lse[:, :, rows] = merged
-        if transfer is not None:
-            transfer.wait()
-
-
-def _ring_attention_backward(grad_out, query, key_value, out, lse, shape: HeadShape,
-                             ring: Ring, layout: ZigzagLayout):
-    """(dq, dkv) of one head group in the inputs' layouts (query [s/p, b, heads, d], key_value
-    [s/p, b, 2, groups, d]); the dK/dV accumulator travels with K/V and ends at home."""
-    chunk = layout.chunk
-    # From step 2 on (p > 2) the ring receives into ``key_value`` itself: safe, because the
-    # recompute graph it came from saves no K/V values (linear saves its input and weight,
-    # rotary its cos/sin tables).
-    buffers = [key_value, torch.empty_like(key_value)]
-    grad_query = torch.zeros_like(query)
-    grad_query_view, query = _heads_first(grad_query), _heads_first(query)
-    grad_out, out = _heads_first(grad_out), _heads_first(out)
-    batch, groups, dim = key_value.shape[1], key_value.shape[3], key_value.shape[4]
-    incoming: Optional[torch.Tensor] = None
-    accumulator_transfer: Optional[Transfer] = None
-    for step in range(ring.size):
-        current = buffers[step % 2]
-        transfer = (ring.exchange(current, buffers[(step + 1) % 2], KEY_VALUE_TAG)
-                    if step < ring.size - 1 else None)
-        key_j, value_j = _split_key_value(current)
-        contribution = torch.zeros_like(key_value)
-        grad_key_j, grad_value_j = _split_key_value(contribution)
-        for query_slot, key_slot, causal in _tiles(layout, ring.rank, ring.shard_at(step)):
-            rows = slice(query_slot * chunk, (query_slot + 1) * chunk)
-            cols = slice(key_slot * chunk, (key_slot + 1) * chunk)
-            dq, dk, dv = tile_backward(
-                grad_out[:, :, rows], query[:, :, rows],
-                _expand_groups(key_j[:, :, cols], shape.heads_per_group),
-                _expand_groups(value_j[:, :, cols], shape.heads_per_group),
-                out[:, :, rows], lse[:, :, rows], causal, shape.scale, kernel=TILE_KERNEL)
-            grad_query_view[:, :, rows] += dq
-            grad_key_j[:, :, cols] += dk.reshape(batch, groups, -1, chunk, dim).sum(2)
-            grad_value_j[:, :, cols] += dv.reshape(batch, groups, -1, chunk, dim).sum(2)
-        if accumulator_transfer is not None:
-            accumulator_transfer.wait()
-            contribution.add_(incoming)
-        incoming = torch.empty_like(key_value)
-        accumulator_transfer = ring.exchange(contribution, incoming, KEY_VALUE_GRADIENTS_TAG)
-        if transfer is not None:
-            transfer.wait()
-    accumulator_transfer.wait()  # the extra hop: this rank's own dK/dV come home
-    return grad_query, incoming
 
 
 # ------------------------------------------------------------------------------ head groups
@@ -278,11 +147,9 @@ class TwoLevelAttentionFunction(torch.autograd.Function):
         for group in range(ring.size):
             weight_qkv, bias_qkv, weight_proj = broadcast.weights(group)
             query, key_value = _project_qkv(hidden, weight_qkv, bias_qkv, shape, rotary)
-            attention = torch.zeros(*query.shape, dtype=torch.float32, device=query.device)
-            lse = torch.full((batch, shape.heads, length), float("-inf"), device=query.device)
-            _ring_attention_forward(query, key_value, attention, lse, shape, ring, layout)
+            attention, lse = RingAttention(layout, shape.scale, ring).forward(
+                query, key_value, _NO_DROPOUT)
             del query, key_value
-            attention = attention.to(hidden.dtype)
             saved += [attention, lse]
             output.addmm_(_merge_heads(attention).view(length * batch, -1), weight_proj.t())
         ctx.save_for_backward(hidden, qkv_weight, qkv_bias, proj_weight, *saved)
@@ -315,8 +182,8 @@ class TwoLevelAttentionFunction(torch.autograd.Function):
                     leaves.append(bias_qkv.detach().requires_grad_())
                 qkv = _project_qkv(*leaves[:2], leaves[2] if bias_qkv is not None else None,
                                    shape, rotary)
-            grad_qkv = _ring_attention_backward(
-                grad_attention, *(t.detach() for t in qkv), attention, lse, shape, ring, layout)
+            grad_qkv = RingAttention(layout, shape.scale, ring).backward(
+                grad_attention, *(t.detach() for t in qkv), attention, lse, _NO_DROPOUT)
             input_grads = torch.autograd.grad(qkv, leaves, grad_qkv)
             del qkv, grad_qkv, grad_attention
             grad_hidden.add_(input_grads[0])

@@ -18,9 +18,9 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 
-from memo_ext.metp.attention import HeadShape, ZigzagLayout, two_level_attention
+from memo_ext.attention import Ring, ZigzagLayout
+from memo_ext.metp.attention import HeadShape, two_level_attention
 from memo_ext.metp.mlp import Activation, ring_mlp
-from memo_ext.metp.ring import Ring
 
 
 def _tp_ring() -> Ring:

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from memo_ext.metp.ring import GRADIENTS_TAG, WEIGHTS_TAG, FlatPack, Ring, Transfer
+from memo_ext.attention.ring import GRADIENTS_TAG, WEIGHTS_TAG, FlatPack, Ring, Transfer
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 

@@ -17,8 +17,6 @@ Public entry points (see docs/tracing.md and docs/planning.md):
   the CPU device) traces any size without allocating its memory.
 - :func:`persistent_tensors` / :func:`allocate_optimizer_states`: what a rank holds besides
   activations (DDP's parameter and gradient buffers, the optimizer's shards).
-- :class:`FlashCoreAttention`: the core attention used by traced models (a flash kernel as a
-  ``torch.library.custom_op`` whose fake rule allocates exactly what the GPU kernel does).
 - :func:`write_trace` / :func:`read_trace` / :func:`summarize`: the gzipped JSON-lines format.
 - :func:`write_snapshot` / :func:`trace_to_snapshot`: the same trace as a PyTorch memory
   snapshot pickle, for PyTorch's memory_viz.
@@ -47,7 +45,6 @@ from memo_ext.planner.trace import (
     CATEGORIES,
     PHASES,
     AllocationRecorder,
-    FlashCoreAttention,
     ProcessConstants,
     Trace,
     TraceSummary,
@@ -85,7 +82,6 @@ __all__ = [
     "CATEGORIES",
     "PHASES",
     "AllocationRecorder",
-    "FlashCoreAttention",
     "ProcessConstants",
     "Trace",
     "TraceSummary",

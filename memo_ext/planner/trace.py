@@ -20,10 +20,11 @@ over the data-parallel x context-parallel group with the distributed optimizer),
 their gradients, transient workspaces, and named constants for memory that never passes through
 PyTorch's allocator (:class:`ProcessConstants`).
 
-Attention is a flash kernel as a ``torch.library.custom_op`` (:class:`FlashCoreAttention`): its
-fake rule allocates exactly what the GPU kernel allocates -- ``out`` and the fp32 log-sum-exp
-``[b, heads, s_q]`` in forward; ``dq``, ``dk``, ``dv`` and flash-attention 2's backward
-workspaces in backward -- and never an ``s x s`` tensor.
+The traced model is the trainer's own, built by the same spec: its attention is
+memo_ext.attention, whose tile kernels are custom ops with fake rules that allocate exactly what
+the CUDA kernels allocate -- ``out`` and the fp32 log-sum-exp ``[b, heads, s_q]`` in forward;
+``dq``, ``dk``, ``dv`` and, with :func:`memo_ext.attention.kernels.declared_workspaces`,
+flash-attention 2's backward workspaces -- and never an ``s x s`` tensor.
 
 Event format (one dict per event; :func:`write_trace` writes gzipped JSON lines)::
 
@@ -59,9 +60,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.module import MegatronModule
 from torch.overrides import TorchFunctionMode
 
+from memo_ext.attention.kernels import WORKSPACE_OUTPUTS
 from memo_ext.planner.work import WorkCounter
 from memo_ext.telemetry.tracker import DEVICE, HOST, DeviceMemoryTracker, storage_of
 
@@ -155,232 +156,10 @@ def communicators_for_layout(tp: int, cp: int, pp: int, dp: int) -> list[str]:
     return names
 
 
-# --------------------------------------------------------------------- flash attention op
-
-def _round_multiple(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
-
-
-def flash_backward_workspace_shapes(batch: int, heads: int, seq_q: int,
-                                    head_dim: int) -> tuple[tuple, tuple]:
-    """Shapes (fp32) of flash-attention 2's ``mha_bwd`` workspaces: ``softmax_d`` [b, heads,
-    round128(s_q)] and ``dq_accum`` [b, round128(s_q), heads, round(d)] with d rounded to a
-    multiple of 32 (d <= 192) or to 256 (csrc/flash_attn/flash_api.cpp, non-deterministic)."""
-    seq_rounded = _round_multiple(seq_q, 128)
-    dim_rounded = _round_multiple(head_dim, 32) if head_dim <= 192 else 256
-    return (batch, heads, seq_rounded), (batch, seq_rounded, heads, dim_rounded)
-
-
-def load_balanced_positions(local_length: int, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Global positions of the ``local_length`` tokens megatron's load-balanced context
-    parallelism gives ``cp_rank``: chunks ``cp_rank`` and ``2*cp_size-1-cp_rank`` of 2*cp_size."""
-    chunk = local_length // 2
-    return torch.cat([torch.arange(chunk) + cp_rank * chunk,
-                      torch.arange(chunk) + (2 * cp_size - 1 - cp_rank) * chunk])
-
-
-def _attention_positions(seq_q: int, seq_k: int, cp_rank: int, cp_size: int):
-    if cp_size == 1:
-        return torch.arange(seq_q), torch.arange(seq_k)
-    keys = torch.cat([load_balanced_positions(seq_q, r, cp_size) for r in range(cp_size)])
-    return load_balanced_positions(seq_q, cp_rank, cp_size), keys
-
-
-def _reference_probabilities(q, k, scale, causal, cp_rank, cp_size):
-    """fp32 attention probabilities [b, n, s_q, s_k] and lse [b, n, s_q] of [s, b, n, d]
-    inputs (K heads repeated for grouped-query attention)."""
-    heads, kv_heads = q.size(2), k.size(2)
-    qf = q.float().permute(1, 2, 0, 3)
-    kf = k.float().permute(1, 2, 0, 3)
-    if kv_heads != heads:
-        kf = kf.repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if causal:
-        q_pos, k_pos = _attention_positions(q.size(0), k.size(0), cp_rank, cp_size)
-        allowed = (q_pos[:, None] >= k_pos[None, :]).to(scores.device)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse[..., None]), lse, qf, kf
-
-
-def _values(v, heads):
-    vf = v.float().permute(1, 2, 0, 3)
-    if v.size(2) != heads:
-        vf = vf.repeat_interleave(heads // v.size(2), dim=1)
-    return vf
-
-
-def _reference_attention(q, k, v, scale, causal, cp_rank, cp_size):
-    """Exact attention in fp32 for the real (CPU, small) kernels: [s, b, n, d] layouts; returns
-    out [s_q, b, n, d] (fp32) and lse [b, n, s_q]. Materialises scores: small sizes only."""
-    probs, lse, _, _ = _reference_probabilities(q, k, scale, causal, cp_rank, cp_size)
-    out = torch.matmul(probs, _values(v, q.size(2))).permute(2, 0, 1, 3)
-    return out, lse
-
-
-def _reference_attention_backward(dout, q, k, v, scale, causal, cp_rank, cp_size):
-    """dq, dk, dv (fp32, [s, b, n, d] layouts) of :func:`_reference_attention`, by the
-    textbook formulas (a custom op's kernel runs below autograd, so no autograd here)."""
-    heads = q.size(2)
-    probs, _, qf, kf = _reference_probabilities(q, k, scale, causal, cp_rank, cp_size)
-    vf = _values(v, heads)
-    grad_out = dout.float().permute(1, 2, 0, 3)
-    out = torch.matmul(probs, vf)
-    delta = (grad_out * out).sum(dim=-1, keepdim=True)
-    grad_scores = probs * (torch.matmul(grad_out, vf.transpose(-1, -2)) - delta)
-    dq = torch.matmul(grad_scores, kf) * scale
-    dk = torch.matmul(grad_scores.transpose(-1, -2), qf) * scale
-    dv = torch.matmul(probs.transpose(-1, -2), grad_out)
-    kv_heads = k.size(2)
-    if kv_heads != heads:
-        b, _, s_k, d = dk.shape
-        dk = dk.view(b, kv_heads, heads // kv_heads, s_k, d).sum(dim=2)
-        dv = dv.view(b, kv_heads, heads // kv_heads, s_k, d).sum(dim=2)
-    return tuple(t.permute(2, 0, 1, 3) for t in (dq, dk, dv))
-
-
-@torch.library.custom_op("memo_planner::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                   causal: bool, cp_rank: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash attention forward. q [s_q, b, n, d]; k, v [s_k, b, n_kv, d] (all K/V of the CP
-    group when cp_size > 1). Returns out [s_q, b, n, d] (q's dtype) and lse [b, n, s_q] fp32.
-    The real kernel here is an exact fp32 reference for small CPU models."""
-    out, lse = _reference_attention(q, k, v, softmax_scale, causal, cp_rank, cp_size)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
-
-
-@flash_attn_fwd.register_fake
-def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, cp_rank, cp_size):
-    seq_q, batch, heads, _ = q.shape
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device))
-
-
-@torch.library.custom_op("memo_planner::flash_attn_bwd", mutates_args=())
-def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
-                   cp_rank: int, cp_size: int, workspace: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flash attention backward: dq, dk, dv (shaped like q, k, v) and, when ``workspace``, the
-    two fp32 workspaces flash-attention 2 allocates for the call (softmax_d, dq_accum; empty
-    otherwise). The caller drops the workspaces right away, as the kernel frees them."""
-    grads = _reference_attention_backward(dout, q, k, v, softmax_scale, causal, cp_rank, cp_size)
-    dq, dk, dv = (g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v)))
-    return (dq, dk, dv, *_flash_workspaces(q, workspace))
-
-
-def _flash_workspaces(q: torch.Tensor, workspace: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    seq_q, batch, heads, head_dim = q.shape
-    if not workspace:
-        return (q.new_empty((0,), dtype=torch.float32), q.new_empty((0,), dtype=torch.float32))
-    softmax_d, dq_accum = flash_backward_workspace_shapes(batch, heads, seq_q, head_dim)
-    return (torch.empty(softmax_d, dtype=torch.float32, device=q.device),
-            torch.empty(dq_accum, dtype=torch.float32, device=q.device))
-
-
-@flash_attn_bwd.register_fake
-def _flash_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, cp_rank, cp_size,
-                         workspace):
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device),
-            *_flash_workspaces(q, workspace))
-
-
 #: ``torch.tensor(data)`` builds its tensor outside the dispatcher and then calls lift_fresh:
 #: with real tensors the output is that (unseen) tensor, under FakeTensorMode a new fake one.
 #: Either way it is a fresh allocation (a host-to-device copy on GPU), recorded in both modes.
 _FRESH_TENSOR_OPS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
-
-#: Outputs of ops that are workspaces, whatever phase they occur in: op name -> output indices.
-WORKSPACE_OUTPUTS = {"memo_planner.flash_attn_bwd.default": (3, 4)}
-
-
-class _FlashAttention(torch.autograd.Function):
-    """Flash attention with megatron's load-balanced context parallelism done the way Transformer
-    Engine's all-gather CP does it: K/V are all-gathered over the CP group for the kernel and
-    dropped; backward gathers them again and reduce-scatters dK/dV. Saves q, k, v (local), out,
-    lse."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, cp_group, cp_rank, cp_size, workspace):
-        from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
-
-        k_all = _gather_along_first_dim(k, cp_group) if cp_size > 1 else k
-        v_all = _gather_along_first_dim(v, cp_group) if cp_size > 1 else v
-        out, lse = torch.ops.memo_planner.flash_attn_fwd(q, k_all, v_all, softmax_scale, causal,
-                                                         cp_rank, cp_size)
-        del k_all, v_all
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (softmax_scale, causal, cp_group, cp_rank, cp_size, workspace)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        from megatron.core.tensor_parallel.mappings import (
-            _gather_along_first_dim,
-            _reduce_scatter_along_first_dim,
-        )
-
-        q, k, v, out, lse = ctx.saved_tensors
-        softmax_scale, causal, cp_group, cp_rank, cp_size, workspace = ctx.args
-        k_all = _gather_along_first_dim(k, cp_group) if cp_size > 1 else k
-        v_all = _gather_along_first_dim(v, cp_group) if cp_size > 1 else v
-        dq, dk_all, dv_all, softmax_d, dq_accum = torch.ops.memo_planner.flash_attn_bwd(
-            dout.contiguous(), q, k_all, v_all, out, lse, softmax_scale, causal, cp_rank,
-            cp_size, workspace)
-        del softmax_d, dq_accum, k_all, v_all
-        if cp_size > 1:
-            dk = _reduce_scatter_along_first_dim(dk_all, cp_group)
-            del dk_all
-            dv = _reduce_scatter_along_first_dim(dv_all, cp_group)
-            del dv_all
-        else:
-            dk, dv = dk_all, dv_all
-        return dq, dk, dv, None, None, None, None, None, None
-
-
-class FlashCoreAttention(MegatronModule):
-    """Core attention for traced models: [s, b, heads, d] q/k/v -> [s, b, heads*d] through the
-    flash custom op. Takes the place of megatron's DotProductAttention (or the CPU SDPA shim) in
-    a layer spec, with the same constructor signature. Causal or unmasked self-attention;
-    context parallelism by K/V all-gather (see :class:`_FlashAttention`). q, k and v are made
-    contiguous first, as Transformer Engine does before its kernels, so a v that is a view of the
-    fused QKV GEMM output does not keep that whole output alive."""
-
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None, model_workspace: bool = True):
-        super().__init__(config=config)
-        from megatron.core.transformer.enums import AttnMaskType
-
-        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
-            raise ValueError(f"FlashCoreAttention supports causal and no_mask masks, got "
-                             f"{attn_mask_type.name}")
-        if attn_mask_type != AttnMaskType.causal and config.context_parallel_size > 1:
-            raise ValueError("context parallelism needs the causal mask")
-        self.is_causal = attn_mask_type == AttnMaskType.causal
-        self.softmax_scale = (softmax_scale if softmax_scale is not None
-                              else 1.0 / math.sqrt(config.kv_channels))
-        self.cp_size = config.context_parallel_size
-        self.model_workspace = model_workspace
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("FlashCoreAttention supports neither packed sequences nor bias")
-        from megatron.core import parallel_state
-
-        cp_group, cp_rank = None, 0
-        if self.cp_size > 1:
-            cp_group = parallel_state.get_context_parallel_group()
-            cp_rank = parallel_state.get_context_parallel_rank()
-        q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
-        out = _FlashAttention.apply(q, k, v, self.softmax_scale, self.is_causal, cp_group,
-                                    cp_rank, self.cp_size, self.model_workspace)
-        return out.view(out.size(0), out.size(1), -1)
-
 
 # ------------------------------------------------------------------------------ recorder
 

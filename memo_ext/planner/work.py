@@ -5,10 +5,10 @@ Per phase (forward, recompute, backward, optimizer):
 
 * ``gemm_flops``: matrix multiplications, by ``torch.utils.flop_counter``'s formulas (the same
   registry ``FlopCounterMode`` uses; it works on fake tensors since it needs shapes only).
-* ``attention_flops``: the traced flash-attention custom op, which the registry does not know.
-  Counted exactly for the (query, key) pairs the kernel computes: causal pairs of this rank's
-  load-balanced context-parallel positions against all keys; 4·d FLOPs per pair and head
-  forward, 10·d backward (flash attention's backward recomputes the scores: five GEMMs).
+* ``attention_flops``: the attention tile ops (memo_ext.attention.kernels), which the registry
+  does not know. Counted exactly for the (query, key) pairs each tile computes (a causal tile
+  s_q(s_q+1)/2, another s_q·s_k); 4·d FLOPs per pair and head forward, 10·d backward (flash
+  attention's backward recomputes the scores: five GEMMs).
 * ``memory_bytes``: bytes read and written by every other op that computes something (not
   views, not factories that only allocate): input plus output bytes. On a GPU these ops are
   bandwidth-bound, so their time is bytes over HBM bandwidth.
@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import flop_registry
+
+from memo_ext.attention.kernels import TILE_BACKWARD_OP, TILE_FORWARD_OP
 
 #: Ops that allocate without reading or writing data (or touch no data at all).
 _NO_TRAFFIC = frozenset({
@@ -54,8 +56,6 @@ _COLLECTIVES = {
     "c10d.recv_.default": ("recv", 0),
 }
 
-_ATTENTION_FORWARD = "memo_planner.flash_attn_fwd.default"
-_ATTENTION_BACKWARD = "memo_planner.flash_attn_bwd.default"
 #: FLOPs per (query, key) pair per head per head-dimension unit: QK^T and PV forward; the
 #: backward recomputes QK^T and does dV, dP, dQ, dK.
 ATTENTION_FORWARD_FLOPS_PER_PAIR_DIM = 4
@@ -79,32 +79,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def causal_pairs(local_queries: int, cp_rank: int, cp_size: int) -> int:
-    """(query, key) pairs a causal kernel computes for this rank's queries against every key of
-    the sequence, under megatron's load-balanced CP sharding (chunks r and 2·cp-1-r of 2·cp):
-    the sum over its query positions p of p + 1."""
-    if cp_size == 1:
-        return local_queries * (local_queries + 1) // 2
-    chunk = local_queries // 2
-    pairs = 0
-    for index in (cp_rank, 2 * cp_size - 1 - cp_rank):
-        first = index * chunk
-        pairs += chunk * first + chunk * (chunk + 1) // 2
-    return pairs
-
-
 def attention_flops(name: str, args: tuple) -> int:
-    """FLOPs of one call of the flash-attention custom op ([s, b, heads, d] layouts)."""
-    q, k = args[0], args[1]
-    if name == _ATTENTION_BACKWARD:  # (dout, q, k, v, out, lse, scale, causal, cp_rank, ...)
-        q, k = args[1], args[2]
-        causal, cp_rank, cp_size = args[7], args[8], args[9]
+    """FLOPs of one attention tile op call ([b, heads, s, d] q, [b, groups, s, d] k)."""
+    if name == TILE_BACKWARD_OP:  # (dout, q, k, v, out, lse, scale, causal, ...)
+        q, k, causal = args[1], args[2], args[7]
         per_pair = ATTENTION_BACKWARD_FLOPS_PER_PAIR_DIM
-    else:  # (q, k, v, scale, causal, cp_rank, cp_size)
-        causal, cp_rank, cp_size = args[4], args[5], args[6]
+    else:  # (q, k, v, scale, causal, ...)
+        q, k, causal = args[0], args[1], args[4]
         per_pair = ATTENTION_FORWARD_FLOPS_PER_PAIR_DIM
-    seq_q, batch, heads, dim = q.shape
-    pairs = causal_pairs(seq_q, cp_rank, cp_size) if causal else seq_q * k.shape[0]
+    batch, heads, seq_q, dim = q.shape
+    pairs = seq_q * (seq_q + 1) // 2 if causal else seq_q * k.shape[2]
     return per_pair * batch * heads * dim * pairs
 
 
@@ -157,7 +141,7 @@ class WorkCounter:
                 entry[1] += 1
             return
         totals = self._phase(phase)
-        if name in (_ATTENTION_FORWARD, _ATTENTION_BACKWARD):
+        if name in (TILE_FORWARD_OP, TILE_BACKWARD_OP):
             totals["attention_flops"] += attention_flops(name, args)
             return
         packet = func.overloadpacket

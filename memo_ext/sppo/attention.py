@@ -3,9 +3,9 @@
 SPPO runs a sequence as N subsequences, forward 0..N-1 and backward N-1..0 (sppo.md). Each
 layer keeps the K/V of the subsequences already run (:class:`KVCache`, on device for the whole
 pass), and subsequence ``i``'s queries attend to blocks ``0..i``: earlier blocks fully, its own
-block with the causal (bottom-right aligned) mask. Each block is one attention tile
-(memo_ext.attention_tiles: torch's flash kernels on CPU and on CUDA in fp16/bf16, an explicit
-softmax otherwise) and the tiles merge by log-sum-exp: :class:`_BlockAttention` saves only Q,
+block with the causal (bottom-right aligned) mask. Each block is one attention tile of
+memo_ext.attention's kernels (the trainer's own attention kernels and their declared CUDA
+allocations) and the tiles merge by log-sum-exp: :class:`_BlockAttention` saves only Q,
 the output and the log-sum-exp and runs each block's flash backward against them, so
 per-subsequence memory does not grow with the number of earlier blocks.
 
@@ -27,13 +27,11 @@ import math
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide
 
-from memo_ext.attention_tiles import merge_tile, tile_backward, tile_forward
+from memo_ext.attention import kernels, own_storage
 
 
 class SubsequenceOrderError(RuntimeError):
@@ -93,26 +91,9 @@ def _with_later(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad + later
 
 
-def contiguous_kv(key: torch.Tensor, value: torch.Tensor) -> tuple:
-    """K and V in storages of their own. V (and K without RoPE) are slices of the fused QKV
-    projection's output: cached as they are they would pin the whole buffer, Q included, for the
-    rest of the sequence and keep the offloader from moving it."""
-    return tuple(t if t.untyped_storage().nbytes() == t.nbytes
-                 else t.clone(memory_format=torch.contiguous_format) for t in (key, value))
-
-
-def _heads_first(tensor: torch.Tensor, repeat: int) -> torch.Tensor:
-    """[s, b, groups, d] -> [b, groups*repeat, s, d] (GQA groups expanded to heads)."""
-    tensor = tensor.permute(1, 2, 0, 3)
-    return tensor if repeat == 1 else tensor.repeat_interleave(repeat, dim=1)
-
-
-def _groups_last(grad: torch.Tensor, repeat: int, like: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_heads_first` for a gradient: sum over each group's heads."""
-    b, heads, s, d = grad.shape
-    if repeat > 1:
-        grad = grad.view(b, heads // repeat, repeat, s, d).sum(dim=2)
-    return grad.permute(2, 0, 1, 3).to(like.dtype)
+def _heads_first(tensor: torch.Tensor) -> torch.Tensor:
+    """[s, b, heads|groups, d] -> a [b, heads|groups, s, d] view."""
+    return tensor.permute(1, 2, 0, 3)
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -122,20 +103,19 @@ class _BlockAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scale: float, repeat: int, cached: list, query: torch.Tensor,
-                *keys_values: torch.Tensor):
-        q = query.permute(1, 2, 0, 3)
+    def forward(ctx, scale: float, cached: list, query: torch.Tensor, *keys_values: torch.Tensor):
+        q = _heads_first(query)
         b, heads, sq, d = q.shape
-        output = log_sum_exp = None
+        output = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        log_sum_exp = torch.full((b, heads, sq), float("-inf"), device=q.device)
         blocks = len(keys_values) // 2
         for j in range(blocks):
-            tile_output, tile_lse = tile_forward(
-                q, _heads_first(keys_values[2 * j], repeat),
-                _heads_first(keys_values[2 * j + 1], repeat), causal=j == blocks - 1,
-                scale=scale)
-            output, log_sum_exp = merge_tile(output, log_sum_exp, tile_output, tile_lse)
+            tile_output, tile_lse = torch.ops.memo_attention.tile_forward(
+                q, _heads_first(keys_values[2 * j]), _heads_first(keys_values[2 * j + 1]), scale,
+                j == blocks - 1, 0.0, 0)
+            kernels.merge_into(output, log_sum_exp, tile_output, tile_lse)
         output = output.to(query.dtype)
-        ctx.scale, ctx.repeat, ctx.cached = scale, repeat, cached
+        ctx.scale, ctx.cached = scale, cached
         for block in cached:
             block.pending_backwards += 1
         ctx.save_for_backward(query, output, log_sum_exp, *keys_values)
@@ -144,23 +124,23 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         query, output, log_sum_exp, *keys_values = ctx.saved_tensors
-        scale, repeat = ctx.scale, ctx.repeat
-        q = query.permute(1, 2, 0, 3)
+        q = _heads_first(query)
         b, heads, sq, d = q.shape
         grad_out = grad_output.reshape(sq, b, heads, d).permute(1, 2, 0, 3).to(query.dtype)
-        grad_q = None
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         grads = []
         blocks = len(keys_values) // 2
         for j in range(blocks):
             key, value = keys_values[2 * j], keys_values[2 * j + 1]
-            tile_grad_q, grad_k, grad_v = tile_backward(
-                grad_out, q, _heads_first(key, repeat), _heads_first(value, repeat), output,
-                log_sum_exp, causal=j == blocks - 1, scale=scale)
-            grad_q = tile_grad_q.float() if grad_q is None else grad_q + tile_grad_q
-            grads += [_groups_last(grad_k, repeat, key), _groups_last(grad_v, repeat, value)]
+            tile_grad_q, grad_k, grad_v, *workspaces = torch.ops.memo_attention.tile_backward(
+                grad_out, q, _heads_first(key), _heads_first(value), output, log_sum_exp,
+                ctx.scale, j == blocks - 1, 0.0, 0)
+            del workspaces
+            grad_q += tile_grad_q
+            grads += [grad_k.permute(2, 0, 1, 3), grad_v.permute(2, 0, 1, 3)]
         for block in ctx.cached:
             block.pending_backwards -= 1
-        return (None, None, None, grad_q.permute(2, 0, 1, 3).to(query.dtype), *grads)
+        return (None, None, grad_q.permute(2, 0, 1, 3).to(query.dtype), *grads)
 
 
 class SubsequenceCoreAttention(MegatronModule):
@@ -188,9 +168,6 @@ class SubsequenceCoreAttention(MegatronModule):
                              "no dropout)")
         if config.context_parallel_size > 1:
             raise ValueError("--memo-sppo does not combine with --context-parallel-size > 1")
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        heads = divide(config.num_attention_heads, tp_size)
-        self.repeat = divide(heads, divide(config.num_query_groups, tp_size))
         self.softmax_scale = (softmax_scale if softmax_scale is not None
                               else 1.0 / math.sqrt(config.kv_channels))
         self.subsequences = subsequences
@@ -211,7 +188,7 @@ class SubsequenceCoreAttention(MegatronModule):
             raise SubsequenceOrderError(
                 f"SPPO: subsequence {index} forward found {len(self.cache.blocks)} cached blocks; "
                 "subsequences must run forward in order 0, 1, ...")
-        key, value = contiguous_kv(key, value)
+        key, value = own_storage(key), own_storage(value)
         block = _CachedBlock(index, key, value)
         if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
             key, value = _AddLaterGradients.apply(block, key, value)
@@ -219,5 +196,5 @@ class SubsequenceCoreAttention(MegatronModule):
         self.cache.blocks.append(block)
         self.subsequences.mark_kv(key, value)
         keys_values = [t for cached in earlier for t in (cached.key, cached.value)]
-        return _BlockAttention.apply(self.softmax_scale, self.repeat, earlier, query,
+        return _BlockAttention.apply(self.softmax_scale, earlier, query,
                                      *keys_values, key, value)

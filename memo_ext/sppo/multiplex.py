@@ -58,12 +58,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model, make_viewless_tensor
 
-from memo_ext.sppo.attention import (
-    SubsequenceOrderError,
-    _BlockAttention,
-    _CachedBlock,
-    contiguous_kv,
-)
+from memo_ext.attention import own_storage
+from memo_ext.sppo.attention import SubsequenceOrderError, _BlockAttention, _CachedBlock
 from memo_ext.sppo.partition import LayerFlops
 
 #: Dtypes a rotary table may have (megatron keeps it in fp32; Float16Module casts buffers).
@@ -230,7 +226,7 @@ class _Pass:
             earlier = blocks[:index]
             if self.recompute:
                 own_block = blocks[index]
-        key, value = contiguous_kv(key, value)
+        key, value = own_storage(key), own_storage(value)
         gathered = _GroupKeysValues.apply(self, own_block, key, value,
                                           *[t for b in earlier for t in (b.key, b.value)])
         members = len(self.cuts) - 1
@@ -251,7 +247,7 @@ class _Pass:
         # backward takes it back once its recomputation has back-propagated.
         counted = earlier if self.is_owner and not self.recompute else []
         keys_values = [t for pair in kv_earlier + pieces[:self.piece + 1] for t in pair]
-        return _BlockAttention.apply(module.softmax_scale, module.repeat, counted, query,
+        return _BlockAttention.apply(module.softmax_scale, counted, query,
                                      *keys_values)
 
 

@@ -45,7 +45,7 @@ def test_resume_reproduces_uninterrupted_losses(uninterrupted_losses, tmp_path):
         "--tensorboard-dir", str(tmp_path / "tensorboard")])
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     log_line = next(line for line in result.stdout.splitlines() if "iteration       11/" in line)
-    for field in ("lm loss:", "lr:", "tokens/s:", "MFU:", "rss_mib:"):
+    for field in ("lm loss:", "lr:", "tokens/s:", "MFU:", "peak_rss_mib:"):
         assert field in log_line, log_line
     resumed = read_losses(second)
     assert sorted(resumed) == list(range(11, 21))

@@ -79,6 +79,8 @@ BAD_INPUTS = [
     ("sppo_with_context_parallel", 2,
      BASE + ["--memo-sppo", "--context-parallel-size", "2"], "--context-parallel-size"),
     ("sppo_with_attention_dropout", 1, BASE + ["--memo-sppo"], "--attention-dropout"),
+    ("transformer_engine_on_cpu", 1, BASE + ["--transformer-impl", "transformer_engine"],
+     "--transformer-impl transformer_engine needs CUDA"),
     ("sppo_too_many_subsequences", 1,
      BASE + ["--memo-sppo", "--attention-dropout", "0", "--memo-sppo-subsequences", "65"],
      "--memo-sppo-subsequences"),
@@ -95,6 +97,9 @@ BAD_INPUTS = [
              "--pipeline-model-parallel-size", "2"], "--hidden-dropout"),
     ("memo_plan_missing_file", 1, BASE + ["--memo-plan", "/nonexistent/plan.json"],
      "--memo-plan"),
+    ("mlp_tile_not_split_by_sequence_parallel", 2,
+     BASE + ["--memo-mlp-tile-size", "7", "--tensor-model-parallel-size", "2",
+             "--sequence-parallel"], "--memo-mlp-tile-size"),
 ]
 
 

@@ -21,8 +21,7 @@ from memo_ext.estimate.cost import (
     predict_step,
 )
 from memo_ext.estimate.layout import Layout, TraceCache, candidate_layouts
-from memo_ext.planner.trace import load_balanced_positions
-from memo_ext.planner.work import causal_pairs
+from memo_ext.attention import ZigzagLayout
 from tests.conftest import run_estimate_cli
 
 LAYERS, HIDDEN, FFN, HEADS, VOCAB = 2, 64, 256, 4, 512
@@ -40,17 +39,6 @@ def traces(tmp_path_factory):
     return {seq: trace_rank(SMALL + FULL_RECOMPUTE, seq, workdir) for seq in (1024, 2048, 8192)}
 
 
-@pytest.mark.parametrize("cp_size", [1, 2, 4])
-def test_causal_pairs_match_the_load_balanced_positions(cp_size):
-    local = 64
-    keys = 2 * cp_size * (local // 2)
-    for cp_rank in range(cp_size):
-        positions = load_balanced_positions(local, cp_rank, cp_size) if cp_size > 1 else \
-            range(local)
-        brute = sum(int(p) + 1 for p in positions if p < keys)
-        assert causal_pairs(local, cp_rank, cp_size) == brute
-
-
 def test_gemm_and_attention_flops_are_the_models(traces):
     """Rank 0 of TP=2 CP=2 at 2048 tokens: every forward GEMM of the model, by hand."""
     work = traces[2048].header["work"]["phases"]
@@ -64,7 +52,7 @@ def test_gemm_and_attention_flops_are_the_models(traces):
     assert work["backward"]["gemm_flops"] == 2 * (LAYERS * per_layer + logits)
     heads_here = HEADS // 2
     head_dim = HIDDEN // HEADS
-    pairs = causal_pairs(tokens, 0, 2)
+    pairs = ZigzagLayout(2 * tokens, 2).causal_pairs(0)
     assert work["forward"]["attention_flops"] == LAYERS * 4 * heads_here * head_dim * pairs
     assert work["backward"]["attention_flops"] == LAYERS * 10 * heads_here * head_dim * pairs
     assert work["forward"]["memory_bytes"] > 0
@@ -81,9 +69,14 @@ def test_collectives_are_counted_per_group(traces):
     assert (0, 1) in groups and (0, 2) in groups  # TP and CP groups of rank 0
     forward = {(c["op"], tuple(c["ranks"])): c for c in collectives if c["phase"] == "forward"}
     # Sequence parallelism: one all-gather before each of QKV and FC1 per layer, plus one
-    # before the output layer; CP all-gathers K and V per layer.
+    # before the output layer; the CP ring sends and receives one packed K/V block per layer
+    # (CP - 1 steps), [s/CP, b, 2, groups/TP, d] in bf16, and gathers nothing.
     assert forward[("all_gather", (0, 1))]["calls"] == 2 * LAYERS + 1
-    assert forward[("all_gather", (0, 2))]["calls"] == 2 * LAYERS
+    assert ("all_gather", (0, 2)) not in forward
+    kv_block = 2048 // 2 * 2 * (HEADS // 2) * (HIDDEN // HEADS) * 2
+    for op in ("send", "recv"):
+        assert forward[(op, (0, 2))]["calls"] == LAYERS
+        assert forward[(op, (0, 2))]["bytes"] == LAYERS * kv_block
 
 
 def test_work_line_refuses_traces_without_work(traces):

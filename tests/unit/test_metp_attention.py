@@ -1,8 +1,8 @@
 """METP's two-level causal attention on 2 and 4 gloo ranks against a single-process causal
 attention (metp.md): output and gradients (input, QKV weight and bias, projection weight) within
 1e-5 mean absolute error in fp32, with zigzag sharding and rotary on global positions; plain
-multi-head and GQA; CPU flash tiles and the explicit-softmax tiles
-(memo_ext.attention_tiles) used off CPU."""
+multi-head and GQA; CPU flash tiles and the explicit-softmax tiles (memo_ext.attention.kernels)
+used off CPU."""
 
 from __future__ import annotations
 
@@ -49,9 +49,8 @@ def _reference(x, qkv_weight, qkv_bias, proj_weight, heads, groups):
 
 
 def _check_attention(rank, size, heads, groups, explicit_tiles):
-    from memo_ext.metp import attention as metp_attention
-    from memo_ext.metp.attention import HeadShape, ZigzagLayout, two_level_attention
-    from memo_ext.metp.ring import Ring
+    from memo_ext.attention import Ring, ZigzagLayout, kernels
+    from memo_ext.metp.attention import HeadShape, two_level_attention
 
     hidden = heads * HEAD_DIM
     generator = torch.Generator().manual_seed(3)
@@ -73,13 +72,10 @@ def _check_attention(rank, size, heads, groups, explicit_tiles):
     for tensor in local:
         tensor.requires_grad_()
     shape = HeadShape(heads // size, groups // size, HEAD_DIM)
-    if explicit_tiles:  # the off-CPU tile code, run here on CPU tensors
-        metp_attention.TILE_KERNEL = "explicit"
-    try:
+    # explicit_tiles: the off-CPU tile code, run here on CPU tensors.
+    with kernels.forced_kernel("explicit" if explicit_tiles else None):
         out = two_level_attention(*local, shape, Ring(), layout, _rotary(positions))
         out.backward(grad[positions])
-    finally:
-        metp_attention.TILE_KERNEL = None
 
     expected = [reference[positions], full[0].grad[positions], full[1].grad.chunk(size, 0)[rank],
                 full[2].grad.chunk(size, 0)[rank], full[3].grad.chunk(size, 1)[rank]]
@@ -100,17 +96,3 @@ def _check_all_cases(rank, size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_two_level_attention_matches_single_process(world_size):
     run_ranks(world_size, _check_all_cases)
-
-
-def test_zigzag_layout_balances_causal_work():
-    from memo_ext.metp.attention import ZigzagLayout, _tiles
-
-    layout = ZigzagLayout(64, 4)
-    assert layout.positions(1).tolist() == list(range(8, 16)) + list(range(48, 56))
-    assert sorted(layout.permutation().tolist()) == list(range(64))
-    # Per rank: full tiles count 2, diagonal tiles 1; every rank does the same work.
-    work = [sum(1 if causal else 2 for k in range(4) for _, _, causal in _tiles(layout, q, k))
-            for q in range(4)]
-    assert len(set(work)) == 1, work
-    with pytest.raises(ValueError, match="divisible by 2 x TP"):
-        ZigzagLayout(30, 4)

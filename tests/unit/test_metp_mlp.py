@@ -45,7 +45,7 @@ def _column_shard(weight, rank, size, gated):
 
 def _check_ring_mlp(rank, size, gated, bias):
     from memo_ext.metp.mlp import ring_mlp
-    from memo_ext.metp.ring import Ring
+    from memo_ext.attention.ring import Ring
 
     activation = _swiglu if gated else _gelu
     x, w1, b1, w2, grad = _full_problem(gated, bias)
@@ -95,7 +95,7 @@ def _check_transfer_progresses_during_compute(rank, size):
     transfer overlap the current shard's matmuls."""
     import time
 
-    from memo_ext.metp.ring import WEIGHTS_TAG, Ring
+    from memo_ext.attention.ring import WEIGHTS_TAG, Ring
 
     ring = Ring()
     send = torch.full((4 << 20,), float(rank))

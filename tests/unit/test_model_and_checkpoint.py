@@ -62,11 +62,11 @@ def test_model_flops_formula():
 
 
 @pytest.mark.parametrize("mask_type", ["causal", "no_mask"])
-def test_sdpa_attention_matches_megatron_dot_product_attention(megatron_world, mask_type):
+def test_core_attention_matches_megatron_dot_product_attention(megatron_world, mask_type):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron.training.compat.attention import SDPACoreAttention
+    from memo_ext.attention import CoreAttention
 
     config = core_transformer_config_from_args(build_args([]))
     kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType[mask_type],
@@ -74,17 +74,8 @@ def test_sdpa_attention_matches_megatron_dot_product_attention(megatron_world, m
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(16, 2, 4, 16, generator=generator) for _ in range(3))
     reference = DotProductAttention(**kwargs)(q, k, v, attention_mask=None)
-    ours = SDPACoreAttention(**kwargs)(q, k, v, attention_mask=None)
+    ours = CoreAttention(**kwargs)(q, k, v, attention_mask=None)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
-
-
-def test_load_balanced_positions_cover_the_sequence_once():
-    from megatron.training.compat.attention import load_balanced_positions
-
-    cp = 3
-    positions = torch.cat([load_balanced_positions(8, rank, cp) for rank in range(cp)])
-    assert sorted(positions.tolist()) == list(range(24))
-    assert load_balanced_positions(8, 0, cp).tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
 
 
 def test_sampler_resumes_where_it_stopped():
@@ -136,3 +127,48 @@ def test_corrupt_tracker_file_is_a_clear_error(tmp_path):
     (tmp_path / checkpointing.TRACKER_FILENAME).write_text("release")
     with pytest.raises(ValueError, match="--load"):
         checkpointing.read_latest_iteration(tmp_path)
+
+
+LONG_CONTEXT_PATH = ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "chunked",
+                     "--cross-entropy-chunk-size", "24", "--memo-mlp-tile-size", "20"]
+
+
+@pytest.mark.parametrize("variant", ["learned_gelu_bias", "rope_swiglu_rmsnorm_gqa"])
+def test_long_context_path_gradients_equal_megatrons_tensor_by_tensor(megatron_world, variant,
+                                                                      monkeypatch):
+    """One step of the same weights through the million-token path (memo_ext's attention, the
+    chunked loss and the tiled MLP) and through megatron.core's own modules (DotProductAttention,
+    which builds the s x s scores, the unfused vocab-parallel loss, the untiled MLP): the losses
+    and every parameter's gradient agree to fp32 round-off."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    import pretrain_gpt
+    from megatron.training import layer_specs
+
+    def model_for(extra):
+        args = build_args(VARIANTS[variant] + extra)
+        torch.manual_seed(0)
+        return pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
+
+    ours = model_for(LONG_CONTEXT_PATH)
+    with monkeypatch.context() as patch:
+        patch.setattr(layer_specs, "CoreAttention", DotProductAttention)
+        reference = model_for([])
+    assert type(reference.decoder.layers[0].self_attention.core_attention) is DotProductAttention
+    reference.load_state_dict(ours.state_dict())
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 512, (2, 64), generator=generator)
+    labels = torch.randint(0, 512, (2, 64), generator=generator)
+    positions = torch.arange(64).expand(2, 64)
+    losses = []
+    for model in (ours, reference):
+        loss = model(tokens, positions, attention_mask=None, labels=labels)
+        loss.sum().backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    grads = dict(reference.named_parameters())
+    for name, parameter in ours.named_parameters():
+        expected = grads[name].grad
+        scale = expected.abs().max().item()
+        error = (parameter.grad - expected).abs().max().item()
+        assert error <= 1e-5 * scale + 1e-7, f"{name}: max abs error {error} (max {scale})"

@@ -1,0 +1,150 @@
+"""The core attention of every Megatron-MEMO layer: [s, b, heads, d] q and [s, b, groups, d]
+k/v (RoPE already applied) -> [s, b, heads * d].
+
+Built into megatron.core's local layer spec in place of ``DotProductAttention`` (which refuses
+context parallelism and materialises the s x s scores), so the trainer with or without MEMO and
+the tracer run this module. Flash-style: no s x s (or s_local x s_global) score, softmax or mask
+tensor exists; forward keeps the output and the fp32 log-sum-exp, backward recomputes per tile.
+
+* Without context parallelism (and without documents): one causal tile, one kernel call.
+* With ``--context-parallel-size`` p > 1: megatron.core's batch split gives this rank the zigzag
+  chunks r and 2p-1-r; K/V travel a ring over the context-parallel group
+  (:class:`memo_ext.attention.ring_attention.RingAttention`), as Transformer Engine's P2P context
+  parallelism does on GPUs.
+* GQA: K/V stay in their query groups; the kernels take them so.
+* Packed sequences: ``packed_seq_params.cu_seqlens_q`` (batch 1, offsets over the whole
+  sequence) keeps every token inside its document; the trainer does not pack documents yet.
+* Attention dropout: per-tile masks from seeds drawn in Megatron's model-parallel RNG fork; such
+  tiles run the explicit kernel, which materialises each tile's scores (long-context runs use
+  ``--attention-dropout 0``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from memo_ext.attention.ring import Ring
+from memo_ext.attention.ring_attention import (RingAttention, dropout_seeds, pack_key_value,
+                                               _heads_first)
+from memo_ext.attention.zigzag import ZigzagLayout
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` if it is its storage's only tenant, else a contiguous copy. K and V (and Q
+    without RoPE) are slices of the fused QKV projection's output: saved as they are they would
+    keep the whole output alive until backward (Transformer Engine copies them too)."""
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+class _CoreAttentionFunction(torch.autograd.Function):
+    """Saves q, k, v, the output and the log-sum-exp; backward reruns the tiles."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attention: RingAttention, causal: bool, seeds: list):
+        if attention.ring is None and attention.documents is None:
+            out, lse = torch.ops.memo_attention.tile_forward(
+                _heads_first(query), _heads_first(key), _heads_first(value), attention.scale,
+                causal, attention.dropout_p, seeds[0])
+            out = out.permute(2, 0, 1, 3)
+        else:
+            out, lse = attention.forward(query, pack_key_value(key, value), seeds)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.attention, ctx.causal, ctx.seeds = attention, causal, seeds
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        attention = ctx.attention
+        grad_out = grad_out.contiguous()
+        if attention.ring is None and attention.documents is None:
+            dq, dk, dv, *workspaces = torch.ops.memo_attention.tile_backward(
+                _heads_first(grad_out), _heads_first(query), _heads_first(key),
+                _heads_first(value), _heads_first(out), lse, attention.scale, ctx.causal,
+                attention.dropout_p, ctx.seeds[0])
+            del workspaces
+            dq, dk, dv = (g.permute(2, 0, 1, 3) for g in (dq, dk, dv))
+        else:
+            dq, dkv = attention.backward(grad_out, query, pack_key_value(key, value), out, lse,
+                                         ctx.seeds)
+            dk, dv = dkv[:, :, 0], dkv[:, :, 1]
+        return dq, dk, dv, None, None, None
+
+
+def core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                   causal: bool = True, ring: Optional[Ring] = None,
+                   documents: Optional[Sequence[int]] = None,
+                   dropout_p: float = 0.0) -> torch.Tensor:
+    """Attention of this rank's tokens, [s, b, heads, d] / [s, b, groups, d] -> [s, b, heads, d].
+    ``ring``: the context-parallel ring (this rank holds the zigzag chunks of its ring rank);
+    ``documents``: cumulative offsets of the packed documents of the whole sequence."""
+    if not causal and (ring is not None or documents is not None):
+        raise ValueError("context parallelism and packed documents need the causal mask")
+    size = 1 if ring is None else ring.size
+    layout = ZigzagLayout(query.shape[0] * size, size)
+    attention = RingAttention(layout, scale, ring, documents, dropout_p)
+    count = 1 if ring is None and documents is None else attention.tile_count()
+    seeds = dropout_seeds(count, dropout_p, query)
+    return _CoreAttentionFunction.apply(query, key, value, attention, causal, seeds)
+
+
+class CoreAttention(MegatronModule):
+    """megatron.core's core-attention interface over :func:`core_attention` (module docstring);
+    built from a ModuleSpec with DotProductAttention's constructor signature."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise ValueError(f"CoreAttention supports the causal and no_mask masks, got "
+                             f"{attn_mask_type.name}")
+        if attn_mask_type != AttnMaskType.causal and config.context_parallel_size > 1:
+            raise ValueError("context parallelism needs the causal mask")
+        self.causal = attn_mask_type == AttnMaskType.causal
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else 1.0 / math.sqrt(config.kv_channels))
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_size = config.context_parallel_size
+        self._ring: Optional[Ring] = None
+
+    def ring(self) -> Optional[Ring]:
+        """The context-parallel ring (built on first use: the groups exist only then)."""
+        if self.cp_size > 1 and self._ring is None:
+            self._ring = Ring(parallel_state.get_context_parallel_group())
+        return self._ring
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("CoreAttention takes no attention bias")
+        documents = None
+        if packed_seq_params is not None:
+            documents = _document_offsets(packed_seq_params, query)
+        dropout_p = self.dropout_p if self.training else 0.0
+        query, key, value = (own_storage(t) for t in (query, key, value))
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            out = core_attention(query, key, value, self.softmax_scale, self.causal,
+                                 self.ring(), documents, dropout_p)
+        return out.reshape(out.size(0), out.size(1), -1)
+
+
+def _document_offsets(packed_seq_params, query: torch.Tensor) -> list[int]:
+    """Cumulative document offsets over the whole sequence from megatron's PackedSeqParams."""
+    offsets = packed_seq_params.cu_seqlens_q
+    if query.size(1) != 1 or not torch.equal(offsets, packed_seq_params.cu_seqlens_kv):
+        raise ValueError("CoreAttention takes packed documents for one sequence (batch 1) with "
+                         "equal query and key offsets")
+    return [int(x) for x in offsets.tolist()]

@@ -1,0 +1,168 @@
+"""memo_ext.attention: the one core attention (tile kernels, zigzag split, ring) against attention
+computed at once in float64 by autograd, on one process and over gloo rings of 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from memo_ext.attention import ZigzagLayout, core_attention, kernels
+from tests.gloo_ranks import run_ranks
+
+SEQ, BATCH, HEADS, GROUPS, DIM = 48, 2, 4, 2, 8
+SCALE = DIM ** -0.5
+
+
+def reference(query, key, value, grad, causal=True, documents=None):
+    """Output and input gradients of attention over [s, b, n, d] tensors, float64, with the
+    causal mask (and document boundaries) built explicitly."""
+    q, k, v = (t.double().detach().requires_grad_() for t in (query, key, value))
+    repeat = q.shape[2] // k.shape[2]
+    scores = torch.einsum("sbnd,tbnd->bnst", q, k.repeat_interleave(repeat, 2)) * SCALE
+    length = q.shape[0]
+    allowed = torch.ones(length, length, dtype=torch.bool)
+    if causal:
+        allowed = torch.ones(length, length).tril().bool()
+    if documents is not None:
+        owner = torch.zeros(length, dtype=torch.long)
+        for index, start in enumerate(documents[1:-1]):
+            owner[start:] = index + 1
+        allowed &= owner[:, None] == owner[None, :]
+    probabilities = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    out = torch.einsum("bnst,tbnd->sbnd", probabilities, v.repeat_interleave(repeat, 2))
+    out.backward(grad.double())
+    return out, q.grad, k.grad, v.grad
+
+
+def inputs(seq=SEQ, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(seq, BATCH, HEADS, DIM), (seq, BATCH, GROUPS, DIM), (seq, BATCH, GROUPS, DIM),
+              (seq, BATCH, HEADS, DIM)]
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+def run(query, key, value, grad, **kwargs):
+    leaves = [t.clone().requires_grad_() for t in (query, key, value)]
+    out = core_attention(*leaves, SCALE, **kwargs)
+    out.backward(grad)
+    return out, *(t.grad for t in leaves)
+
+
+def assert_close(got, want, tolerance=2e-5):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        error = (a.double() - b).abs().max().item()
+        assert error < tolerance, f"{name}: max abs error {error}"
+
+
+@pytest.mark.parametrize("kernel", ["cpu_flash", "explicit"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_rank_equals_attention_at_once(kernel, causal):
+    data = inputs()
+    with kernels.forced_kernel(kernel):
+        got = run(*data, causal=causal)
+    assert_close(got, reference(*data, causal=causal))
+
+
+@pytest.mark.parametrize("kernel", ["cpu_flash", "explicit"])
+def test_documents_never_attend_across_boundaries(kernel):
+    documents = [0, 5, 21, 22, SEQ]
+    data = inputs()
+    with kernels.forced_kernel(kernel):
+        got = run(*data, documents=documents)
+    assert_close(got, reference(*data, documents=documents))
+
+
+def test_dropout_masks_are_regenerated_in_backward():
+    """Output and gradients with dropout equal autograd through the same tile mask."""
+    query, key, value, grad = inputs()
+    p, seed = 0.3, 1234
+    leaves = [t.clone().double().requires_grad_() for t in (query, key, value)]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in leaves)
+    out, lse = torch.ops.memo_attention.tile_forward(q, k, v, SCALE, True, p, seed)
+    dq, dk, dv, *_ = torch.ops.memo_attention.tile_backward(
+        grad.double().permute(1, 2, 0, 3), q, k, v, out, lse, SCALE, True, p, seed)
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * SCALE
+    scores = scores.masked_fill(torch.ones(SEQ, SEQ).triu(1).bool(), float("-inf"))
+    keep = kernels._dropout_keep(scores.shape, p, seed, "cpu").double()
+    expected = (torch.softmax(scores, -1) * keep) @ v.repeat_interleave(2, 1)
+    expected.backward(grad.double().permute(1, 2, 0, 3))
+    assert 0.2 < (keep == 0).double().mean().item() < 0.4
+    # The explicit kernel computes in fp32 whatever the input dtype.
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-5)
+    for got, leaf in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(got, leaf.grad.permute(1, 2, 0, 3), rtol=1e-5, atol=1e-5)
+
+
+def _check_ring(rank, size):
+    from memo_ext.attention import Ring
+
+    layout = ZigzagLayout(SEQ, size)
+    positions = layout.positions(rank)
+    for documents, kernel in ((None, "cpu_flash"), ([0, 7, 30, SEQ], "cpu_flash"),
+                              (None, "explicit")):
+        data = inputs()
+        want = reference(*data, documents=documents)
+        with kernels.forced_kernel(kernel):
+            got = run(*(t[positions] for t in data), ring=Ring(), documents=documents)
+        assert_close(got, [t[positions] for t in want])
+
+
+@pytest.mark.parametrize("size", [pytest.param(2, marks=pytest.mark.slow), 4])
+def test_context_parallel_ring_equals_attention_at_once(size):
+    run_ranks(size, _check_ring)
+
+
+@pytest.mark.parametrize("size, documents", [(1, None), (2, None), (4, None),
+                                             (3, [0, 1, 9, 10, 11, 23, 24])])
+def test_tiles_cover_exactly_the_causal_pairs(size, documents):
+    """Over all ring steps every rank's tiles cover each allowed (query, key) pair once."""
+    seq = 24
+    layout = ZigzagLayout(seq, size)
+    owner = [max(i for i, start in enumerate(documents or [0]) if start <= t) for t in range(seq)]
+    work = []
+    for rank in range(size):
+        rows, seen = layout.positions(rank), []
+        for key_rank in range(size):
+            cols = layout.positions(key_rank)
+            for tile in layout.tiles(rank, key_rank, documents):
+                for i, j in itertools.product(range(tile.rows.start, tile.rows.stop),
+                                              range(tile.cols.start, tile.cols.stop)):
+                    if not tile.causal or j - tile.cols.start <= i - tile.rows.start:
+                        seen.append((int(rows[i]), int(cols[j])))
+        assert len(seen) == len(set(seen))
+        assert set(seen) == {(i, j) for i in rows.tolist() for j in range(i + 1)
+                             if owner[i] == owner[j]}
+        work.append(len(seen))
+        if documents is None:
+            assert layout.causal_pairs(rank) == len(seen)
+    if documents is None:
+        assert len(set(work)) == 1, work  # zigzag: the same causal work on every rank
+    with pytest.raises(ValueError, match="divisible by 2 x 4"):
+        ZigzagLayout(30, 4)
+
+
+def test_fake_tiles_allocate_what_the_cuda_kernel_does():
+    """Under FakeTensorMode the ops allocate out, the fp32 lse and, in backward with declared
+    workspaces, dq/dk/dv plus flash-attention 2's softmax_d, dq_accum and GQA's expanded dK/dV;
+    never a [s_q, s_k] tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seq, heads, groups, dim = 1000, 4, 2, 80
+    with FakeTensorMode():
+        q = torch.empty(1, heads, seq, dim, dtype=torch.bfloat16)
+        k = torch.empty(1, groups, seq, dim, dtype=torch.bfloat16)
+        out, lse = torch.ops.memo_attention.tile_forward(q, k, k, 0.1, True, 0.0, 0)
+        with kernels.declared_workspaces():
+            grads = torch.ops.memo_attention.tile_backward(out, q, k, k, out, lse, 0.1, True,
+                                                           0.0, 0)
+        bare = torch.ops.memo_attention.tile_backward(out, q, k, k, out, lse, 0.1, True, 0.0, 0)
+    assert (tuple(out.shape), tuple(lse.shape), lse.dtype) == ((1, heads, seq, dim),
+                                                               (1, heads, seq), torch.float32)
+    assert [tuple(g.shape) for g in grads] == [
+        (1, heads, seq, dim), (1, groups, seq, dim), (1, groups, seq, dim),
+        (1, heads, 1024), (1, 1024, heads, 96), (1, heads, seq, dim), (1, heads, seq, dim)]
+    assert [g.numel() for g in bare[3:]] == [0, 0, 0, 0]
+    assert kernels.flash_backward_workspace_shapes(1, 1, 128, 256) == ((1, 1, 128),
+                                                                       (1, 128, 1, 256))
