@@ -34,8 +34,14 @@ TINY_GPT = [
 ]
 #: This tree's million-token path besides its attention (which no flag selects: it is the only
 #: one): chunks and tiles smaller than the sequence, so each runs several times.
-LONG_CONTEXT_PATH = ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "chunked",
-                     "--cross-entropy-chunk-size", "24", "--memo-mlp-tile-size", "20"]
+CHUNKED_LOSS = ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "chunked",
+                "--cross-entropy-chunk-size", "24"]
+TILED_MLP = ["--memo-mlp-tile-size", "20"]
+
+
+def long_context_path(layout: list[str]) -> list[str]:
+    """The flags this tree adds to ``layout``: METP brings its own ring MLP (no tiling)."""
+    return CHUNKED_LOSS + ([] if "--memo-metp" in layout else TILED_MLP)
 #: name -> (processes, layout flags)
 LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -96,7 +102,7 @@ def main(argv=None) -> None:
     for name in names:
         nproc, layout = LAYOUTS[name]
         reference = losses(opts.reference, nproc, TINY_GPT + layout)
-        ours = losses(REPO_ROOT, nproc, TINY_GPT + layout + LONG_CONTEXT_PATH)
+        ours = losses(REPO_ROOT, nproc, TINY_GPT + layout + long_context_path(layout))
         if sorted(reference) != sorted(ours):
             raise SystemExit(f"error: {name}: iterations differ: {sorted(reference)} vs "
                              f"{sorted(ours)}")
@@ -110,8 +116,8 @@ def main(argv=None) -> None:
         f"{commit(opts.reference)}> --layouts {opts.layouts}`; this tree at {commit(REPO_ROOT)} "
         f"(uncommitted changes included); {platform.node()} ({os.cpu_count()} CPUs), "
         "CPU/gloo, fp32, --deterministic-mode, dropout 0.", "",
-        f"This tree adds `{' '.join(LONG_CONTEXT_PATH)}`; its attention is the ring attention "
-        "in every run. Tiny GPT: 4 layers (8 with PP=2), hidden 64, 4 heads, 64 tokens, "
+        f"This tree adds `{' '.join(CHUNKED_LOSS + TILED_MLP)}` (METP: the loss flags only, it has "
+        "its own ring MLP); its attention is memo_ext.attention in every run. Tiny GPT: 4 layers (8 with PP=2), hidden 64, 4 heads, 64 tokens, "
         "global batch 8, 20 iterations.", "",
         "| layout | processes | loss 1 (reference) | loss 20 (reference) | loss 20 (this tree) | "
         "largest relative difference |",
