@@ -18,11 +18,11 @@ gradient flows back through autograd into ``.grad`` / DDP's ``main_grad`` like a
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear
-
-from typing import Optional
 
 from memo_ext.loss.chunked import chunked_vocab_parallel_cross_entropy
 

@@ -147,6 +147,9 @@ class MemoTransformerLayer(TransformerLayer):
                 tensor = split.merge(kept, dropped)
                 manager.register_merged(record, tensor, split, kept, region_a, index)
                 merged.append(tensor)
+            # The parts may be views of the fused QKV output (v always is): holding them would
+            # keep that whole output alive through the rest of the layer.
+            del qkv_kept, qkv_dropped, kept, dropped
 
             core_output = self.self_attention.core_attention(
                 *merged, attention_mask, attn_mask_type=self.self_attention.attn_mask_type

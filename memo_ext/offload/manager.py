@@ -227,7 +227,7 @@ class DropRegion:
         self.rng = _RngSnapshot.take()
         self.saved_count = 0
         self.recomputed_saved: Optional[list] = None
-        self.recomputed_outputs: Optional[tuple] = None
+        self.recomputed_outputs: Optional[list] = None
 
     def _recompute(self) -> None:
         inputs = [
@@ -258,7 +258,7 @@ class DropRegion:
         # instead of waiting for Python's cycle collector.
         self.recomputed_saved = [tensor.detach() for tensor in recorded]
         recorded.clear()
-        self.recomputed_outputs = tuple(o.detach() for o in outputs)
+        self.recomputed_outputs = [o.detach() for o in outputs]
 
     def saved(self, index: int) -> torch.Tensor:
         """Recomputed saved tensor ``index``, handed over once: autograd unpacks each saved
@@ -274,9 +274,17 @@ class DropRegion:
         return tensor
 
     def output(self, index: int) -> torch.Tensor:
+        """Recomputed output ``index`` (q, k or v), handed over once like :meth:`saved`: a v
+        that is a view of the fused QKV output would otherwise keep that whole output alive
+        until the layer's backward ends."""
         if self.recomputed_outputs is None:
             self._recompute()
-        return self.recomputed_outputs[index]
+        tensor = self.recomputed_outputs[index]
+        if tensor is None:
+            raise RuntimeError("MEMO recomputed output unpacked twice (retain_graph is not "
+                               "supported with --memo-offload)")
+        self.recomputed_outputs[index] = None
+        return tensor
 
     def release(self) -> None:
         self.recomputed_saved = None

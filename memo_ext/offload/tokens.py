@@ -50,12 +50,17 @@ class TokenSplit:
     def merge(self, kept: torch.Tensor | None, dropped: torch.Tensor | None) -> torch.Tensor:
         """Split-order parts ([chunks*kept, ...], [chunks*dropped, ...]) -> natural order.
 
-        Always a new contiguous tensor: callers key saved tensors by storage, and q/k/v parts
-        may be views of one shared QKV projection output.
+        A contiguous tensor with a storage of its own: callers key saved tensors by storage,
+        and q/k/v parts may be views of one shared QKV projection output (copied then). A lone
+        part that already owns its storage is returned as it is: at alpha 0 or 1 a copy would
+        only double the tensor.
         """
         parts = [p for p in (kept, dropped) if p is not None and p.size(0) > 0]
         if len(parts) == 1:
-            return parts[0].clone(memory_format=torch.contiguous_format)
+            part = parts[0]
+            if part.is_contiguous() and part.untyped_storage().nbytes() == part.nbytes:
+                return part
+            return part.clone(memory_format=torch.contiguous_format)
         rest = parts[0].shape[1:]
         chunked = [p.reshape(self.chunks, -1, *rest) for p in parts]
         return torch.cat(chunked, dim=1).reshape(self.chunks * self.local_tokens, *rest)
