@@ -264,26 +264,23 @@ class DropRegion:
         """Recomputed saved tensor ``index``, handed over once: autograd unpacks each saved
         tensor a single time per backward, so dropping our reference here lets the layer's
         backward free recomputed activations op by op, as it does for ordinary ones."""
-        if self.recomputed_saved is None:
-            self._recompute()
-        tensor = self.recomputed_saved[index]
-        if tensor is None:
-            raise RuntimeError("MEMO recomputed tensor unpacked twice (retain_graph is not "
-                               "supported with --memo-offload)")
-        self.recomputed_saved[index] = None
-        return tensor
+        return self._hand_over("recomputed_saved", index)
 
     def output(self, index: int) -> torch.Tensor:
         """Recomputed output ``index`` (q, k or v), handed over once like :meth:`saved`: a v
         that is a view of the fused QKV output would otherwise keep that whole output alive
         until the layer's backward ends."""
-        if self.recomputed_outputs is None:
+        return self._hand_over("recomputed_outputs", index)
+
+    def _hand_over(self, which: str, index: int) -> torch.Tensor:
+        if getattr(self, which) is None:
             self._recompute()
-        tensor = self.recomputed_outputs[index]
+        tensors = getattr(self, which)
+        tensor = tensors[index]
         if tensor is None:
-            raise RuntimeError("MEMO recomputed output unpacked twice (retain_graph is not "
+            raise RuntimeError("MEMO recomputed tensor unpacked twice (retain_graph is not "
                                "supported with --memo-offload)")
-        self.recomputed_outputs[index] = None
+        tensors[index] = None
         return tensor
 
     def release(self) -> None:

@@ -34,8 +34,8 @@ class TiledMLP(MLP):
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if per_token_scale is not None:
-            raise NotImplementedError("the tiled MLP has no per-token scaling (MoE experts); "
-                                      "drop --memo-mlp-tile-size")
+            raise ValueError("--memo-mlp-tile-size tiles dense MLPs only (MoE experts pass a "
+                             "per-token scale); drop --memo-mlp-tile-size")
         # Other keywords (the layer's padding_mask) are not passed on: megatron's MLP ignores
         # them, and a per-token one would need slicing per tile.
         biases: list[Optional[torch.Tensor]] = [None]
