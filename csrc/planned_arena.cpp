@@ -23,14 +23,15 @@
 // the same object is driven from Python (memo_ext/planner/arena.py) so tests exercise the code a
 // GPU run uses.
 //
-// The CUDA hooks need no CUDA headers: they look up the CUDA runtime's stream-ordered allocator
+// The CUDA hooks need no CUDA headers: they call the CUDA runtime's stream-ordered allocator
 // (cudaMallocAsync / cudaFreeAsync, with the device's default pool told to keep what is freed,
-// so it caches like PyTorch's allocator) with dlsym in the process. Only requests on the stream
-// the arena was opened for go to the arena: its offsets are reused in that stream's order. The
-// hooks have never run on a GPU; tests/unit/test_planned_arena_hooks.py drives them on CPU
-// against a fake CUDA runtime. Both are exported with default visibility (pybind11 builds the
-// module with everything else hidden).
-#include <dlfcn.h>
+// so it caches like PyTorch's allocator) in the runtime library PyTorch loaded
+// (csrc/cuda_runtime_subset.h). Only requests on the stream the arena was opened for go to the
+// arena: its offsets are reused in that stream's order. They count what they hand out (PyTorch's
+// memory statistics raise under a pluggable allocator) and order frees after the streams a block
+// was recorded on. The hooks have never run on a GPU; tests/unit/test_planned_arena_hooks.py
+// drives them on CPU against a fake CUDA runtime (csrc/standalone/fake_cuda_runtime.c). They are
+// exported with default visibility (pybind11 builds the module with everything else hidden).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -43,6 +44,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cuda_runtime_subset.h"
 #include "int64_columns.h"
 
 namespace py = pybind11;
@@ -206,26 +208,21 @@ class PlannedArena {
 PlannedArena* g_cuda_arena = nullptr;
 uintptr_t g_cuda_base = 0;
 void* g_cuda_stream = nullptr;
-
-// The CUDA runtime API as the hooks use it (cudaStream_t and cudaMemPool_t are pointers).
-using CudaMallocAsyncFn = int (*)(void**, size_t, void*);
-using CudaFreeAsyncFn = int (*)(void*, void*);
-using CudaDefaultMemPoolFn = int (*)(void**, int);
-using CudaMemPoolSetAttributeFn = int (*)(void*, int, void*);
-constexpr int kCudaMemPoolAttrReleaseThreshold = 4;
 constexpr int kMaxDevices = 64;
 
-template <class Fn>
-Fn cuda_symbol(const char* name) {
-  static void* handle = dlopen(nullptr, RTLD_NOW);
-  void* symbol = handle ? dlsym(handle, name) : nullptr;
-  if (!symbol) {
-    void* runtime = dlopen("libcudart.so", RTLD_NOW | RTLD_NOLOAD);
-    if (!runtime) runtime = dlopen("libcudart.so.12", RTLD_NOW | RTLD_NOLOAD);
-    symbol = runtime ? dlsym(runtime, name) : nullptr;
-  }
-  return reinterpret_cast<Fn>(symbol);
-}
+// What the hooks hand out, per device, for memo_ext.device_memory (PyTorch's statistics raise
+// under a pluggable allocator). Bytes. The arena's own buffer is one pool allocation and counts
+// whole while it exists: the tensors served inside it add nothing, since its bytes are held
+// for them anyway.
+struct DeviceCounters {
+  int64_t allocated = 0;
+  int64_t peak_allocated = 0;
+};
+std::mutex g_hooks_mutex;
+DeviceCounters g_counters[kMaxDevices];
+// Streams other than its allocation stream that a live block is used on
+// (memo_ext.device_memory.record_stream -> memo_arena_record_stream).
+std::unordered_map<void*, std::vector<void*>> g_stream_uses;
 
 // The default pool hands freed memory back to the driver at every synchronisation unless told
 // to keep it; then every iteration would pay for cudaMalloc again.
@@ -233,16 +230,59 @@ void keep_freed_memory_cached(int device) {
   static std::once_flag once[kMaxDevices];
   if (device < 0 || device >= kMaxDevices) return;
   std::call_once(once[device], [device] {
-    static auto default_pool = cuda_symbol<CudaDefaultMemPoolFn>("cudaDeviceGetDefaultMemPool");
-    static auto set_attribute = cuda_symbol<CudaMemPoolSetAttributeFn>("cudaMemPoolSetAttribute");
+    static auto default_pool =
+        memo_cudart::symbol<memo_cudart::DeviceGetDefaultMemPoolFn>("cudaDeviceGetDefaultMemPool");
+    static auto set_attribute =
+        memo_cudart::symbol<memo_cudart::MemPoolSetAttributeFn>("cudaMemPoolSetAttribute");
     void* pool = nullptr;
     if (!default_pool || !set_attribute || default_pool(&pool, device) != 0) return;
     uint64_t keep_everything = UINT64_MAX;
-    set_attribute(pool, kCudaMemPoolAttrReleaseThreshold, &keep_everything);
+    set_attribute(pool, memo_cudart::kMemPoolAttrReleaseThreshold, &keep_everything);
   });
 }
 
+// The device's default pool attribute `attribute` (bytes), or -1 when the runtime cannot say.
+int64_t pool_attribute(int device, int attribute) {
+  static auto default_pool =
+      memo_cudart::symbol<memo_cudart::DeviceGetDefaultMemPoolFn>("cudaDeviceGetDefaultMemPool");
+  static auto get_attribute =
+      memo_cudart::symbol<memo_cudart::MemPoolGetAttributeFn>("cudaMemPoolGetAttribute");
+  void* pool = nullptr;
+  uint64_t value = 0;
+  if (!default_pool || !get_attribute || default_pool(&pool, device) != 0 ||
+      get_attribute(pool, attribute, &value) != 0) {
+    return -1;
+  }
+  return static_cast<int64_t>(value);
+}
+
+// Order what `stream` does from now on after the work queued on `user` so far (an event
+// recorded on `user`, waited for by `stream`). Returns false when the runtime cannot.
+bool order_after(void* stream, void* user) {
+  static auto create = memo_cudart::symbol<memo_cudart::EventCreateWithFlagsFn>(
+      "cudaEventCreateWithFlags");
+  static auto record = memo_cudart::symbol<memo_cudart::EventRecordFn>("cudaEventRecord");
+  static auto wait = memo_cudart::symbol<memo_cudart::StreamWaitEventFn>("cudaStreamWaitEvent");
+  static auto destroy = memo_cudart::symbol<memo_cudart::EventDestroyFn>("cudaEventDestroy");
+  void* event = nullptr;
+  if (!create || !record || !wait || !destroy ||
+      create(&event, memo_cudart::kEventDisableTiming) != 0) {
+    return false;
+  }
+  const bool ok = record(event, user) == 0 && wait(stream, event, 0) == 0;
+  destroy(event);  // legal while pending: the runtime frees it once it completes
+  return ok;
+}
+
+void count_allocation(int device, int64_t delta) {
+  if (device < 0 || device >= kMaxDevices) return;
+  DeviceCounters& c = g_counters[device];
+  c.allocated += delta;
+  c.peak_allocated = std::max(c.peak_allocated, c.allocated);
+}
+
 void set_cuda_arena(PlannedArena* arena, uintptr_t base, uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(g_hooks_mutex);
   g_cuda_arena = arena;
   g_cuda_base = base;
   g_cuda_stream = reinterpret_cast<void*>(stream);
@@ -254,6 +294,7 @@ extern "C" {
 // Signatures of torch.cuda.memory.CUDAPluggableAllocator's alloc/free functions.
 __attribute__((visibility("default"))) void* memo_arena_malloc(ssize_t size, int device,
                                                              void* stream) {
+  std::lock_guard<std::mutex> lock(g_hooks_mutex);
   if (g_cuda_arena) {
     if (stream == g_cuda_stream) {
       const int64_t offset = g_cuda_arena->allocate(size);
@@ -263,24 +304,54 @@ __attribute__((visibility("default"))) void* memo_arena_malloc(ssize_t size, int
     }
   }
   keep_freed_memory_cached(device);
-  static auto malloc_async = cuda_symbol<CudaMallocAsyncFn>("cudaMallocAsync");
+  static auto malloc_async = memo_cudart::symbol<memo_cudart::MallocAsyncFn>("cudaMallocAsync");
   void* ptr = nullptr;
   if (!malloc_async || malloc_async(&ptr, static_cast<size_t>(size), stream) != 0) return nullptr;
+  count_allocation(device, size);
   return ptr;
 }
 
+// A block is used on `stream` besides the stream it was allocated on (Tensor.record_stream,
+// which PyTorch does not forward to a pluggable allocator: memo_ext.device_memory calls this).
+__attribute__((visibility("default"))) void memo_arena_record_stream(void* ptr, void* stream) {
+  std::lock_guard<std::mutex> lock(g_hooks_mutex);
+  std::vector<void*>& uses = g_stream_uses[ptr];
+  if (std::find(uses.begin(), uses.end(), stream) == uses.end()) uses.push_back(stream);
+}
+
+// The free is ordered after the work queued so far on every stream the block was recorded on,
+// without stalling the freeing stream: an arena block's offset is reused in the compute
+// stream's order, so that stream waits for the users (a planned tensor on a copy stream is
+// rare); a pool block is freed on its last user after that user waited for the others and for
+// the freeing stream, and the pool (which follows event dependencies) reuses it safely.
 __attribute__((visibility("default"))) void memo_arena_free(void* ptr, ssize_t size, int device,
                                                           void* stream) {
-  (void)size;
-  (void)device;
+  std::lock_guard<std::mutex> lock(g_hooks_mutex);
+  std::vector<void*> users;
+  auto used = g_stream_uses.find(ptr);
+  if (used != g_stream_uses.end()) {
+    users = std::move(used->second);
+    g_stream_uses.erase(used);
+  }
+  users.erase(std::remove(users.begin(), users.end(), stream), users.end());
   const uintptr_t address = reinterpret_cast<uintptr_t>(ptr);
   if (g_cuda_arena && address >= g_cuda_base &&
-      address < g_cuda_base + static_cast<uintptr_t>(g_cuda_arena->arena_bytes()) &&
-      g_cuda_arena->release(static_cast<int64_t>(address - g_cuda_base))) {
-    return;
+      address < g_cuda_base + static_cast<uintptr_t>(g_cuda_arena->arena_bytes())) {
+    for (void* user : users) order_after(stream, user);
+    if (g_cuda_arena->release(static_cast<int64_t>(address - g_cuda_base))) return;
   }
-  static auto free_async = cuda_symbol<CudaFreeAsyncFn>("cudaFreeAsync");
-  if (free_async) free_async(ptr, stream);
+  void* free_on = stream;
+  if (!users.empty()) {
+    free_on = users.back();
+    users.pop_back();
+    users.push_back(stream);
+    for (void* other : users) {
+      if (!order_after(free_on, other)) free_on = stream;  // no events: the old behaviour
+    }
+  }
+  count_allocation(device, -static_cast<int64_t>(size));
+  static auto free_async = memo_cudart::symbol<memo_cudart::FreeAsyncFn>("cudaFreeAsync");
+  if (free_async) free_async(ptr, free_on);
 }
 }
 
@@ -303,6 +374,48 @@ returns an arena block; stats() counts what was served and why requests were ref
       .def("release", &PlannedArena::release, py::arg("offset"))
       .def("stats", &PlannedArena::stats)
       .def_property_readonly("arena_bytes", &PlannedArena::arena_bytes);
+  m.def("cuda_arena_memory",
+        [](int device) {
+          if (device < 0 || device >= kMaxDevices) throw py::index_error("device index");
+          DeviceCounters c;
+          {
+            std::lock_guard<std::mutex> lock(g_hooks_mutex);
+            c = g_counters[device];
+          }
+          const int64_t reserved = pool_attribute(device, memo_cudart::kMemPoolAttrReservedMemCurrent);
+          const int64_t peak = pool_attribute(device, memo_cudart::kMemPoolAttrReservedMemHigh);
+          py::dict d;
+          d["allocated"] = c.allocated;
+          d["peak_allocated"] = c.peak_allocated;
+          d["reserved"] = reserved >= 0 ? reserved : c.allocated;
+          d["peak_reserved"] = peak >= 0 ? peak : c.peak_allocated;
+          return d;
+        },
+        py::arg("device"),
+        "Bytes memo_arena_malloc handed out on `device` (allocated, peak_allocated; the arena's "
+        "buffer counts whole) and the stream-ordered pool's reserved bytes (reserved, "
+        "peak_reserved; the allocated figures when the runtime cannot say).");
+  m.def("cuda_arena_reset_peak",
+        [](int device) {
+          if (device < 0 || device >= kMaxDevices) throw py::index_error("device index");
+          {
+            std::lock_guard<std::mutex> lock(g_hooks_mutex);
+            g_counters[device].peak_allocated = g_counters[device].allocated;
+          }
+          static auto default_pool = memo_cudart::symbol<memo_cudart::DeviceGetDefaultMemPoolFn>(
+              "cudaDeviceGetDefaultMemPool");
+          static auto set_attribute = memo_cudart::symbol<memo_cudart::MemPoolSetAttributeFn>(
+              "cudaMemPoolSetAttribute");
+          void* pool = nullptr;
+          uint64_t zero = 0;  // the only value the runtime accepts: back to the current
+          if (default_pool && set_attribute && default_pool(&pool, device) == 0) {
+            set_attribute(pool, memo_cudart::kMemPoolAttrReservedMemHigh, &zero);
+          }
+        },
+        py::arg("device"), "Start new peaks of cuda_arena_memory(device).");
+  m.def("cuda_runtime_library", &memo_cudart::loaded_runtime_path,
+        "The CUDA runtime library loaded in this process, which the arena's hooks call ('' when "
+        "none is loaded).");
   m.def("set_cuda_arena",
         [](PlannedArena* arena, uintptr_t base, uintptr_t stream) {
           set_cuda_arena(arena, base, stream);

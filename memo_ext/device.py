@@ -40,6 +40,8 @@ from typing import Callable
 
 import torch
 
+from memo_ext.device_memory import device_memory, record_stream
+
 __all__ = ["CopyEngine", "CopyEvent", "CopyStats", "measure_offload_bandwidth",
            "cuda_memory_headroom", "COPY_DELAY_ENV"]
 
@@ -245,7 +247,9 @@ class _CudaCopier:
         # The caching allocator must not hand the device side to someone else before the copy
         # stream is done with it. The pinned host side needs nothing: a non_blocking copy records
         # its own event with PyTorch's pinned host allocator.
-        (src if direction == OFFLOAD else dst).record_stream(stream)
+        # A pluggable allocator (--memo-plan, --memo-stitching-allocator) hears of it only
+        # through memo_ext.device_memory.
+        record_stream((src if direction == OFFLOAD else dst), stream)
         self.refresh_stats()
         self._pending.append((direction, dst.numel(), start, end))
         return _CudaEvent(end)
@@ -459,10 +463,12 @@ def measure_offload_bandwidth(engine: CopyEngine, nbytes: int = DEFAULT_BANDWIDT
 # ------------------------------------------------------------------------------ device memory
 
 def cuda_memory_headroom(device: torch.device) -> int:
-    """Bytes the CUDA caching allocator could still reserve above its peak so far, minus
+    """Bytes the device's allocator could still reserve above its peak so far, minus
     CUDA_FRAGMENTATION_RESERVE of the device: ``free + reserved - peak reserved`` from the driver's
-    and the allocator's counters (memory held by other processes, NCCL and cuBLAS workspaces
-    is outside ``free`` and so already excluded). Untested here: no GPU on the CPU machines."""
+    and the allocator's counters (memo_ext.device_memory: PyTorch's caching allocator or the
+    allocator that replaced it; memory held by other processes, NCCL and cuBLAS workspaces is
+    outside ``free`` and so already excluded). Exercised on CPU against tests/cuda_double.py."""
     free, total = torch.cuda.mem_get_info(device)
-    unused_reservation = torch.cuda.memory_reserved(device) - torch.cuda.max_memory_reserved(device)
+    memory = device_memory(device)
+    unused_reservation = memory.reserved - memory.peak_reserved
     return int(free + unused_reservation - CUDA_FRAGMENTATION_RESERVE * total)

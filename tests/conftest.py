@@ -94,18 +94,15 @@ def run_memory_report(*args) -> subprocess.CompletedProcess:
 
 
 def run_estimate_cli(argv: list[str]) -> tuple[int, str]:
-    """tools/estimate.py's main(argv) in this process: (exit code, stdout)."""
-    import importlib.util
+    """memo-estimate's main(argv) in this process: (exit code, stdout)."""
     import io
     from contextlib import redirect_stdout
 
-    spec = importlib.util.spec_from_file_location("estimate_cli",
-                                                  REPO_ROOT / "tools" / "estimate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from megatron.training.cli import estimate
+
     out = io.StringIO()
     with redirect_stdout(out):
-        code = module.main(argv)
+        code = estimate.main(argv)
     return code, out.getvalue()
 
 
@@ -127,3 +124,40 @@ def initialized_megatron(cuda_available: bool):
 def megatron_world():
     """megatron initialised in this process: one rank, gloo, CPU (tests/unit in-process models)."""
     yield from initialized_megatron(cuda_available=False)
+
+
+@pytest.fixture
+def cuda_double(monkeypatch):
+    """torch.cuda answered by tests/cuda_double.py's CudaDouble (one 80 GiB device) for the test;
+    any allocator registered with memo_ext.device_memory is forgotten afterwards."""
+    from memo_ext import device_memory
+    from tests.cuda_double import CudaDouble
+
+    double = CudaDouble().install(monkeypatch)
+    yield double
+    device_memory.unregister_allocator()
+
+
+@pytest.fixture(scope="session")
+def fake_cuda_runtime(tmp_path_factory) -> Path:
+    """csrc/standalone/fake_cuda_runtime.c built as libcudart.so.13 (a CUDA 13 runtime's name),
+    not loaded."""
+    import shutil
+
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler (gcc/cc) to build the fake CUDA runtime")
+    library = tmp_path_factory.mktemp("fake_cudart") / "libcudart.so.13"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library),
+                    str(REPO_ROOT / "csrc" / "standalone" / "fake_cuda_runtime.c")],
+                   check=True, capture_output=True, timeout=120)
+    return library
+
+
+@pytest.fixture(scope="session")
+def loaded_fake_cuda_runtime(fake_cuda_runtime):
+    """The fake runtime loaded into this process as PyTorch loads its own: RTLD_LOCAL, so its
+    symbols are not in the global scope. Never unloaded (the arena's hooks cache its symbols)."""
+    import ctypes
+
+    return ctypes.CDLL(str(fake_cuda_runtime), mode=ctypes.RTLD_LOCAL)

@@ -20,6 +20,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from memo_ext.device_memory import device_memory, reset_peak
+
 from megatron.training.arguments import GPU_PEAK_TFLOPS
 
 _BYTES_PER_MIB = 1024**2
@@ -184,18 +186,17 @@ def memory_report() -> dict[str, float]:
     """This process's memory in MiB since the previous call (the first: since it started).
 
     CUDA: allocated and reserved now, and the allocator's peak since the previous call
-    (``max_memory_allocated``, whose peak this resets). CPU: ``mem_peak_rss_mib``, the peak
+    (memo_ext.device_memory: PyTorch's caching allocator or the one that replaced it; this
+    resets the peak). CPU: ``mem_peak_rss_mib``, the peak
     resident set size since the previous call (see :class:`RssPeakMeter`), and ``mem_rss_mib``,
     the RSS now; without procfs ``mem_peak_rss_since_start_mib`` replaces the former.
     """
     if torch.cuda.is_available():
-        report = {
-            "mem_allocated_mib": torch.cuda.memory_allocated() / _BYTES_PER_MIB,
-            "mem_reserved_mib": torch.cuda.memory_reserved() / _BYTES_PER_MIB,
-            "mem_peak_allocated_mib": torch.cuda.max_memory_allocated() / _BYTES_PER_MIB,
-        }
-        torch.cuda.reset_peak_memory_stats()
-        return report
+        memory = device_memory()
+        reset_peak()
+        return {"mem_allocated_mib": memory.allocated / _BYTES_PER_MIB,
+                "mem_reserved_mib": memory.reserved / _BYTES_PER_MIB,
+                "mem_peak_allocated_mib": memory.peak_allocated / _BYTES_PER_MIB}
     return rss_peak_meter().read()
 
 

@@ -265,15 +265,43 @@ class _Recording:
         return False
 
 
+class ArenaHooksMemory:
+    """What ``memo_arena_malloc`` / ``memo_arena_free`` hand out, for memo_ext.device_memory
+    (PyTorch's own statistics raise once they replace its allocator), and the record-stream
+    call PyTorch does not forward to them."""
+
+    name = "MEMO planned arena (--memo-plan)"
+
+    def __init__(self):
+        import ctypes
+
+        self._record = ctypes.CDLL(_C.__file__).memo_arena_record_stream
+        self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._record.restype = None
+
+    def memory(self, device: int):
+        from memo_ext.device_memory import DeviceMemory
+
+        return DeviceMemory(**_C.cuda_arena_memory(device))
+
+    def reset_peak(self, device: int) -> None:
+        _C.cuda_arena_reset_peak(device)
+
+    def record_stream(self, data_ptr: int, stream_handle: int) -> None:
+        self._record(data_ptr, stream_handle)
+
+
 def install_cuda_allocator() -> None:
     """Make ``memo_arena_malloc`` / ``memo_arena_free`` (memo_ext._C) the process's CUDA
-    allocator. They must see every tensor request, not the caching allocator's segment
-    requests, so they replace it; PyTorch allows that only before the first CUDA allocation.
-    Until a :class:`CudaArena` exists they serve everything from the CUDA runtime's
-    stream-ordered pool (cudaMallocAsync)."""
+    allocator and the source of its memory statistics (memo_ext.device_memory). They must see
+    every tensor request, not the caching allocator's segment requests, so they replace it;
+    PyTorch allows that only before the first CUDA allocation. Until a :class:`CudaArena`
+    exists they serve everything from the CUDA runtime's stream-ordered pool
+    (cudaMallocAsync)."""
     import torch
 
     from memo_ext.config import MemoConfigError
+    from memo_ext.device_memory import register_allocator
 
     allocator = torch.cuda.memory.CUDAPluggableAllocator(
         _C.__file__, "memo_arena_malloc", "memo_arena_free")
@@ -284,6 +312,7 @@ def install_cuda_allocator() -> None:
             f"--memo-plan: cannot install the arena's CUDA allocator ({error}); it must be "
             "installed before the first CUDA tensor exists: do not allocate on the GPU before "
             "initialize_megatron, or use --memo-plan off") from None
+    register_allocator(ArenaHooksMemory())
 
 
 class CudaArena:

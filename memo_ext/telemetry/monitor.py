@@ -4,8 +4,9 @@
 Per step, each rank samples (bytes):
 * CPU: :class:`memo_ext.telemetry.attribution.AttributedTracker` -- the step's peak of tracked
   device bytes, the bytes alive at the step's end, and the bytes per category at that peak;
-* CUDA: ``torch.cuda.max_memory_allocated`` (peak, reset each step), ``memory_allocated``,
-  ``memory_reserved``; the tracker runs too (without a capacity) for the categories.
+* CUDA: the allocator's peak (reset each step), allocated and reserved bytes
+  (memo_ext.device_memory: PyTorch's caching allocator, or the pluggable allocator that
+  replaced it); the tracker runs too (without a capacity) for the categories.
 
 Each log interval the interval's samples (each rank's highest step peak, with its categories)
 are all-gathered (every rank gets every sample, so every rank takes the same fail-fast
@@ -38,6 +39,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from memo_ext.device_memory import (current_allocator, device_memory, reset_peak,
+                                    snapshots_supported)
 from memo_ext.telemetry.attribution import (
     CATEGORIES,
     COMM,
@@ -199,8 +202,14 @@ class MemoryTelemetry:
                                                            device)
             else:
                 self.capacity_bytes = total
-            # For the OOM snapshot; Python stacks only (C++ symbolisation is the costly part).
-            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+            if snapshots_supported():
+                # For the OOM snapshot; Python stacks only (C++ symbolisation is the costly part).
+                torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+            else:
+                allocator = current_allocator()
+                log(f"> memory telemetry: {allocator.name} serves CUDA memory: no allocator "
+                    "snapshot in OOM reports, and the capacity is enforced by the fail-fast "
+                    "check only (a pluggable allocator ignores the per-process memory fraction)")
         # On CUDA the allocator enforces the capacity; the tracker only attributes.
         self.tracker = AttributedTracker(None if self.cuda else self.capacity_bytes)
         self.estimated_peak_bytes = config.estimated_peak_bytes
@@ -244,7 +253,7 @@ class MemoryTelemetry:
         self.tracker.begin_step()
         self.tracker.last_oom = None
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+            reset_peak()
         try:
             with self.tracker:
                 yield
@@ -276,9 +285,8 @@ class MemoryTelemetry:
             self.tracker.relabel(tensor, COMM)
         stats = self.tracker.stats()
         if self.cuda:
-            peak = torch.cuda.max_memory_allocated()
-            current = torch.cuda.memory_allocated()
-            reserved = torch.cuda.memory_reserved()
+            memory = device_memory()
+            peak, current, reserved = memory.peak_allocated, memory.allocated, memory.reserved
         else:
             peak, current, reserved = stats["peak_device_bytes"], stats["current_device_bytes"], 0
         if peak >= self.interval.peak or self.interval.peak_step == 0:
@@ -413,6 +421,8 @@ class MemoryTelemetry:
         and the same as a PyTorch snapshot pickle for memory_viz. Never raises."""
         try:
             stem.parent.mkdir(parents=True, exist_ok=True)
+            if self.cuda and not snapshots_supported():
+                return None, None
             if self.cuda:
                 path = f"{stem}.snapshot.pickle"
                 torch.cuda.memory._dump_snapshot(path)

@@ -1,6 +1,7 @@
 """The planned arena's CUDA allocator hooks (memo_arena_malloc / memo_arena_free in memo_ext._C),
-called on CPU through ctypes against a fake CUDA runtime: a small C library exporting the four
-CUDA runtime functions the hooks look up with dlsym, backed by malloc, counting its calls.
+called on CPU through ctypes against a fake CUDA runtime (csrc/standalone/fake_cuda_runtime.c,
+built as libcudart.so.13 and loaded RTLD_LOCAL, as PyTorch loads its runtime): the CUDA runtime
+functions the hooks call, backed by malloc, counting its calls.
 What this cannot show is a GPU's behaviour (tests/gpu/test_planned_arena_cuda.py, skipped here);
 what it does show is the hooks' own decisions: which requests the arena serves, at which address,
 which go to cudaMallocAsync on the request's stream, and that the stream-ordered pool is told to
@@ -8,36 +9,15 @@ keep freed memory. Each case runs in a fresh process: the hooks cache the symbol
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from tests.conftest import REPO_ROOT, subprocess_env
-
-FAKE_CUDA_RUNTIME = r"""
-#include <stdint.h>
-#include <stdlib.h>
-int fake_mallocs = 0, fake_frees = 0, fake_pool_device = -1, fake_pool_attribute = -1;
-void* fake_last_stream = 0;
-uint64_t fake_release_threshold = 0;
-int cudaMallocAsync(void** ptr, size_t size, void* stream) {
-  ++fake_mallocs; fake_last_stream = stream; *ptr = malloc(size); return *ptr ? 0 : 2;
-}
-int cudaFreeAsync(void* ptr, void* stream) { ++fake_frees; fake_last_stream = stream; free(ptr); return 0; }
-int cudaDeviceGetDefaultMemPool(void** pool, int device) {
-  fake_pool_device = device; *pool = (void*)0x1000; return 0;
-}
-int cudaMemPoolSetAttribute(void* pool, int attribute, void* value) {
-  fake_pool_attribute = attribute; fake_release_threshold = *(uint64_t*)value; return 0;
-}
-"""
 
 SCRIPT = textwrap.dedent("""
     import ctypes, sys
-    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # found by the hooks' dlsym
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_LOCAL)  # as PyTorch loads libcudart
     from memo_ext import _C
     from memo_ext.planner.arena import ArenaRuntime
 
@@ -55,7 +35,8 @@ SCRIPT = textwrap.dedent("""
 
     # No arena yet: everything goes to the stream-ordered pool, which is told to keep memory.
     early = malloc(100, 0, COMPUTE)
-    assert counter("fake_mallocs") == 1 and early
+    assert counter("fake_mallocs") == 1 and early, "the hooks did not find the loaded runtime"
+    assert _C.cuda_runtime_library() == sys.argv[1], _C.cuda_runtime_library()
     assert (counter("fake_pool_device"), counter("fake_pool_attribute")) == (0, 4)
     assert ctypes.c_uint64.in_dll(fake, "fake_release_threshold").value == 2**64 - 1
     free(early, 100, 0, COMPUTE)
@@ -75,13 +56,14 @@ SCRIPT = textwrap.dedent("""
     kept = malloc(512, 0, COMPUTE)           # planned -1: the pool
     last = malloc(1024, 0, COMPUTE)
     assert (first, second, last) == (base, base + 1024, base + 3072), (first, second, last)
-    pooled = [copy, workspace, outside, kept]
+    pooled = {copy: 1000, workspace: 8192, outside: 1024, kept: 512}
     assert all(not base <= p < base + 4096 for p in pooled)
     assert counter("fake_mallocs") == 1 + len(pooled)
-    for p in (first, second, last):
-        free(p, 0, 0, COMPUTE)
-    for p in pooled:
-        free(p, 0, 0, COMPUTE)
+    assert _C.cuda_arena_memory(0)["allocated"] == sum(pooled.values())
+    for p, size in zip((first, second, last), (1000, 2000, 1024)):
+        free(p, size, 0, COMPUTE)
+    for p, size in pooled.items():
+        free(p, size, 0, COMPUTE)
     assert counter("fake_frees") == 1 + len(pooled)
     stats = runtime.stats()
     expected = {"served": 3, "other_stream": 1, "size_mismatches": 1, "outside_phase": 1,
@@ -95,22 +77,38 @@ SCRIPT = textwrap.dedent("""
     malloc(512, 0, COMPUTE)
     assert malloc(1024, 0, COMPUTE) == base + 3072
     assert runtime.stats()["resyncs"] == 1
+
+    # What they handed out: the pool's blocks (the arena's are inside a buffer held anyway);
+    # the fake pool caches nothing, so its reserved bytes are the same.
+    memory = _C.cuda_arena_memory(0)
+    assert memory["allocated"] == memory["reserved"] == 512, memory  # the one pool block left
+    assert memory["peak_allocated"] == sum(pooled.values()) == memory["peak_reserved"], memory
+    _C.cuda_arena_reset_peak(0)
+    assert _C.cuda_arena_memory(0)["peak_allocated"] == memory["allocated"]
+
+    # A pool block recorded on the copy stream is freed there, after the copy stream waited
+    # for the compute stream; an arena block recorded on it makes the compute stream wait.
+    record = hooks.memo_arena_record_stream
+    record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    runtime.close()
+    runtime.enter(0, "forward")
+    planned = malloc(1000, 0, COMPUTE)
+    pooled = malloc(5000, 0, COMPUTE)
+    waits = counter("fake_waits")
+    record(planned, COPY)
+    free(planned, 1000, 0, COMPUTE)
+    stream_of = lambda name: ctypes.c_void_p.in_dll(fake, name).value
+    assert counter("fake_waits") == waits + 1
+    assert (stream_of("fake_last_waiter"), stream_of("fake_last_waited_for")) == (COMPUTE, COPY)
+    record(pooled, COPY)
+    free(pooled, 5000, 0, COMPUTE)
+    assert counter("fake_waits") == waits + 2
+    assert (stream_of("fake_last_waiter"), stream_of("fake_last_waited_for")) == (COPY, COMPUTE)
+    assert stream_of("fake_last_stream") == COPY
+    assert counter("fake_live_events") == 0
     _C.set_cuda_arena(None, 0, 0)
     print("ok")
 """)
-
-
-@pytest.fixture(scope="module")
-def fake_cuda_runtime(tmp_path_factory):
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no C compiler (gcc/cc) to build the fake CUDA runtime")
-    folder = tmp_path_factory.mktemp("fake_cudart")
-    source, library = folder / "fake_cudart.c", folder / "libfake_cudart.so"
-    source.write_text(FAKE_CUDA_RUNTIME)
-    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library), str(source)],
-                   check=True, capture_output=True, timeout=120)
-    return library
 
 
 def test_hooks_serve_the_plan_on_the_compute_stream_and_pool_everything_else(fake_cuda_runtime):

@@ -1,0 +1,42 @@
+"""The CUDA-facing sources compiled by nvcc, so that a type or syntax error surfaces on a
+machine without a GPU: csrc/cuda/check_runtime_subset.cu checks the planned arena's CUDA runtime
+signatures and constants (csrc/cuda_runtime_subset.h) against the toolkit's cuda_runtime_api.h,
+and the GMLake stitching backend (csrc/cuda/stitching_cuda.cpp) builds through nvcc against the
+toolkit's cuda.h. Compiling says nothing about running on a GPU (tests/gpu/ is for that)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+
+def _nvcc() -> str:
+    candidates = [shutil.which("nvcc")] + [str(Path(home) / "bin" / "nvcc") for home in (
+        os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if home]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): install the CUDA "
+                "toolkit to compile the CUDA sources")
+
+
+def _compile(arguments: list[str]) -> None:
+    result = subprocess.run([_nvcc(), "-std=c++17", "-Xcompiler", "-Wall,-Wextra,-Werror",
+                             *arguments], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_arena_runtime_subset_matches_the_toolkits_cuda_runtime_api(tmp_path):
+    _compile(["-c", str(REPO_ROOT / "csrc" / "cuda" / "check_runtime_subset.cu"),
+              "-o", str(tmp_path / "check.o")])
+
+
+def test_stitching_backend_builds_with_nvcc(tmp_path):
+    _compile(["-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+              f"-I{REPO_ROOT / 'csrc'}", str(REPO_ROOT / "csrc" / "cuda" / "stitching_cuda.cpp"),
+              "-o", str(tmp_path / "libmemo_stitching_cuda.so"), "-ldl"])

@@ -1,0 +1,158 @@
+"""The CUDA-only paths of the trainer under tests/cuda_double.py, the CPU test double of
+torch.cuda: memory statistics (the log line, telemetry, MEMO's auto-alpha headroom) with
+PyTorch's caching allocator and with the planned arena's pluggable allocator installed, and the
+offload copy engine's streams, events, pinned memory and record_stream. Each of these raised or
+silently lost information on the first GPU run before memo_ext.device_memory existed
+(docs/gpu.md lists the call sites). The arena's hooks run for real, against the fake CUDA
+runtime loaded as PyTorch loads its own."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from memo_ext import _C, device_memory
+from memo_ext.config import MemoConfigError, TelemetryConfig
+from memo_ext.device import CUDA_FRAGMENTATION_RESERVE, CopyEngine, cuda_memory_headroom
+from memo_ext.planner.arena import install_cuda_allocator
+from memo_ext.telemetry import MemoryTelemetry
+from megatron.training import metrics
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def planned_arena(cuda_double, loaded_fake_cuda_runtime):
+    """The planned arena's hooks installed as PyTorch's CUDA allocator (before any allocation,
+    as --memo-plan does), over the fake CUDA runtime."""
+    install_cuda_allocator()
+    return cuda_double
+
+
+def test_log_line_reads_the_planned_arena_not_pytorch(planned_arena):
+    before = metrics.memory_report()["mem_allocated_mib"] * MiB
+    big = planned_arena.allocate(3 * MiB)
+    small = planned_arena.allocate(MiB)
+    planned_arena.free(small)
+    report = metrics.memory_report()
+    assert report["mem_allocated_mib"] * MiB == before + 3 * MiB
+    assert report["mem_peak_allocated_mib"] * MiB == before + 4 * MiB
+    assert report["mem_reserved_mib"] * MiB == _C.cuda_arena_memory(0)["reserved"]
+    # The log line started a new peak: the freed MiB is no longer in it.
+    assert metrics.memory_report()["mem_peak_allocated_mib"] * MiB == before + 3 * MiB
+    planned_arena.free(big)
+    with pytest.raises(RuntimeError, match="CUDAPluggableAllocator does not yet support"):
+        torch.cuda.memory_allocated()  # what the log line called before
+
+
+def test_auto_alpha_headroom_under_the_planned_arena(planned_arena):
+    device = torch.device("cuda", 0)
+    cuda_memory_headroom(device)  # what raised under the arena before device_memory
+    device_memory.reset_peak(0)  # other tests in this process used the same hooks
+    fresh = cuda_memory_headroom(device)
+    held = planned_arena.allocate(64 * MiB)
+    # The fake pool caches nothing: while the block is held, free memory is 64 MiB less.
+    assert cuda_memory_headroom(device) == fresh - 64 * MiB
+    planned_arena.free(held)
+    memory = device_memory.device_memory(0)
+    free, total = torch.cuda.mem_get_info(0)
+    expected = free + memory.reserved - memory.peak_reserved - CUDA_FRAGMENTATION_RESERVE * total
+    assert cuda_memory_headroom(device) == int(expected)
+
+
+def test_telemetry_samples_the_planned_arena_and_skips_snapshots(planned_arena, tmp_path):
+    lines = []
+    config = TelemetryConfig(telemetry=True, oom_report_dir=str(tmp_path))
+    telemetry = MemoryTelemetry(config, log_interval=1, log=lines.append)
+    assert any("no allocator snapshot" in line for line in lines), lines
+    with telemetry.step(1):
+        block = planned_arena.allocate(5 * MiB)
+    arena = _C.cuda_arena_memory(0)
+    assert (telemetry.interval.peak, telemetry.interval.current) == (arena["peak_allocated"],
+                                                                     arena["allocated"])
+    assert telemetry._dump(tmp_path / "oom") == (None, None)
+    planned_arena.free(block)
+
+
+def test_caching_allocator_statistics_and_snapshots_still_come_from_pytorch(cuda_double,
+                                                                            tmp_path):
+    telemetry = MemoryTelemetry(TelemetryConfig(telemetry=True, oom_report_dir=str(tmp_path)),
+                                log_interval=1, log=lambda line: None)
+    assert cuda_double.history_enabled
+    with telemetry.step(1):
+        cuda_double.allocate(3 * MiB)
+    assert telemetry.interval.peak == torch.cuda.max_memory_allocated() == 3 * MiB
+    report = metrics.memory_report()
+    assert (report["mem_allocated_mib"], report["mem_reserved_mib"]) == (3, 3)
+    assert telemetry._dump(tmp_path / "oom")[0].endswith(".snapshot.pickle")
+
+
+def test_the_arena_cannot_replace_an_allocator_in_use(cuda_double, loaded_fake_cuda_runtime):
+    cuda_double.allocate(MiB)
+    with pytest.raises(MemoConfigError, match="--memo-plan: .*already initialized"):
+        install_cuda_allocator()
+
+
+class RecordingAllocator:
+    """An allocator registered with memo_ext.device_memory that keeps what it is told."""
+
+    name = "recording test allocator"
+
+    def __init__(self):
+        self.recorded = []
+
+    def record_stream(self, data_ptr: int, stream_handle: int) -> None:
+        self.recorded.append((data_ptr, stream_handle))
+
+
+def test_copy_engine_streams_events_pinned_memory_and_record_stream(cuda_double):
+    allocator = RecordingAllocator()
+    device_memory.register_allocator(allocator)
+    cuda_double.pluggable = object()  # Tensor.record_stream no longer reaches it, as in PyTorch
+    engine = CopyEngine("cuda")
+    host = engine.alloc_host(4096)
+    assert cuda_double.pinned_bytes == 4096
+    # A host tensor stands for a CUDA buffer, so the copier is driven below the engine's
+    # device checks.
+    device = torch.arange(4096, dtype=torch.uint8)
+    event = engine._copier.submit("offload", host, device, after=engine.record_compute())
+    engine.wait(event)
+    engine.synchronize()
+    assert torch.equal(host, device)
+    offload_stream = engine._copier._streams["offload"]
+    assert offload_stream.waited_for[0] == torch.cuda.current_stream()
+    assert allocator.recorded == [(device.untyped_storage().data_ptr(),
+                                   offload_stream.cuda_stream)]
+    assert cuda_double.dropped_record_streams == 1
+    assert engine.stats.offload_bytes == 4096 and engine.stats.offload_seconds >= 0
+    engine.close()
+
+
+def test_collective_buffers_recorded_on_the_nccl_stream_reach_the_allocator(cuda_double):
+    allocator = RecordingAllocator()
+    device_memory.register_allocator(allocator)
+    buffer = torch.zeros(16)
+    device_memory.record_stream(buffer, cuda_double.nccl_stream())
+    assert allocator.recorded == [(buffer.untyped_storage().data_ptr(),
+                                   cuda_double.nccl_stream().cuda_stream)]
+
+
+def test_one_replacement_allocator_per_process(cuda_double):
+    device_memory.register_allocator(RecordingAllocator())
+    with pytest.raises(RuntimeError, match="already replaced PyTorch's CUDA allocator"):
+        device_memory.register_allocator(RecordingAllocator())
+
+
+def test_double_raises_where_pytorch_raises(cuda_double):
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.cuda.memory_allocated(1)
+    start, end = torch.cuda.Event(), torch.cuda.Event()
+    start.record()
+    end.record()
+    with pytest.raises(RuntimeError):
+        start.elapsed_time(end)  # created without enable_timing
+    with pytest.raises(ValueError, match="Invalid fraction"):
+        torch.cuda.set_per_process_memory_fraction(1.5)
+    with pytest.raises(TypeError):
+        torch.zeros(1).record_stream(threading.Lock())
