@@ -34,7 +34,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -150,45 +152,21 @@ class StitchingAllocator {
   }
 
   // A block of at least `requested` bytes for `stream`; 0 when physical memory ran out even
-  // after release_cached() (the request is counted in stats().ooms).
+  // after release_cached() and the reclaim callback (the request is counted in stats().ooms).
   uintptr_t malloc(int64_t requested, int64_t stream) {
     if (requested < 0) throw std::invalid_argument("requested bytes must be >= 0");
     if (torn_down_) throw std::logic_error("the allocator has been torn down");
-    Live live;
-    live.requested = requested;
-    uintptr_t ptr = 0;
-    int64_t block_bytes = 0;
-    if (round_request(requested) < std::max(kNormalPathLimit, opt_.frag_limit)) {
-      NBlock* b = normal_.malloc(round_request(requested), stream);
-      if (!b) return refuse();
-      live.kind = Live::kNormal;
-      live.nblock = b;
-      ptr = nva(b);
-      block_bytes = b->size;
-      ++st_.normal_allocs;
-    } else {
-      const int64_t size = round_up(requested, kGranularity);
-      PoolHandle h = pools_.best_fit(size, stream);
-      if (h.index < 0) {  // no physical memory left: drop the cache and retry
-        ++st_.reorganisations;
-        release_cached();
-        h = pools_.best_fit(size, stream);
-        if (h.index < 0) return refuse();
-      }
-      live.kind = h.stitched ? Live::kStitched : Live::kPrimitive;
-      live.index = h.index;
-      ptr = h.stitched ? pools_.sblocks()[h.index].va : pva(h.index);
-      block_bytes = size;
-    }
-    live.bytes = block_bytes;
-    live_[ptr] = live;
-    ++st_.allocs;
-    ++st_.live_blocks;
-    st_.active_bytes += block_bytes;
-    st_.peak_active_bytes = std::max(st_.peak_active_bytes, st_.active_bytes);
-    st_.requested_bytes += requested;
+    uintptr_t ptr = place(requested, stream);
+    // blocks whose free was deferred (the CUDA backend: until other streams' work on them
+    // completed) may be freed now and serve the request
+    if (!ptr && reclaim_ && reclaim_()) ptr = place(requested, stream);
+    if (!ptr) ++st_.ooms;
     return ptr;
   }
+
+  // Called once when a request is about to be refused for lack of memory: it may free() blocks
+  // and returns true when it freed any (the request is then tried once more).
+  void set_reclaim(std::function<bool()> reclaim) { reclaim_ = std::move(reclaim); }
 
   // Return the block at `ptr`. Returns its requested bytes, or -1 when no block starts there.
   int64_t free(uintptr_t ptr) {
@@ -267,7 +245,21 @@ class StitchingAllocator {
     return it == live_.end() ? -1 : it->second.bytes;
   }
 
+  // The stream the block at `ptr` was allocated for; nullopt when no block starts there.
+  std::optional<int64_t> stream_of(uintptr_t ptr) const {
+    auto it = live_.find(ptr);
+    if (it == live_.end()) return std::nullopt;
+    return it->second.stream;
+  }
+
   const Stats& stats() const { return st_; }
+  // Peaks (reserved, active, mapped bytes) back to their current values, so that the next
+  // peak is measured from now (torch.cuda.reset_peak_memory_stats).
+  void reset_peaks() {
+    st_.peak_reserved_bytes = st_.reserved_bytes;
+    st_.peak_active_bytes = st_.active_bytes;
+    st_.peak_mapped_bytes = st_.mapped_bytes;
+  }
   const std::vector<LogEntry>& log() const { return log_; }
   void set_event(int64_t event) { event_ = event; }
   const Options& options() const { return opt_; }
@@ -331,6 +323,46 @@ class StitchingAllocator {
   }
 
  private:
+  // Serve the request (normal path or stitching pools) and record the block as live; 0 when
+  // there is no physical memory for it, even after release_cached().
+  uintptr_t place(int64_t requested, int64_t stream) {
+    Live live;
+    live.requested = requested;
+    live.stream = stream;
+    uintptr_t ptr = 0;
+    int64_t block_bytes = 0;
+    if (round_request(requested) < std::max(kNormalPathLimit, opt_.frag_limit)) {
+      NBlock* b = normal_.malloc(round_request(requested), stream);
+      if (!b) return 0;
+      live.kind = Live::kNormal;
+      live.nblock = b;
+      ptr = nva(b);
+      block_bytes = b->size;
+      ++st_.normal_allocs;
+    } else {
+      const int64_t size = round_up(requested, kGranularity);
+      PoolHandle h = pools_.best_fit(size, stream);
+      if (h.index < 0) {  // no physical memory left: drop the cache and retry
+        ++st_.reorganisations;
+        release_cached();
+        h = pools_.best_fit(size, stream);
+        if (h.index < 0) return 0;
+      }
+      live.kind = h.stitched ? Live::kStitched : Live::kPrimitive;
+      live.index = h.index;
+      ptr = h.stitched ? pools_.sblocks()[h.index].va : pva(h.index);
+      block_bytes = size;
+    }
+    live.bytes = block_bytes;
+    live_[ptr] = live;
+    ++st_.allocs;
+    ++st_.live_blocks;
+    st_.active_bytes += block_bytes;
+    st_.peak_active_bytes = std::max(st_.peak_active_bytes, st_.active_bytes);
+    st_.requested_bytes += requested;
+    return ptr;
+  }
+
   // ----------------------------------------------------------------------------- segments
   using NBlock = memo_caching::Block;
   struct Segment {
@@ -427,11 +459,6 @@ class StitchingAllocator {
     if (opt_.log) log_.push_back(LogEntry{event_, kind, bytes});
   }
 
-  uintptr_t refuse() {
-    ++st_.ooms;
-    return 0;
-  }
-
   // ------------------------------------------------------------------------- normal path
   // caching_rules.h's pools (max_split_size unset, as the stitching model's CachingAllocator)
   // over segments of this backend; a block's addr is its model address (segment key + offset).
@@ -517,6 +544,7 @@ class StitchingAllocator {
     NBlock* nblock = nullptr;  // normal path
     int64_t bytes = 0;
     int64_t requested = 0;
+    int64_t stream = 0;        // the stream it was allocated for
   };
 
   uintptr_t pva(int32_t p) const {
@@ -530,6 +558,7 @@ class StitchingAllocator {
   std::vector<LogEntry> log_;
   int64_t event_ = -1;
   bool torn_down_ = false;
+  std::function<bool()> reclaim_;
   // segments
   std::vector<Segment> segments_;
   std::vector<int32_t> spare_seg_;

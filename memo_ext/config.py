@@ -285,6 +285,64 @@ class PlanConfig:
                                   "or a plan from tools/memo_plan.py")
 
 
+#: Bytes in one MiB, the unit of ``--memo-stitching-frag-limit-mib``.
+BYTES_PER_MIB = 2**20
+
+
+@dataclass
+class StitchingConfig:
+    """GMLake's virtual memory stitching allocator as the process's CUDA allocator, in place of
+    PyTorch's caching allocator (memo_ext.alloc.stitching_cuda; docs/stitching.md)."""
+
+    stitching_allocator: bool = memo_field(
+        False, flag="--memo-stitching-allocator",
+        help="Replace PyTorch's CUDA caching allocator by GMLake's stitching allocator "
+             "(csrc/cuda/stitching_cuda.cpp over the CUDA virtual memory API, built with g++ "
+             "against the CUDA toolkit's cuda.h at startup): a request with no free block large "
+             "enough is served by mapping several free blocks into one contiguous virtual range "
+             "instead of new memory. Installed before the first CUDA allocation; from then on "
+             "memory statistics come from memo_ext.device_memory. Needs a GPU; not with "
+             "--memo-plan (both replace the allocator). Exercised against a fake CUDA driver "
+             "only, never on a GPU in this project.")
+    stitching_frag_limit_mib: int = memo_field(
+        128, flag="--memo-stitching-frag-limit-mib", metavar="MiB",
+        help="Requests below this many MiB (2**20 bytes) take the stitching allocator's "
+             "embedded caching path (PyTorch's rules); larger ones are stitched. GMLake's "
+             "default, 128 (kDefaultFragLimit in csrc/stitching_rules.h).")
+
+    @property
+    def frag_limit_bytes(self) -> int:
+        """``--memo-stitching-frag-limit-mib`` in bytes."""
+        return self.stitching_frag_limit_mib * BYTES_PER_MIB
+
+    def validate(self) -> None:
+        """Raise MemoConfigError (one line: the flag and the fix) on a negative limit, or a
+        limit given without --memo-stitching-allocator (given = differs from the default)."""
+        if self.stitching_frag_limit_mib < 0:
+            raise MemoConfigError(f"--memo-stitching-frag-limit-mib "
+                                  f"{self.stitching_frag_limit_mib} is negative; give MiB >= 0 "
+                                  "or drop the flag for GMLake's 128")
+        if not self.stitching_allocator and self.stitching_frag_limit_mib != 128:
+            raise MemoConfigError(f"--memo-stitching-frag-limit-mib "
+                                  f"{self.stitching_frag_limit_mib} has no effect without "
+                                  "--memo-stitching-allocator; add --memo-stitching-allocator "
+                                  "or drop it")
+
+    def validate_with(self, plan: str, cuda_available: bool) -> None:
+        """Raise MemoConfigError (one line) when --memo-stitching-allocator cannot run beside
+        ``plan`` (the --memo-plan value) or without CUDA."""
+        if not self.stitching_allocator:
+            return
+        if plan != PLAN_OFF:
+            raise MemoConfigError(f"--memo-stitching-allocator and --memo-plan {plan} both "
+                                  "replace PyTorch's CUDA allocator; drop one (or use "
+                                  "--memo-plan off)")
+        if not cuda_available:
+            raise MemoConfigError("--memo-stitching-allocator replaces the CUDA allocator and "
+                                  "needs a GPU; this machine has none (CPU runs keep PyTorch's "
+                                  "allocator): drop the flag")
+
+
 @dataclass
 class TelemetryConfig:
     """Training-time memory telemetry: per-step, per-rank device memory by category, gathered

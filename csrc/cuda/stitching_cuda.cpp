@@ -20,6 +20,23 @@
 // The normal path's segments come from the same backend (GMLake keeps cudaMalloc for it: a
 // difference that changes no decision, only which API holds the bytes).
 //
+// Streams, as PyTorch's caching allocator (c10/cuda/CUDACachingAllocator.cpp: recordStream,
+// insert_events, process_events, synchronize_and_free_events) handles them:
+//   - a block is reused without waiting by its allocation stream only (the pools are keyed by
+//     stream, and work on one stream runs in order);
+//   - memo_stitch_record_stream(ptr, stream) marks a live block as used by another stream too;
+//   - freeing such a block records one event per using stream (cuEventCreate with
+//     CU_EVENT_DISABLE_TIMING, cuEventRecord in the stream's context) and defers the free
+//     until all of them completed; until then the block stays active and cannot be handed out;
+//   - pending frees are checked (cuEventQuery, never blocking) at the start of every malloc,
+//     and waited for (cuEventSynchronize) by empty_cache and by a malloc that would otherwise
+//     fail for lack of memory (then retried).
+// PyTorch's Python CUDAPluggableAllocator(path, alloc, free) cannot install a record-stream hook
+// (set_record_stream_fn is C++ only), so Tensor.record_stream() never reaches this library:
+// callers go through memo_ext.device_memory's record_stream, which calls the export below.
+// Not CUDA-graph aware: an event recorded while a stream is being captured becomes part of the
+// graph (PyTorch defers those frees until capture ends; this library does not).
+//
 // Status: compiled and exercised on the CPU dev machine against a fake driver that implements
 // these calls with memfd/mmap (tests/unit/test_stitching_cuda_backend.py); never run on a GPU
 // in this project. tests/gpu/test_stitching_cuda.py is the GPU test (skipped without CUDA).
@@ -30,12 +47,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "../stitching_allocator.h"
@@ -55,6 +74,14 @@ struct Driver {
   decltype(&cuMemSetAccess) set_access = nullptr;
   decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
   decltype(&cuGetErrorString) error_string = nullptr;
+  decltype(&cuEventCreate) event_create = nullptr;
+  decltype(&cuEventRecord) event_record = nullptr;
+  decltype(&cuEventQuery) event_query = nullptr;
+  decltype(&cuEventSynchronize) event_synchronize = nullptr;
+  decltype(&cuEventDestroy) event_destroy = nullptr;
+  decltype(&cuStreamGetCtx) stream_context = nullptr;
+  decltype(&cuCtxPushCurrent) context_push = nullptr;
+  decltype(&cuCtxPopCurrent) context_pop = nullptr;
 };
 
 template <class F>
@@ -78,6 +105,15 @@ const Driver& driver() {
     load(lib, "cuMemSetAccess", out.set_access);
     load(lib, "cuMemGetAllocationGranularity", out.granularity);
     load(lib, "cuGetErrorString", out.error_string);
+    load(lib, "cuEventCreate", out.event_create);
+    load(lib, "cuEventRecord", out.event_record);
+    load(lib, "cuEventQuery", out.event_query);
+    load(lib, "cuEventSynchronize", out.event_synchronize);
+    // cuda.h maps these two names to their _v2 entry points, which are what the driver exports
+    load(lib, "cuEventDestroy_v2", out.event_destroy);
+    load(lib, "cuStreamGetCtx", out.stream_context);
+    load(lib, "cuCtxPushCurrent_v2", out.context_push);
+    load(lib, "cuCtxPopCurrent_v2", out.context_pop);
     return out;
   }();
   return d;
@@ -200,10 +236,55 @@ class CudaBackend : public memo_stitch::PhysicalBackend {
   int64_t physical_bytes_ = 0;
 };
 
+// ------------------------------------------------------------------ streams and events
+// An event is created, recorded, queried and destroyed in the context of the stream it is
+// recorded on: the thread that frees a block (a Python deleter, an autograd thread) may have
+// another device's context current, or none.
+class ContextScope {
+ public:
+  explicit ContextScope(CUcontext ctx) { check(driver().context_push(ctx), "cuCtxPushCurrent"); }
+  ~ContextScope() {
+    CUcontext popped = nullptr;
+    driver().context_pop(&popped);
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+};
+
+// A stream that uses a block besides its allocation stream, with the context it belongs to.
+struct StreamUse {
+  CUstream stream;
+  CUcontext ctx;
+  bool operator<(const StreamUse& o) const {
+    return std::make_pair(ctx, stream) < std::make_pair(o.ctx, o.stream);
+  }
+  bool operator==(const StreamUse& o) const { return ctx == o.ctx && stream == o.stream; }
+};
+
+struct PendingEvent {
+  CUevent event;
+  uintptr_t ptr;  // the block whose free waits for it
+};
+
+struct PendingFree {
+  int events;     // not yet completed
+  int64_t bytes;  // the block's bytes
+};
+
 // ---------------------------------------------------------------- one allocator per device
 struct DeviceAllocator {
   std::unique_ptr<CudaBackend> backend;
   std::unique_ptr<memo_stitch::StitchingAllocator> alloc;
+  // live blocks used by streams other than their allocation stream
+  std::unordered_map<uintptr_t, std::vector<StreamUse>> uses;
+  // freed blocks waiting for events, and the events per using stream in record order (a
+  // stream's events complete in that order, so a query stops at the first not yet complete)
+  std::unordered_map<uintptr_t, PendingFree> pending;
+  std::map<StreamUse, std::deque<PendingEvent>> events;
+  int64_t pending_bytes = 0;
+  int64_t events_pending = 0;
+  int64_t events_recorded = 0;  // since the allocator was created
+  int64_t event_syncs = 0;      // cuEventSynchronize calls (blocking waits)
 };
 
 std::mutex g_mutex;
@@ -211,13 +292,102 @@ memo_stitch::Options g_options;
 std::map<int, DeviceAllocator> g_devices;
 std::string g_last_error;
 
-memo_stitch::StitchingAllocator& allocator_for(int device) {
+// One event of `d`'s queue completed: the block's free goes ahead when it was its last.
+void event_done(DeviceAllocator& d, const PendingEvent& e) {
+  // the event completed: a failed destroy leaks its handle, never the block
+  if (driver().event_destroy(e.event) != CUDA_SUCCESS) {
+    g_last_error = "cuEventDestroy failed: one event handle leaked";
+  }
+  --d.events_pending;
+  auto it = d.pending.find(e.ptr);
+  if (--it->second.events > 0) return;
+  d.pending_bytes -= it->second.bytes;
+  d.pending.erase(it);
+  d.alloc->free(e.ptr);
+}
+
+// Free the blocks whose events all completed, without waiting (process_events).
+void process_events(DeviceAllocator& d) {
+  for (auto it = d.events.begin(); it != d.events.end();) {
+    {
+      ContextScope scope(it->first.ctx);
+      auto& queue = it->second;
+      while (!queue.empty()) {
+        const CUresult r = driver().event_query(queue.front().event);
+        if (r == CUDA_ERROR_NOT_READY) break;
+        check(r, "cuEventQuery");
+        const PendingEvent e = queue.front();
+        queue.pop_front();
+        event_done(d, e);
+      }
+    }
+    it = it->second.empty() ? d.events.erase(it) : std::next(it);
+  }
+}
+
+// Wait for every pending event and free the blocks (synchronize_and_free_events). Returns
+// whether any block was freed.
+bool synchronize_and_free(DeviceAllocator& d) {
+  const bool any = !d.pending.empty();
+  for (auto it = d.events.begin(); it != d.events.end(); it = d.events.erase(it)) {
+    ContextScope scope(it->first.ctx);
+    auto& queue = it->second;
+    while (!queue.empty()) {
+      check(driver().event_synchronize(queue.front().event), "cuEventSynchronize");
+      ++d.event_syncs;
+      const PendingEvent e = queue.front();
+      queue.pop_front();
+      event_done(d, e);
+    }
+  }
+  return any;
+}
+
+// Record one event per using stream of the block at `ptr` and defer its free (insert_events).
+// When an event cannot be created or recorded, the block is never freed: it stays active until
+// teardown rather than be handed out while a stream may still use it.
+void defer_free(DeviceAllocator& d, uintptr_t ptr, const std::vector<StreamUse>& uses) {
+  std::vector<std::pair<StreamUse, CUevent>> recorded;
+  try {
+    for (const StreamUse& u : uses) {
+      ContextScope scope(u.ctx);
+      CUevent ev = nullptr;
+      check(driver().event_create(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+      recorded.emplace_back(u, ev);
+      check(driver().event_record(ev, u.stream), "cuEventRecord");
+    }
+  } catch (...) {
+    for (auto& r : recorded) {
+      ContextScope scope(r.first.ctx);
+      driver().event_destroy(r.second);
+    }
+    throw;
+  }
+  d.pending[ptr] = PendingFree{static_cast<int>(recorded.size()), d.alloc->block_bytes(ptr)};
+  d.pending_bytes += d.alloc->block_bytes(ptr);
+  for (auto& r : recorded) d.events[r.first].push_back(PendingEvent{r.second, ptr});
+  d.events_pending += static_cast<int64_t>(recorded.size());
+  d.events_recorded += static_cast<int64_t>(recorded.size());
+}
+
+DeviceAllocator& device_for(int device) {
   DeviceAllocator& d = g_devices[device];
   if (!d.alloc) {
     d.backend = std::make_unique<CudaBackend>(device);
     d.alloc = std::make_unique<memo_stitch::StitchingAllocator>(*d.backend, g_options);
+    // a request about to fail for lack of memory first waits for the deferred frees
+    d.alloc->set_reclaim([&d] { return synchronize_and_free(d); });
   }
-  return *d.alloc;
+  return d;
+}
+
+// The device whose allocator has a live block (not freed, not pending) at `ptr`; nullptr if none.
+DeviceAllocator* owner_of(uintptr_t ptr) {
+  for (auto& kv : g_devices) {
+    DeviceAllocator& d = kv.second;
+    if (d.alloc && d.alloc->block_bytes(ptr) >= 0 && !d.pending.count(ptr)) return &d;
+  }
+  return nullptr;
 }
 
 }  // namespace
@@ -232,8 +402,10 @@ __attribute__((visibility("default"))) void* memo_stitch_malloc(ssize_t size, in
                                                               void* stream) {
   std::lock_guard<std::mutex> lock(g_mutex);
   try {
-    const uintptr_t p = allocator_for(device).malloc(static_cast<int64_t>(size),
-                                                     reinterpret_cast<int64_t>(stream));
+    DeviceAllocator& d = device_for(device);
+    if (!d.events.empty()) process_events(d);
+    const uintptr_t p = d.alloc->malloc(static_cast<int64_t>(size),
+                                        reinterpret_cast<int64_t>(stream));
     if (!p) g_last_error = "out of memory: " + std::to_string(size) + " bytes";
     return reinterpret_cast<void*>(p);
   } catch (const std::exception& e) {
@@ -242,6 +414,9 @@ __attribute__((visibility("default"))) void* memo_stitch_malloc(ssize_t size, in
   }
 }
 
+// A block used by other streams (memo_stitch_record_stream) is freed once their work queued so
+// far completed; until then it stays active. `size` and `stream` are PyTorch's record of the
+// allocation; the allocator keeps its own.
 __attribute__((visibility("default"))) void memo_stitch_free(void* ptr, ssize_t size, int device,
                                                            void* stream) {
   (void)size;
@@ -249,13 +424,58 @@ __attribute__((visibility("default"))) void memo_stitch_free(void* ptr, ssize_t 
   if (!ptr) return;  // what a zero-byte or failed allocation handed out
   std::lock_guard<std::mutex> lock(g_mutex);
   try {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
     auto it = g_devices.find(device);
-    if (it == g_devices.end() || !it->second.alloc ||
-        it->second.alloc->free(reinterpret_cast<uintptr_t>(ptr)) < 0) {
-      g_last_error = "free of an address this allocator did not hand out";
+    if (it == g_devices.end() || !it->second.alloc || it->second.alloc->block_bytes(p) < 0 ||
+        it->second.pending.count(p)) {
+      g_last_error = "free of an address this allocator did not hand out, or freed already";
+      return;
     }
+    DeviceAllocator& d = it->second;
+    auto used = d.uses.find(p);
+    if (used == d.uses.end()) {
+      d.alloc->free(p);
+      return;
+    }
+    const std::vector<StreamUse> uses = std::move(used->second);
+    d.uses.erase(used);
+    defer_free(d, p, uses);
   } catch (const std::exception& e) {
     g_last_error = e.what();
+  }
+}
+
+// Mark the live block starting at `ptr` as used by `stream` (a cudaStream_t) as well as by its
+// allocation stream (torch.Tensor.record_stream; the allocation stream itself is ignored): its
+// free then waits for the work queued on `stream` until the free. Returns 0, or -1 when no live
+// block of this allocator starts at `ptr` or the stream's context cannot be read
+// (memo_stitch_last_error() says which).
+__attribute__((visibility("default"))) int memo_stitch_record_stream(void* ptr, void* stream) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  try {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+    DeviceAllocator* d = owner_of(p);
+    if (!d) {
+      g_last_error = "record_stream of an address that is not a live block of this allocator "
+                     "(a block starts at the storage's data_ptr, not a view's)";
+      return -1;
+    }
+    if (*d->alloc->stream_of(p) == reinterpret_cast<int64_t>(stream)) return 0;
+    const CUstream s = static_cast<CUstream>(stream);
+    // the context is read now, from a thread that is using the stream (for the NULL stream: the
+    // caller's current context), not at the free
+    CUcontext ctx = nullptr;
+    check(driver().stream_context(s, &ctx), "cuStreamGetCtx");
+    const StreamUse use{s, ctx};
+    std::vector<StreamUse>& uses = d->uses[p];
+    for (const StreamUse& u : uses) {
+      if (u == use) return 0;
+    }
+    uses.push_back(use);
+    return 0;
+  } catch (const std::exception& e) {
+    g_last_error = e.what();
+    return -1;
   }
 }
 
@@ -272,12 +492,15 @@ __attribute__((visibility("default"))) int memo_stitch_configure(int64_t frag_li
   return 0;
 }
 
-// Drop unused stitched blocks and release free physical memory of `device`.
+// Wait for the pending frees of `device` (cuEventSynchronize), then drop unused stitched blocks
+// and release its free physical memory.
 __attribute__((visibility("default"))) void memo_stitch_empty_cache(int device) {
   std::lock_guard<std::mutex> lock(g_mutex);
   try {
     auto it = g_devices.find(device);
-    if (it != g_devices.end() && it->second.alloc) it->second.alloc->release_cached();
+    if (it == g_devices.end() || !it->second.alloc) return;
+    synchronize_and_free(it->second);
+    it->second.alloc->release_cached();
   } catch (const std::exception& e) {
     g_last_error = e.what();
   }
@@ -295,7 +518,9 @@ __attribute__((visibility("default"))) int memo_stitch_stats(int device, int64_t
       s.mapped_bytes, s.sblocks_alive, s.allocs, s.frees, s.exact_hits, s.splits, s.stitches,
       s.new_pblocks, s.sblocks_dropped, s.reorganisations, s.ooms, s.physical_creates,
       s.physical_releases, s.map_calls, static_cast<int64_t>(s.map_seconds * 1e9),
-      it->second.backend->physical_bytes(), it->second.backend->live_handles()};
+      it->second.backend->physical_bytes(), it->second.backend->live_handles(),
+      static_cast<int64_t>(it->second.pending.size()), it->second.pending_bytes,
+      it->second.events_pending, it->second.events_recorded, it->second.event_syncs};
   const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
   int k = 0;
   for (; k < n && k < count; ++k) out[k] = values[k];
@@ -306,7 +531,16 @@ __attribute__((visibility("default"))) const char* memo_stitch_stat_names() {
   return "reserved_bytes,peak_reserved_bytes,active_bytes,peak_active_bytes,mapped_bytes,"
          "sblocks_alive,allocs,frees,exact_hits,splits,stitches,new_pblocks,sblocks_dropped,"
          "reorganisations,ooms,physical_creates,physical_releases,map_calls,map_nanoseconds,"
-         "backend_physical_bytes,backend_handles";
+         "backend_physical_bytes,backend_handles,deferred_frees,deferred_bytes,events_pending,"
+         "events_recorded,event_syncs";
+}
+
+// Peak reserved, active and mapped bytes of `device` back to their current values
+// (torch.cuda.reset_peak_memory_stats). A device with no allocator yet has no peaks to reset.
+__attribute__((visibility("default"))) void memo_stitch_reset_peak(int device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_devices.find(device);
+  if (it != g_devices.end() && it->second.alloc) it->second.alloc->reset_peaks();
 }
 
 // Release everything of `device` (blocks in use included: only when nothing uses them).
@@ -315,6 +549,11 @@ __attribute__((visibility("default"))) void memo_stitch_teardown(int device) {
   auto it = g_devices.find(device);
   if (it == g_devices.end()) return;
   try {
+    // the blocks go anyway: their events are not waited for, only destroyed
+    for (auto& kv : it->second.events) {
+      ContextScope scope(kv.first.ctx);
+      for (const PendingEvent& e : kv.second) driver().event_destroy(e.event);
+    }
     if (it->second.alloc) it->second.alloc->teardown();
   } catch (const std::exception& e) {
     g_last_error = e.what();

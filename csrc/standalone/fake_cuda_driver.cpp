@@ -1,8 +1,8 @@
-// A stand-in for the CUDA driver's virtual memory calls, on host memory, for testing
-// csrc/cuda/stitching_cuda.cpp on a machine without a GPU. It is NOT a CUDA driver: it implements
-// only the nine entry points that backend loads (MEMO_STITCH_CUDA_DRIVER points at this library),
-// with host memfd/mmap, and it enforces the rules the CUDA documentation states for them, so that
-// a backend that breaks one fails here:
+// A stand-in for the CUDA driver's virtual memory, event and context calls, on host memory, for
+// testing csrc/cuda/stitching_cuda.cpp on a machine without a GPU. It is NOT a CUDA driver: it
+// implements only the seventeen entry points that backend loads (MEMO_STITCH_CUDA_DRIVER points
+// at this library), memory with host memfd/mmap, and it enforces the rules the CUDA
+// documentation states for them, so that a backend that breaks one fails here:
 //   - cuMemCreate sizes and every cuMemMap/cuMemUnmap/cuMemAddressReserve address and size are
 //     multiples of the granularity (2 MiB);
 //   - cuMemMap: offset 0 and the handle's whole size ("currently must be zero"), into a reserved
@@ -11,8 +11,20 @@
 //   - cuMemUnmap: the range consists of whole mappings ("cannot unmap a sub-range");
 //   - cuMemAddressFree: the exact reserved range, with nothing mapped in it;
 //   - cuMemRelease: a live handle; its memory goes when it is also unmapped everywhere.
+//   - cuEventCreate: a context is current (the event belongs to it); flags are
+//     CU_EVENT_DISABLE_TIMING (the backend's own rule: its events order frees, timing them costs);
+//   - cuEventRecord: a live event and a stream of the event's context ("must be from the same
+//     context"); the NULL stream and CU_STREAM_LEGACY mean the current context's;
+//   - cuEventQuery / cuEventSynchronize / cuEventDestroy: a live event (never a destroyed one);
+//   - cuStreamGetCtx on the NULL/legacy stream, and cuCtxPopCurrent: a context is current.
+// One device, one context (the primary), current from the start as in a thread that has used
+// CUDA; fake_cuda_set_current_context(0) pops it, as in a thread that never did. Streams are any
+// other handle, all of that context. The GPU's progress is the test's: a recorded event stays
+// not ready (cuEventQuery: CUDA_ERROR_NOT_READY) until fake_cuda_complete_events() completes it
+// or cuEventSynchronize waits for it.
 // FAKE_CUDA_CAPACITY (bytes) makes cuMemCreate fail with CUDA_ERROR_OUT_OF_MEMORY beyond it.
-// fake_cuda_counts() reports what is held, for leak checks. Single-threaded use only.
+// fake_cuda_counts() / fake_cuda_event_counts() report what is held, for leak checks.
+// Single-threaded use only.
 //
 //   g++ -std=c++17 -O2 -shared -fPIC -I$CUDA_HOME/include fake_cuda_driver.cpp -o libfakecuda.so
 #include <cuda.h>
@@ -22,6 +34,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <map>
+#include <vector>
 
 namespace {
 
@@ -44,6 +57,19 @@ std::map<CUdeviceptr, size_t> g_ranges;     // reserved start -> size
 std::map<CUdeviceptr, Mapping> g_mappings;  // mapped start -> mapping
 CUmemGenericAllocationHandle g_next = 1;
 long long g_creates = 0, g_held = 0, g_violations = 0;
+
+// The one context: a fake handle the backend only passes back.
+CUcontext const kPrimary = reinterpret_cast<CUcontext>(uintptr_t{0xC0DE});
+std::vector<CUcontext> g_context_stack{kPrimary};
+
+struct Event {
+  CUcontext ctx;
+  CUstream stream;  // where it was last recorded
+  bool pending;     // recorded and not completed
+};
+std::map<uintptr_t, Event> g_events;  // live events; handles are never reused
+uintptr_t g_next_event = 1;
+long long g_events_created = 0, g_event_syncs = 0;
 
 CUresult violation() {
   ++g_violations;
@@ -68,6 +94,20 @@ bool any_mapping_in(CUdeviceptr p, size_t size) {
   return false;
 }
 
+CUcontext current() { return g_context_stack.empty() ? nullptr : g_context_stack.back(); }
+
+bool is_null_stream(CUstream s) { return s == nullptr || s == CU_STREAM_LEGACY; }
+
+// The live event behind `e`, or nullptr (a destroyed or unknown handle: a violation).
+Event* live_event(CUevent e) {
+  auto it = g_events.find(reinterpret_cast<uintptr_t>(e));
+  if (it == g_events.end()) {
+    ++g_violations;
+    return nullptr;
+  }
+  return &it->second;
+}
+
 void drop_if_dead(CUmemGenericAllocationHandle h) {
   auto it = g_handles.find(h);
   if (it != g_handles.end() && it->second.released && it->second.mappings == 0) {
@@ -82,8 +122,13 @@ void drop_if_dead(CUmemGenericAllocationHandle h) {
 extern "C" {
 
 CUresult cuGetErrorString(CUresult error, const char** str) {
-  *str = error == CUDA_ERROR_OUT_OF_MEMORY ? "out of memory (fake driver)"
-                                           : "invalid value (fake driver)";
+  switch (error) {
+    case CUDA_ERROR_OUT_OF_MEMORY: *str = "out of memory (fake driver)"; break;
+    case CUDA_ERROR_NOT_READY: *str = "not ready (fake driver)"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *str = "invalid context (fake driver)"; break;
+    case CUDA_ERROR_INVALID_HANDLE: *str = "invalid handle (fake driver)"; break;
+    default: *str = "invalid value (fake driver)";
+  }
   return CUDA_SUCCESS;
 }
 
@@ -204,6 +249,106 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE,
        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
   return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPushCurrent(CUcontext ctx) {
+  if (ctx != kPrimary) return violation();
+  g_context_stack.push_back(ctx);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPopCurrent(CUcontext* ctx) {
+  if (g_context_stack.empty()) {
+    ++g_violations;
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
+  if (ctx) *ctx = g_context_stack.back();
+  g_context_stack.pop_back();
+  return CUDA_SUCCESS;
+}
+
+CUresult cuStreamGetCtx(CUstream stream, CUcontext* ctx) {
+  if (!ctx) return violation();
+  if (is_null_stream(stream) && !current()) {
+    ++g_violations;
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
+  *ctx = kPrimary;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuEventCreate(CUevent* event, unsigned int flags) {
+  if (!event || flags != CU_EVENT_DISABLE_TIMING) return violation();
+  if (!current()) {
+    ++g_violations;
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
+  const uintptr_t h = g_next_event++;
+  g_events[h] = Event{current(), nullptr, false};
+  *event = reinterpret_cast<CUevent>(h);
+  ++g_events_created;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(CUevent event, CUstream stream) {
+  Event* e = live_event(event);
+  if (!e) return CUDA_ERROR_INVALID_HANDLE;
+  const CUcontext stream_ctx = is_null_stream(stream) ? current() : kPrimary;
+  if (stream_ctx != e->ctx) {
+    ++g_violations;
+    return CUDA_ERROR_INVALID_HANDLE;
+  }
+  e->stream = stream;
+  e->pending = true;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuEventQuery(CUevent event) {
+  Event* e = live_event(event);
+  if (!e) return CUDA_ERROR_INVALID_HANDLE;
+  return e->pending ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+
+CUresult cuEventSynchronize(CUevent event) {
+  Event* e = live_event(event);
+  if (!e) return CUDA_ERROR_INVALID_HANDLE;
+  e->pending = false;  // the host waited until the device got there
+  ++g_event_syncs;
+  return CUDA_SUCCESS;
+}
+
+// Legal on a pending event (its resources go once it completes).
+CUresult cuEventDestroy(CUevent event) {
+  if (!live_event(event)) return CUDA_ERROR_INVALID_HANDLE;
+  g_events.erase(reinterpret_cast<uintptr_t>(event));
+  return CUDA_SUCCESS;
+}
+
+// The device reaches every event recorded on `stream` (all streams when all_streams != 0).
+__attribute__((visibility("default"))) void fake_cuda_complete_events(CUstream stream,
+                                                                     int all_streams) {
+  for (auto& kv : g_events) {
+    if (all_streams || kv.second.stream == stream) kv.second.pending = false;
+  }
+}
+
+// present != 0: the primary context is the current one (and the only one on the stack);
+// 0: no context is current.
+__attribute__((visibility("default"))) void fake_cuda_set_current_context(int present) {
+  g_context_stack.clear();
+  if (present) g_context_stack.push_back(kPrimary);
+}
+
+// out: live events, of which pending, events created, cuEventSynchronize calls, contexts on the
+// stack.
+__attribute__((visibility("default"))) void fake_cuda_event_counts(long long* out) {
+  long long pending = 0;
+  for (const auto& kv : g_events) pending += kv.second.pending ? 1 : 0;
+  out[0] = static_cast<long long>(g_events.size());
+  out[1] = pending;
+  out[2] = g_events_created;
+  out[3] = g_event_syncs;
+  out[4] = static_cast<long long>(g_context_stack.size());
 }
 
 // out: live handles, reserved ranges, mappings, bytes held, handles created, rule violations.

@@ -24,6 +24,7 @@ from memo_ext.config import (
     OffloadConfig,
     PlanConfig,
     SPPOConfig,
+    StitchingConfig,
     TelemetryConfig,
     TiledMLPConfig,
     add_config_arguments,
@@ -301,6 +302,7 @@ def _add_memo_args(parser: argparse.ArgumentParser) -> None:
     """--memo-* flags, generated from memo_ext's config dataclasses (one definition per flag)."""
     add_config_arguments(parser, OffloadConfig, title="MEMO activation offloading")
     add_config_arguments(parser, PlanConfig, title="MEMO memory planning")
+    add_config_arguments(parser, StitchingConfig, title="GMLake stitching allocator")
     add_config_arguments(parser, TelemetryConfig, title="MEMO memory telemetry")
     add_config_arguments(parser, SPPOConfig, title="SPPO subsequence pipeline")
     add_config_arguments(parser, METPConfig, title="METP memory-efficient tensor parallelism")
@@ -727,6 +729,16 @@ def _validate_memo(args: argparse.Namespace) -> None:
     )
 
 
+def _validate_stitching(args: argparse.Namespace, cuda_available: bool) -> None:
+    """--memo-stitching-allocator's values and what it cannot run with (--memo-plan, no GPU)."""
+    stitching = config_from_args(StitchingConfig, args)
+    try:
+        stitching.validate()
+        stitching.validate_with(config_from_args(PlanConfig, args).plan, cuda_available)
+    except MemoConfigError as error:
+        raise ArgumentValidationError(str(error)) from None
+
+
 def _validate_sppo(args: argparse.Namespace, sppo: SPPOConfig, memo_offload: bool) -> None:
     _require(not memo_offload, "--memo-sppo has its own offloading (--memo-sppo-offload); drop "
              "--memo-offload")
@@ -801,11 +813,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_data(args)
     _validate_logging(args)
     _validate_memo(args)
-    _require(
-        not cuda_available or args.memo_plan == "off" or not args.memo_telemetry,
-        "--memo-plan on CUDA replaces PyTorch's CUDA allocator, whose statistics --memo-telemetry "
-        "reads; drop one of --memo-plan and --memo-telemetry",
-    )
+    _validate_stitching(args, cuda_available)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     _require(

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.training.memo import install_memo_plan_allocator
+from megatron.training.memo import install_memo_plan_allocator, install_memo_stitching_allocator
 
 # Megatron-LM offsets each pipeline stage's seed so that stages draw different weights.
 PIPELINE_SEED_STRIDE = 100
@@ -52,6 +52,12 @@ def set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def _log_rank_0(message: str) -> None:
+    """print on rank 0 before torch.distributed exists (torchrun's RANK; a plain run is rank 0)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
+
+
 def initialize_megatron(args: argparse.Namespace) -> None:
     """Everything before the model is built. ``args`` must already be validated."""
     if not torch.cuda.is_available():
@@ -67,6 +73,7 @@ def initialize_megatron(args: argparse.Namespace) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         os.environ.setdefault("NCCL_ALGO", "Ring")
     install_memo_plan_allocator(args)
+    install_memo_stitching_allocator(args, log=_log_rank_0)
     initialize_distributed(args)
     from megatron.core import parallel_state
 

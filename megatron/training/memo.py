@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from memo_ext.config import (METPConfig, OffloadConfig, PlanConfig, SPPOConfig, TelemetryConfig,
+from memo_ext.config import (BYTES_PER_MIB, METPConfig, MemoConfigError, OffloadConfig,
+                             PlanConfig, SPPOConfig, StitchingConfig, TelemetryConfig,
                              config_from_args)
 from memo_ext.device import CopyEngine, cuda_memory_headroom, measure_offload_bandwidth
 from memo_ext.offload import ActivationShape, MemoOffload
@@ -225,3 +226,28 @@ def install_memo_plan_allocator(args: argparse.Namespace) -> None:
         from memo_ext.planner import install_cuda_allocator
 
         install_cuda_allocator()
+
+
+def install_memo_stitching_allocator(args: argparse.Namespace, log) -> None:
+    """``--memo-stitching-allocator``: build (when its sources changed) and install GMLake's
+    stitching allocator as PyTorch's CUDA allocator, registered with memo_ext.device_memory, and
+    say so once through ``log``. Like --memo-plan's arena it must replace PyTorch's allocator
+    before the first CUDA allocation: call it where :func:`install_memo_plan_allocator` is
+    called. Validation refused the flag without CUDA and with --memo-plan. A failed build raises
+    the compiler's RuntimeError; an allocator already in use, MemoConfigError."""
+    config = config_from_args(StitchingConfig, args)
+    if not config.stitching_allocator:
+        return
+    from memo_ext.alloc.stitching_cuda import build_library, install
+
+    library = build_library()
+    try:
+        install(frag_limit_bytes=config.frag_limit_bytes, library=library)
+    except RuntimeError as error:
+        raise MemoConfigError(
+            f"--memo-stitching-allocator: cannot install the stitching allocator ({error}); it "
+            "must be installed before the first CUDA tensor exists: do not allocate on the GPU "
+            "before initialize_megatron, or drop the flag") from None
+    log(f"> GMLake stitching allocator installed as PyTorch's CUDA allocator (frag limit "
+        f"{config.frag_limit_bytes / BYTES_PER_MIB:g} MiB, {library}); memory statistics and "
+        "record_stream go through memo_ext.device_memory")

@@ -8,6 +8,11 @@ cuMemUnmap / cuMemRelease) and install it as PyTorch's CUDA allocator through
     ...
     print(stitching.stats())
 
+The trainer installs it with ``--memo-stitching-allocator`` (megatron.training.memo). Once
+installed, PyTorch's memory statistics raise and ``Tensor.record_stream`` does nothing (the
+Python API cannot set a pluggable allocator's record-stream hook): read memory and hand tensors
+to other streams through :mod:`memo_ext.device_memory`, with which :func:`install` registers it.
+
 The library is compiled with the host C++ compiler against the CUDA toolkit's ``cuda.h`` only
 (the driver is opened at run time), on the machine that uses it. Status: exercised on a CPU
 machine against a fake driver (tests/unit/test_stitching_cuda_backend.py); the GPU test
@@ -16,6 +21,7 @@ machine against a fake driver (tests/unit/test_stitching_cuda_backend.py); the G
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import shutil
 import subprocess
@@ -24,11 +30,31 @@ from pathlib import Path
 __all__ = ["CudaStitchingAllocator", "build_library", "cuda_home", "install"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SOURCE = REPO_ROOT / "csrc" / "cuda" / "stitching_cuda.cpp"
-HEADERS = tuple(REPO_ROOT / "csrc" / name for name in (
+#: csrc/ of a checkout, else the copy an installed package carries (setup.py's build_py puts it
+#: in memo_ext/alloc/_csrc/, in csrc/'s layout).
+CSRC = (REPO_ROOT / "csrc" if (REPO_ROOT / "csrc" / "cuda" / "stitching_cuda.cpp").is_file()
+        else Path(__file__).resolve().with_name("_csrc"))
+SOURCE = CSRC / "cuda" / "stitching_cuda.cpp"
+HEADERS = tuple(CSRC / name for name in (
     "stitching_allocator.h", "stitching_rules.h", "caching_rules.h"))
 LIBRARY_NAME = "libmemo_stitching_cuda.so"
-DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "stitching_cuda"
+
+
+def _default_build_dir() -> Path:
+    """build/stitching_cuda/ of a writable checkout; otherwise (an installed package, whose
+    directory may be read-only) $XDG_CACHE_HOME/megatron-memo/stitching_cuda/<sources hash>,
+    default ~/.cache: one directory per version of the sources, so installs that share the
+    cache never load each other's library."""
+    if CSRC == REPO_ROOT / "csrc" and os.access(REPO_ROOT, os.W_OK):
+        return REPO_ROOT / "build" / "stitching_cuda"
+    digest = hashlib.sha256()
+    for path in (SOURCE, *HEADERS):
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "megatron-memo" / "stitching_cuda" / digest.hexdigest()[:16]
+
+
+DEFAULT_BUILD_DIR = _default_build_dir()
 
 
 def cuda_home(explicit: str | os.PathLike | None = None) -> Path:
@@ -52,7 +78,7 @@ def build_library(out_dir: str | os.PathLike | None = None, *,
                   cuda_home_dir: str | os.PathLike | None = None,
                   cxx: str | None = None, force: bool = False, optimize: str = "-O3") -> Path:
     """Compile the CUDA stitching allocator into ``out_dir``/libmemo_stitching_cuda.so (default
-    build/stitching_cuda/ in the repository) and return its path. Skips the build when the
+    DEFAULT_BUILD_DIR) and return its path. Skips the build when the
     library is newer than its sources, unless ``force``. cxx: the compiler ($CXX, else g++);
     optimize: its optimisation flag.
     Raises RuntimeError naming what is missing or the compiler's error."""
@@ -68,7 +94,7 @@ def build_library(out_dir: str | os.PathLike | None = None, *,
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{LIBRARY_NAME}.{os.getpid()}"
     cmd = [compiler, "-std=c++17", optimize, "-shared", "-fPIC", "-fvisibility=hidden",
-           f"-I{REPO_ROOT / 'csrc'}", f"-I{include}", str(SOURCE), "-o", str(tmp), "-ldl"]
+           f"-I{CSRC}", f"-I{include}", str(SOURCE), "-o", str(tmp), "-ldl"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"building {SOURCE} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
@@ -77,7 +103,11 @@ def build_library(out_dir: str | os.PathLike | None = None, *,
 
 
 class CudaStitchingAllocator:
-    """The installed (or merely loaded) library: statistics and cache control per device."""
+    """The installed (or merely loaded) library: statistics, cache control and stream uses per
+    device; the :class:`memo_ext.device_memory.AllocatorBackend` of the process once
+    :func:`install` registered it."""
+
+    name = "GMLake stitching allocator"
 
     def __init__(self, library: str | os.PathLike, pluggable=None):
         self.path = Path(library)
@@ -91,6 +121,12 @@ class CudaStitchingAllocator:
         self.lib.memo_stitch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         self.lib.memo_stitch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
                                               ctypes.c_void_p]
+        self.lib.memo_stitch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.lib.memo_stitch_record_stream.restype = ctypes.c_int
+        for fn in (self.lib.memo_stitch_empty_cache, self.lib.memo_stitch_reset_peak,
+                   self.lib.memo_stitch_teardown):
+            fn.argtypes = [ctypes.c_int]
+            fn.restype = None
         self.pluggable = pluggable  # keeps PyTorch's allocator object alive
 
     def configure(self, frag_limit_bytes: int | None = None, max_sblocks: int | None = None,
@@ -105,16 +141,46 @@ class CudaStitchingAllocator:
 
     def stats(self, device: int = 0) -> dict:
         """Counters of ``device`` (bytes, counts; map_nanoseconds): {} before its first
-        allocation."""
+        allocation. Stream safety: deferred_frees / deferred_bytes are the blocks (and their
+        bytes, still counted in active_bytes) whose free waits for another stream's events,
+        events_pending the events not yet seen complete, events_recorded and event_syncs
+        (cuEventSynchronize waits) counts since the allocator was created."""
         names = self.lib.memo_stitch_stat_names().decode().split(",")
         buf = (ctypes.c_int64 * len(names))()
         n = self.lib.memo_stitch_stats(device, buf, len(names))
         return dict(zip(names[:n], buf[:n]))
 
     def empty_cache(self, device: int = 0) -> None:
-        """Drop unused stitched blocks and release free physical memory of ``device``
-        (torch.cuda.empty_cache() does not reach a pluggable allocator)."""
+        """Wait for the frees deferred for other streams, then drop unused stitched blocks and
+        release free physical memory of ``device`` (torch.cuda.empty_cache() does not reach a
+        pluggable allocator)."""
         self.lib.memo_stitch_empty_cache(device)
+
+    # memo_ext.device_memory.AllocatorBackend
+    def memory(self, device: int):
+        """``device``'s :class:`~memo_ext.device_memory.DeviceMemory` (bytes): allocated = the
+        active blocks' bytes (a block whose free waits for another stream still counts),
+        reserved = physical memory held; all 0 before the device's first allocation."""
+        from memo_ext.device_memory import DeviceMemory
+
+        s = self.stats(device)
+        return DeviceMemory(allocated=s.get("active_bytes", 0),
+                            reserved=s.get("reserved_bytes", 0),
+                            peak_allocated=s.get("peak_active_bytes", 0),
+                            peak_reserved=s.get("peak_reserved_bytes", 0))
+
+    def reset_peak(self, device: int) -> None:
+        """Peak active and reserved bytes of ``device`` back to their current values."""
+        self.lib.memo_stitch_reset_peak(device)
+
+    def record_stream(self, data_ptr: int, stream_handle: int) -> None:
+        """The block starting at ``data_ptr`` (a storage's data_ptr) is used by the stream
+        ``stream_handle`` (a cudaStream_t as an int; 0 is the NULL stream) too: its free will
+        wait for the work queued there until the free. Its allocation stream is ignored.
+        Raises RuntimeError when no live block of this allocator starts at ``data_ptr``."""
+        if self.lib.memo_stitch_record_stream(data_ptr, stream_handle) != 0:
+            raise RuntimeError(f"{self.name}: record_stream({data_ptr:#x}, "
+                               f"{stream_handle:#x}): {self.last_error()}")
 
     def last_error(self) -> str:
         return self.lib.memo_stitch_last_error().decode()
@@ -129,9 +195,13 @@ def install(frag_limit_bytes: int | None = None, max_sblocks: int | None = None,
     frag_limit_bytes: requests below it take the embedded caching path (default 128 MiB);
     max_sblocks: stitched blocks cached (default 1024); capacity_bytes: physical memory it may
     hold (default: whatever cuMemCreate gives). library: a prebuilt .so (default:
-    :func:`build_library`). Raises RuntimeError without CUDA or when too late.
+    :func:`build_library`). Registers the allocator with :mod:`memo_ext.device_memory` (the
+    source of memory statistics and record_stream from then on). Raises RuntimeError without
+    CUDA or when too late.
     """
     import torch
+
+    from memo_ext.device_memory import register_allocator
 
     if not torch.cuda.is_available():
         raise RuntimeError("install() needs CUDA: this process sees no GPU")
@@ -142,4 +212,5 @@ def install(frag_limit_bytes: int | None = None, max_sblocks: int | None = None,
                                                          "memo_stitch_free")
     torch.cuda.memory.change_current_allocator(pluggable)
     handle.pluggable = pluggable
+    register_allocator(handle)
     return handle

@@ -1089,6 +1089,12 @@ def record_cuda_trace(function: Callable[[], Any], device: Optional[int] = None,
     if not torch.cuda.is_available():
         raise RuntimeError("record_cuda_trace needs CUDA; use record_iteration (live CPU or "
                            "FakeTensorMode) on this machine")
+    from memo_ext.device_memory import current_allocator, snapshots_supported
+
+    if not snapshots_supported():
+        raise RuntimeError(f"record_cuda_trace reads PyTorch's allocator snapshots, and "
+                           f"{current_allocator().name} replaced that allocator in this process: "
+                           "trace in a process without it")
     from memo_ext.alloc.snapshot import load_snapshot, summarize_snapshot
 
     device = torch.cuda.current_device() if device is None else device

@@ -156,3 +156,10 @@ def test_double_raises_where_pytorch_raises(cuda_double):
         torch.cuda.set_per_process_memory_fraction(1.5)
     with pytest.raises(TypeError):
         torch.zeros(1).record_stream(threading.Lock())
+
+
+def test_cuda_traces_need_pytorchs_allocator(planned_arena):
+    from memo_ext.planner.trace import record_cuda_trace
+
+    with pytest.raises(RuntimeError, match="MEMO planned arena .* replaced that allocator"):
+        record_cuda_trace(lambda: None)
