@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup demo test test-slow test-all bench clean
+.PHONY: setup demo test test-slow test-all bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ test-slow: setup
 
 test-all: setup
 	$(PY) -m pytest -q -m "slow or not slow"
+
+# GPU tests + a 10-iteration training per mechanism vs the estimator (docs/gpu_check.md).
+# Without a GPU: one line, exit status 2.
+gpu-check: setup
+	@$(PY) tools/gpu_check.py
 
 clean:
 	rm -rf build *.egg-info memo_ext/_C*.so runs data_cache

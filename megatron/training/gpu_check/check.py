@@ -1,0 +1,222 @@
+"""The ``make gpu-check`` command (tools/gpu_check.py): probe the GPUs, run ``pytest -m gpu
+tests/gpu``, train each mechanism of :mod:`.plan` for 10 iterations, predict each with the
+estimator, write the markdown report. Exit status: 0 when no row failed, 1 otherwise, 2 when
+no CUDA GPU is visible (one line, nothing else).
+
+Budget: the whole check must end within 10 minutes on one H100, so the GPU tests get
+:data:`GPU_TESTS_LIMIT_S`, each training :data:`RUN_LIMIT_S` (a small model starts in ~20 s and
+trains 10 iterations in seconds) and nothing starts after :data:`TOTAL_BUDGET_S`; a run cut
+short is a FAIL row, not a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+from megatron.training.gpu_check.measure import (
+    REPO_ROOT,
+    RunFailure,
+    TorchrunRunner,
+    failure_reason,
+    measure,
+    read_records,
+    run_logged,
+)
+from megatron.training.gpu_check.plan import MECHANISMS, ModelSettings, PlannedRun, plan
+from megatron.training.gpu_check.predict import NoPrediction, hardware_profile_name, predict
+from megatron.training.gpu_check.report import (
+    FAIL,
+    PASS,
+    SKIP,
+    Header,
+    Row,
+    exit_status,
+    render,
+    write_atomic,
+)
+
+NO_GPU_LINE = ("gpu-check: no CUDA GPU visible (torch.cuda.is_available() is False); run it on "
+               "a node with 1-8 NVIDIA GPUs")
+NO_GPU_STATUS = 2
+USAGE_STATUS = 2  # argparse's
+#: Seconds (wall clock) of the whole check after which no step starts; the rest of the 10
+#: minutes is the last step's own limit and the predictions' traces.
+TOTAL_BUDGET_S = 480
+GPU_TESTS_LIMIT_S = 150
+RUN_LIMIT_S = 75
+#: A run given less than this is not started (startup alone takes ~20 s).
+MIN_RUN_S = 25
+
+
+@dataclass
+class Devices:
+    """The visible GPUs: count, name and total memory (bytes) of GPU 0."""
+
+    count: int
+    name: str
+    total_memory_bytes: int
+
+
+def probe_devices() -> Optional[Devices]:
+    """The visible CUDA GPUs, None when torch sees none."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        return None
+    return Devices(torch.cuda.device_count(), torch.cuda.get_device_name(0),
+                   torch.cuda.get_device_properties(0).total_memory)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu_check.py", description="GPU tests and a 10-iteration training of each "
+        "mechanism, measured against the estimator (docs/gpu_check.md).")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check_report.md"),
+                        help="the markdown report (default gpu_check_report.md)")
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/gpu_check"),
+                        help="each run's train.log and metrics.jsonl (default runs/gpu_check)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="use at most this many of the visible GPUs (default all, up to 8)")
+    parser.add_argument("--mechanisms", default=",".join(m.name for m in MECHANISMS),
+                        help="comma-separated subset (default all)")
+    parser.add_argument("--skip-gpu-tests", action="store_true",
+                        help="do not run pytest -m gpu tests/gpu first")
+    return parser
+
+
+def run_limit(deadline: float, now: float, limit_s: float) -> Optional[float]:
+    """Seconds a step may take: ``limit_s`` or what is left before ``deadline`` (monotonic
+    seconds), None when that is below :data:`MIN_RUN_S`."""
+    left = min(limit_s, deadline - now)
+    return left if left >= MIN_RUN_S else None
+
+
+def gpu_tests_row(log_path: Path, timeout_s: float) -> Row:
+    """``pytest -m gpu tests/gpu``: PASS/FAIL with pytest's summary line."""
+    completed = run_logged([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu"],
+                           log_path, timeout_s)
+    lines = [line.strip(" =") for line in log_path.read_text().splitlines() if line.strip(" =")]
+    summary = lines[-1] if lines else "no output"
+    if completed.returncode is None:
+        return Row("gpu tests", FAIL, notes=[f"timed out after {timeout_s:.0f} s; {log_path}"])
+    verdict = PASS if completed.returncode == 0 else FAIL
+    return Row("gpu tests", verdict, notes=[f"pytest -m gpu tests/gpu: {summary}"])
+
+
+def training_row(run: PlannedRun, runner, run_dir: Path, timeout_s: Optional[float],
+                 predictor: Callable) -> Row:
+    """Train ``run`` (unless skipped or out of time), measure it and predict it."""
+    row = Row(run.mechanism.name, SKIP, run.layout())
+    if run.skip_reason:
+        row.notes.append(run.skip_reason)
+        return row
+    if timeout_s is None:
+        row.verdict = FAIL
+        row.notes.append("not run: the check's 10-minute budget was spent")
+        return row
+    shutil.rmtree(run_dir, ignore_errors=True)  # the trainer appends to metrics.jsonl
+    run_dir.mkdir(parents=True)
+    metrics, log = run_dir / "metrics.jsonl", run_dir / "train.log"
+    completed = runner(run, metrics, log, timeout_s)
+    log_text = log.read_text(errors="replace")
+    reason = failure_reason(completed, log_text)
+    if reason is None:
+        try:
+            row.measured = measure(read_records(metrics), log_text, memory_key=runner.memory_key,
+                                   train_iters=run.model.train_iters,
+                                   steady_from=run.model.steady_from)
+        except RunFailure as failure:
+            reason = str(failure)
+    row.verdict = FAIL if reason else PASS
+    if reason:
+        row.notes.append(f"{reason} ({log})")
+    try:
+        row.predicted = predictor(run, row.measured and row.measured.memo_alpha)
+    except NoPrediction as missing:
+        row.notes.append(str(missing))
+    return row
+
+
+def _commit() -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+def _predictor(devices: Devices) -> tuple[Optional[str], Callable]:
+    """(hardware profile name, run -> Predicted) for the GPUs found."""
+    from memo_ext.estimate import load_hardware
+    from memo_ext.estimate.layout import TraceCache, default_cache_dir
+
+    profile = hardware_profile_name(devices.name, devices.total_memory_bytes)
+    if profile is None:
+        def none(run, alpha):
+            raise NoPrediction(f"no prediction: no estimator profile for {devices.name} in "
+                               "memo_ext/estimate/hardware.json")
+        return None, none
+    hardware, cache = load_hardware(profile), TraceCache(default_cache_dir())
+    return profile, lambda run, alpha: predict(run, hardware, cache, alpha)
+
+
+def main(argv: Optional[list[str]] = None, runner=None,
+         model: ModelSettings = ModelSettings()) -> int:
+    """The command; ``runner`` (default :class:`TorchrunRunner`) launches each training and
+    names the metric its peak comes from, ``model`` is the trained model (tests shrink it)."""
+    opts = build_parser().parse_args(argv)
+    devices = probe_devices()
+    if devices is None:
+        print(NO_GPU_LINE, file=sys.stderr)
+        return NO_GPU_STATUS
+    names = [n.strip() for n in opts.mechanisms.split(",") if n.strip()]
+    known = {m.name: m for m in MECHANISMS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"gpu_check.py: error: --mechanisms: unknown {', '.join(unknown)}; use "
+              f"{', '.join(known)}", file=sys.stderr)
+        return USAGE_STATUS
+    gpus = devices.count if opts.gpus is None else opts.gpus
+    if not 1 <= gpus <= devices.count:
+        print(f"gpu_check.py: error: --gpus {opts.gpus}: {devices.count} GPUs are visible; give "
+              f"1 to {devices.count}", file=sys.stderr)
+        return USAGE_STATUS
+    import torch
+
+    deadline = time.monotonic() + TOTAL_BUDGET_S
+    runner = runner or TorchrunRunner()
+    profile, predictor = _predictor(devices)
+    opts.run_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    if not opts.skip_gpu_tests:
+        print("gpu-check: pytest -m gpu tests/gpu", flush=True)
+        rows.append(gpu_tests_row(opts.run_dir / "gpu_tests.log", GPU_TESTS_LIMIT_S))
+        print(f"gpu-check: gpu tests: {rows[-1].verdict}: {'; '.join(rows[-1].notes)}", flush=True)
+    runs = plan(gpus, model, tuple(known[n] for n in names))
+    for index, run in enumerate(runs, 1):
+        timeout = run_limit(deadline, time.monotonic(), RUN_LIMIT_S)
+        print(f"gpu-check: [{index}/{len(runs)}] {run.mechanism.name} on {run.layout()}",
+              flush=True)
+        rows.append(training_row(run, runner, opts.run_dir / run.mechanism.name, timeout,
+                                 predictor))
+        print(f"gpu-check: [{index}/{len(runs)}] {run.mechanism.name}: {rows[-1].verdict}"
+              + (f": {'; '.join(rows[-1].notes)}" if rows[-1].verdict != PASS else ""),
+              flush=True)
+    header = Header(device_name=devices.name, gpu_count=gpus, torch_version=torch.__version__,
+                    cuda_version=torch.version.cuda or "n/a", commit=_commit(),
+                    date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                    model=model.describe(), hardware_profile=profile,
+                    memory_metric=runner.memory_key)
+    write_atomic(opts.out, render(header, rows))
+    status = exit_status(rows)
+    print(f"gpu-check: {'PASS' if status == 0 else 'FAIL'}: report {opts.out}", flush=True)
+    return status
