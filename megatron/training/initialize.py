@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from memo_ext.device_memory import current_allocator
+
 from megatron.training.memo import install_memo_plan_allocator, install_memo_stitching_allocator
 
 # Megatron-LM offsets each pipeline stage's seed so that stages draw different weights.
@@ -74,6 +76,11 @@ def initialize_megatron(args: argparse.Namespace) -> None:
         os.environ.setdefault("NCCL_ALGO", "Ring")
     install_memo_plan_allocator(args)
     install_memo_stitching_allocator(args, log=_log_rank_0)
+    if current_allocator() is not None:
+        # ProcessGroupNCCL's record_stream goes to the C++ allocator API, which a pluggable
+        # allocator never hears of; holding the tensors until the work completes does not
+        # need the allocator. Read when the process group is created.
+        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
     initialize_distributed(args)
     from megatron.core import parallel_state
 

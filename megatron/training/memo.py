@@ -16,6 +16,7 @@ from memo_ext.config import (BYTES_PER_MIB, METPConfig, MemoConfigError, Offload
                              PlanConfig, SPPOConfig, StitchingConfig, TelemetryConfig,
                              config_from_args)
 from memo_ext.device import CopyEngine, cuda_memory_headroom, measure_offload_bandwidth
+from memo_ext.device_memory import current_allocator
 from memo_ext.offload import ActivationShape, MemoOffload
 from memo_ext.offload.alpha import default_host_memory_bytes, microbatches_in_flight
 from memo_ext.telemetry import MemoryTelemetry
@@ -69,7 +70,10 @@ def build_memo_telemetry(args: argparse.Namespace, log) -> Optional[MemoryTeleme
     telemetry = MemoryTelemetry(config, log_interval=args.log_interval, log=log)
     capacity = (f"{telemetry.capacity_bytes / BYTES_PER_GB:.4g} GB per rank"
                 if telemetry.capacity_bytes else "unlimited (no fail-fast)")
-    log(f"> memory telemetry: {'CUDA caching allocator' if telemetry.cuda else 'CPU tracker'} "
+    allocator = current_allocator()
+    source = ("CPU tracker" if not telemetry.cuda else
+              allocator.name if allocator is not None else "CUDA caching allocator")
+    log(f"> memory telemetry: {source} "
         f"| capacity {capacity} | fail-fast margin {config.telemetry_fail_fast_margin:g} after "
         f"{config.telemetry_warmup_steps} steps | reports in {config.oom_report_dir}")
     return telemetry
