@@ -1,8 +1,34 @@
-"""Build the C++ extension `memo_ext._C` from csrc/ (pybind11). Metadata lives in pyproject.toml."""
+"""Build the C++ extension `memo_ext._C` from csrc/ (pybind11) and ship the CUDA stitching
+allocator's sources in the package. Metadata lives in pyproject.toml."""
+import shutil
 from glob import glob
+from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+#: Where memo_ext.alloc.stitching_cuda finds its sources in an installed package.
+STITCHING_CUDA_PACKAGE_DIR = Path("memo_ext", "alloc", "_csrc")
+
+
+class BuildPyWithStitchingSources(build_py):
+    """build_py, plus csrc/cuda/*.cpp and the csrc/*.h they include, copied into
+    memo_ext/alloc/_csrc/ of the build. memo_ext.alloc.stitching_cuda compiles them on the
+    machine that uses them (it needs that machine's CUDA toolkit, not the build machine's), so the
+    wheel carries sources, not a library. The copy keeps csrc/'s layout, so the sources'
+    relative includes resolve, and csrc/ stays the only copy in git."""
+
+    def run(self):
+        super().run()
+        if self.editable_mode:  # an editable install compiles csrc/ of the checkout itself
+            return
+        target = Path(self.build_lib) / STITCHING_CUDA_PACKAGE_DIR
+        for source in sorted(glob("csrc/cuda/*.cpp") + glob("csrc/*.h")):
+            copy = target / Path(source).relative_to("csrc")
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy)
+
 
 setup(
     ext_modules=[
@@ -14,5 +40,5 @@ setup(
             depends=sorted(glob("csrc/*.h")),
         )
     ],
-    cmdclass={"build_ext": build_ext},
+    cmdclass={"build_ext": build_ext, "build_py": BuildPyWithStitchingSources},
 )

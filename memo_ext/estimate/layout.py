@@ -2,7 +2,7 @@
 layouts the recommender runs.
 
 A :class:`LayoutModel` traces each distinct pipeline stage of the layout at two sequence lengths
-(tools/trace.py on fake tensors, cached on disk by :class:`TraceCache`), then answers at any
+(memo-trace on fake tensors, cached on disk by :class:`TraceCache`), then answers at any
 length: the allocation trace through the allocator model (memory.py: fit or OOM,
 reorganisations) and the work through the cost model (cost.py: step time, MFU). The prediction
 is the worst stage's memory and the slowest stage's time. Host memory is checked too: MEMO's
@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,7 @@ from memo_ext.estimate.cost import (
     predict_step,
 )
 from memo_ext.estimate.memory import (
-    REPO_ROOT,
+    TRACE_MODULE,
     EstimateError,
     LinearTrace,
     MemoryEstimate,
@@ -79,11 +80,30 @@ BLOCK_RECOMPUTE_FRACTIONS = (0.25, 0.5, 0.75)
 WEIGHT_AND_GRAD_BYTES_PER_PARAM = 6
 OPTIMIZER_BYTES_PER_PARAM = 12
 
-#: Sources whose change changes a trace: part of every cache key.
-TRACER_SOURCES = ("tools/trace.py", "memo_ext/planner/trace.py", "memo_ext/planner/work.py",
-                  "memo_ext/offload/manager.py", "memo_ext/offload/layer.py",
-                  "megatron/training/layer_specs.py", "pretrain_gpt.py",
-                  "memo_ext/loss/chunked.py", "memo_ext/loss/model.py")
+#: Modules whose change changes a trace: their files, wherever they are installed, are part of
+#: every cache key.
+TRACER_SOURCES = (TRACE_MODULE, "memo_ext.planner.trace", "memo_ext.planner.work",
+                  "memo_ext.offload.manager", "memo_ext.offload.layer",
+                  "megatron.training.layer_specs", "pretrain_gpt",
+                  "memo_ext.loss.chunked", "memo_ext.loss.model")
+
+
+def module_file(name: str) -> Optional[Path]:
+    """The file module ``name`` loads from (its ``__file__``), found as the import system finds
+    it but without running it or its packages (memo_ext does not import megatron.training);
+    None when it is not installed."""
+    spec, search_path = None, None
+    parts = name.split(".")
+    for depth in range(1, len(parts) + 1):
+        for finder in sys.meta_path:
+            spec = finder.find_spec(".".join(parts[:depth]), search_path) \
+                if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        else:
+            return None
+        search_path = spec.submodule_search_locations
+    return Path(spec.origin) if spec.has_location else None
 
 
 @dataclass(frozen=True)
@@ -151,9 +171,9 @@ class TraceCache:
     def __init__(self, directory: Optional[Path]) -> None:
         self.directory = None if directory is None else Path(directory)
         digest = hashlib.sha256()
-        for source in TRACER_SOURCES:
-            path = REPO_ROOT / source
-            digest.update(path.read_bytes() if path.exists() else b"")
+        for module in TRACER_SOURCES:
+            path = module_file(module)
+            digest.update(path.read_bytes() if path is not None else module.encode())
         self._sources_digest = digest.hexdigest()
 
     def trace(self, argv: list[str], seq: int) -> Trace:

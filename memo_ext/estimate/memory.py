@@ -30,8 +30,9 @@ from typing import Callable, Optional
 
 from memo_ext.planner.trace import POOL_EXTERNAL, Trace, read_trace
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TRACE_TOOL = REPO_ROOT / "tools" / "trace.py"
+#: The tracer (memo-trace), run as ``python -m`` in a subprocess: memo_ext never imports the
+#: trainer, and each trace builds its own fake world.
+TRACE_MODULE = "megatron.training.cli.trace"
 HARDWARE_FILE = Path(__file__).with_name("hardware.json")
 
 #: Event fields that must agree between the two traces of a LinearTrace (everything but bytes).
@@ -63,11 +64,14 @@ def load_hardware(name: str, extra_file: Optional[Path] = None) -> dict:
 
 
 def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:
-    """tools/trace.py at ``seq`` tokens in a subprocess (each trace builds its own fake world)."""
+    """The tracer (TRACE_MODULE) at ``seq`` tokens in a subprocess, writing into ``workdir``."""
+    workdir = Path(workdir).resolve()  # absolute: the child runs in it
     path = workdir / f"trace_{seq}.jsonl.gz"
-    done = subprocess.run([sys.executable, str(TRACE_TOOL), *trace_argv, "--seq-length", str(seq),
-                           "--quiet", "-o", str(path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True)
+    # cwd=workdir: ``-m`` puts the working directory first on sys.path, and workdir holds
+    # nothing that could shadow the installed modules.
+    done = subprocess.run([sys.executable, "-m", TRACE_MODULE, *trace_argv, "--seq-length",
+                           str(seq), "--quiet", "-o", str(path)],
+                          cwd=workdir, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise EstimateError(f"tracing at {seq} tokens failed: {last}")

@@ -10,26 +10,18 @@ does not depend on the layer count, and the trace takes seconds instead of a min
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
 from bench.loss_memory import head_allocations
 from memo_ext.estimate.layout import CHUNKED_LOSS_TRAINER_FLAGS, Layout
 from memo_ext.estimate.memory import LinearTrace
-from tests.conftest import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
 def tool():
-    """tools/trace.py as a module (it is a script, not a package member)."""
-    spec = importlib.util.spec_from_file_location("chunked_loss_trace_tool",
-                                                  REPO_ROOT / "tools" / "trace.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module
+    from megatron.training.cli import trace
+
+    return trace
 
 
 def record(tool, argv):

@@ -17,7 +17,6 @@ from memo_ext.planner import plan as P
 from memo_ext.planner import trace as T
 from tests.conftest import REPO_ROOT, subprocess_env
 
-MEMO_PLAN = REPO_ROOT / "tools" / "memo_plan.py"
 TRACE_ARGS = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
               "--seq-length", "256", "--vocab-size", "512", "--tp", "2"]
 KiB = 1024
@@ -232,12 +231,9 @@ def test_memo_plan_cli(traced, tmp_path):
 
 
 def _load_cli():
-    import importlib.util
+    from megatron.training.cli import memo_plan
 
-    spec = importlib.util.spec_from_file_location("memo_plan_cli", MEMO_PLAN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return memo_plan
 
 
 # ---------------------------------------------------------------------- runtime arena

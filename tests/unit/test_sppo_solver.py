@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from memo_ext.estimate.memory import load_hardware
 from memo_ext.estimate.models import model_shape
 from memo_ext.sppo.solver import GiB, Problem, evaluate, not_fit_message, solve
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
         "vocab_size": 1000}
 A100 = load_hardware("a100-80gb")
 
 
 def _cli():
-    spec = importlib.util.spec_from_file_location("sppo_plan_tool",
-                                                  REPO_ROOT / "tools" / "sppo_plan.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from megatron.training.cli import sppo_plan
+
+    return sppo_plan
 
 
 def test_memory_terms_match_a_hand_computation():

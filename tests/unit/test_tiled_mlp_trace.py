@@ -4,30 +4,15 @@ which test_tiled_mlp.py's in-process megatron is)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-from tests.conftest import REPO_ROOT
-
 SEQ, CP, TP, HIDDEN, TILE = 512, 2, 2, 64, 64
-
-
-def _trace_tool():
-    name = "memo_trace_tool"  # the name tests/unit/test_trace.py registers it under
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / "trace.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses need the module registered
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def _largest_mlp_allocation(tile_tokens: int) -> tuple[int, int]:
     """(largest allocation of layer 0's fc1/fc2 in the iteration, number of TiledMLP modules)
     in a fake-tensor trace of a small bf16 model at TP=2+SP, CP=2."""
+    from megatron.training.cli import trace as tool
     from memo_ext.tiled_mlp import TiledMLP
 
-    tool = _trace_tool()
     opts = tool.build_parser().parse_args([
         "--num-layers", "2", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4",
         "--seq-length", str(SEQ), "--vocab-size", "512", "--tp", str(TP), "--cp", str(CP),

@@ -6,7 +6,6 @@ Small models only (seconds each) except the ``slow`` 7B/1M-token run and the ``g
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import io
 import json
 import math
@@ -32,20 +31,11 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--seq-length", "128", "--vocab-size", "512", "--tp", "2", "--cp", "2", "--bf16"]
 
 
-def _load_tool():
-    name = "memo_trace_tool"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, TOOL_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tool():
-    return _load_tool()
+    from megatron.training.cli import trace
+
+    return trace
 
 
 def record(tool, argv, **overrides):

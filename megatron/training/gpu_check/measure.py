@@ -25,6 +25,8 @@ from typing import Optional
 from megatron.training.gpu_check.plan import PlannedRun
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+#: A source checkout (tests/gpu and pretrain_gpt.py beside the packages), not an installed wheel.
+IN_CHECKOUT = (REPO_ROOT / "pretrain_gpt.py").is_file() and (REPO_ROOT / "tests" / "gpu").is_dir()
 #: Seconds a timed-out run gets between SIGTERM and SIGKILL (torchrun forwards the former).
 KILL_GRACE_S = 10
 #: Rendezvous variables of an enclosing launch, which would point torchrun at a port not its own.
@@ -62,19 +64,23 @@ class Measurement:
 
 
 def launch_env() -> dict:
-    """This environment without rendezvous variables, with the repository importable."""
+    """This environment without rendezvous variables, with the checkout importable (an
+    installed package already is)."""
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    if IN_CHECKOUT:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                          env.get("PYTHONPATH")]))
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron's advice for TP/SP overlap
     return env
 
 
 def run_logged(command: list[str], log_path: Path, timeout_s: float) -> Completed:
-    """Run ``command`` in the repository with its output in ``log_path``; killed (its whole
-    process group) after ``timeout_s`` seconds."""
+    """Run ``command`` (in the checkout, if this is one) with its output in ``log_path``;
+    killed (its whole process group) after ``timeout_s`` seconds."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=launch_env(), stdout=log,
+        process = subprocess.Popen(command, cwd=REPO_ROOT if IN_CHECKOUT else None,
+                                   env=launch_env(), stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
             returncode = process.wait(timeout=timeout_s)
@@ -85,10 +91,10 @@ def run_logged(command: list[str], log_path: Path, timeout_s: float) -> Complete
 
 
 def launch(nproc: int, argv: list[str], log_path: Path, timeout_s: float) -> Completed:
-    """``torchrun --standalone --nproc-per-node nproc pretrain_gpt.py argv`` (see
-    :func:`run_logged`)."""
+    """``torchrun --standalone --nproc-per-node nproc -m pretrain_gpt argv`` (see
+    :func:`run_logged`); the module is the checkout's or the installed one."""
     return run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"), *argv],
+                       f"--nproc-per-node={nproc}", "-m", "pretrain_gpt", *argv],
                       log_path, timeout_s)
 
 

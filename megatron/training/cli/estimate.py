@@ -1,0 +1,396 @@
+"""Predict a training job's device memory, step time and MFU before launching it, on any machine.
+
+    python tools/estimate.py --model 7b --gpu a800 --tp 4 --cp 2 --seq-length 524288
+    python tools/estimate.py --model 7b --gpu a800 --tp 4 --cp 2 --max-seq-length
+    python tools/estimate.py --model 7b --gpus 8 --gpu a800 --policy memo --memo-alpha 0 \\
+        --tp 4 --cp 2 --max-seq-length
+    python tools/estimate.py --model 7b --gpus 8 --gpu a800 --recommend --max-seq-length
+
+One rank of the layout is traced on fake tensors at two sequence lengths (tools/trace.py, about
+15-25 s each for 7B, cached under ~/.cache/megatron-memo/traces); with pipeline parallelism, one
+rank of the first stage (with 1F1B's micro-batches in flight) and one of the last (output layer
+and loss), and the worst of them is the prediction. Every request size is linear
+in the sequence length, so the trace at any length follows, and is replayed (persistent state
+once, then three iterations) through the allocator model on the GPU's memory. The work the
+trace counted (GEMM and attention FLOPs, bytes moved, collectives, PCIe copies) goes through the
+cost model (memo_ext/estimate/cost.py) for the step time and MFU.
+
+Prints the predicted peak (reserved by the allocator plus the memory outside it: CUDA context,
+NCCL), the live bytes by category at the peak, FITS or OOM (device or host), the step time with
+its breakdown and the MFU. ``--max-seq-length`` searches the longest sequence that fits in steps
+of 128K (16K below 128K) and ends with ``max sequence length: <tokens> tokens, predicted MFU
+<pct>%``. ``--recommend`` searches (TP, CP, PP, DP, micro-batch, policy, alpha) for ``--gpus``
+GPUs and prints the best layouts as a table.
+
+Policies: ``megatron`` is Megatron-LM with full recompute (uniform, 1 layer), ``megatron-none``
+without recompute, ``memo`` MEMO's offload at ``--memo-alpha``. Everything printed is predicted
+(allocator models and a cost model; no GPU is involved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS
+from memo_ext.estimate.models import MODELS, ModelError, model_shape
+from memo_ext.estimate.sppo_layouts import (
+    SPPOLayoutModel,
+    SPPOPrediction,
+    sppo_layout_models,
+)
+
+GiB = 1 << 30
+#: Keys of a --model JSON file -> tools/trace.py flags.
+MODEL_FILE_KEYS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+                   "ffn_hidden_size": "--ffn-hidden-size",
+                   "num_attention_heads": "--num-attention-heads",
+                   "num_query_groups": "--num-query-groups", "vocab_size": "--vocab-size"}
+SEARCH_STEP, FINE_STEP = 131072, 16384
+POLICIES = ("megatron", "megatron-none", "megatron-block", "memo", "sppo")
+#: Block recompute multiplies the traced Megatron layouts by its layer counts: opt-in.
+DEFAULT_POLICIES = "megatron,megatron-none,memo,sppo"
+#: memo.md's calibration runs: 16 sequences per iteration.
+DEFAULT_GLOBAL_BATCH = 16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help="7b, 13b, 30b, 65b (examples/configs) or a JSON file with "
+                             + ", ".join(MODEL_FILE_KEYS) + " (and swiglu: true/false)")
+    parser.add_argument("--gpu", required=True, help="a profile of memo_ext/estimate/hardware.json")
+    parser.add_argument("--hardware-file", type=Path, default=None,
+                        help="extra GPU profiles (JSON, the keys of hardware.json)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs of the job (default TP x CP x PP); DP = GPUs / (TP x CP x PP)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel size; with --gpus and no --tp/--cp/--pp, the "
+                             "layout is searched for --policy")
+    parser.add_argument("--cp", type=int, default=None)
+    parser.add_argument("--pp", type=int, default=None)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH,
+                        help="sequences per iteration (default 16, as memo.md's calibration)")
+    parser.add_argument("--policy", choices=POLICIES, default="megatron",
+                        help="megatron (full recompute), megatron-none (no recompute), "
+                             "megatron-block (full recompute of --recompute-num-layers layers "
+                             "per stage, megatron's --recompute-method block), memo "
+                             "(MEMO's offload at --memo-alpha) or sppo (SPPO's subsequence "
+                             "pipeline, predicted by memo_ext/sppo/solver.py's analytic model: "
+                             "N, and MSP when PP > 1, are searched)")
+    parser.add_argument("--memo-alpha", default=None, metavar="ALPHA",
+                        help="with --policy memo: the offloaded fraction (a number in [0, 1]; "
+                             "default 0, or --alphas when the layout is searched)")
+    parser.add_argument("--recompute-num-layers", type=int, default=None,
+                        help="with --policy megatron-block: layers recomputed per stage")
+    parser.add_argument("--host-memory-gb", type=float, default=None,
+                        help="host memory per node for MEMO's offload (default: the profile's)")
+    parser.add_argument("--allocator", choices=("caching", "expandable", "arena"), default=None,
+                        help="allocator model: caching (PyTorch's default), expandable "
+                             "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or arena "
+                             "(MEMO's planned arena, planned from each trace). Default: arena "
+                             "with --policy memo, caching otherwise")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--seq-length", type=int, help="tokens per sequence")
+    target.add_argument("--max-seq-length", action="store_true",
+                        help="search the longest sequence that fits")
+    parser.add_argument("--search-max", type=int, default=8 * 1048576,
+                        help="longest sequence the search tries (default 8M)")
+    search = parser.add_argument_group("recommender (--recommend)")
+    search.add_argument("--recommend", action="store_true",
+                        help="search layouts and policies for --gpus GPUs; print the best")
+    search.add_argument("--policies", default=DEFAULT_POLICIES,
+                        help=f"policies searched (comma-separated; default {DEFAULT_POLICIES}; "
+                             f"also megatron-block)")
+    search.add_argument("--block-recompute-fractions",
+                        default=",".join(f"{f:g}" for f in BLOCK_RECOMPUTE_FRACTIONS),
+                        help="megatron-block: the layers per stage tried, as fractions of a "
+                             "stage's layers (comma-separated)")
+    search.add_argument("--alphas", default="0,1",
+                        help="MEMO alphas searched (comma-separated, default 0,1)")
+    search.add_argument("--pp-sizes", default="1",
+                        help="pipeline sizes searched for the traced policies (comma-separated; "
+                             "default 1); SPPO's solver searches every pipeline size")
+    search.add_argument("--micro-batch-sizes", default="1",
+                        help="micro-batch sizes searched (comma-separated)")
+    search.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    parser.add_argument("--jobs", type=int, default=2, help="traces run in parallel")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="trace cache (default $MEMO_ESTIMATE_CACHE or "
+                             "~/.cache/megatron-memo/traces)")
+    parser.add_argument("--no-cache", action="store_true", help="trace afresh, keep nothing")
+    return parser
+
+
+class UsageError(ValueError):
+    """Bad command-line input (one line)."""
+
+
+def _fail(message: str) -> int:
+    print(f"estimate.py: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _numbers(text: str, flag: str, kind=float) -> list:
+    try:
+        return [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text}: give comma-separated numbers") from None
+
+
+def model_argv(name: str) -> tuple[list[str], dict]:
+    """tools/trace.py flags of the model and its shape (for the recommender's pruning)."""
+    if name in MODELS:
+        return ["--model", name], model_shape(name)
+    try:
+        shape = model_shape(name)
+    except ModelError as exc:
+        raise UsageError(str(exc)) from None
+    argv = []
+    for key, flag in MODEL_FILE_KEYS.items():
+        if shape.get(key) is not None:
+            argv += [flag, str(int(shape[key]))]
+    if shape.get("swiglu"):
+        argv.append("--swiglu")
+    return argv, shape
+
+
+def _memory_lines(memory, device_bytes: int, label: str, verdict: str) -> list[str]:
+    return [f"{label}peak {memory.peak_reserved_bytes / GiB:.2f} GiB reserved + "
+            f"{memory.external_bytes / GiB:.2f} GiB outside the allocator = "
+            f"{memory.peak_device_bytes / GiB:.2f} of {device_bytes / GiB:.2f} GiB per rank: "
+            f"{verdict}",
+            "  live at the peak: " + ", ".join(
+                f"{name} {nbytes / GiB:.2f} GiB"
+                for name, nbytes in sorted(memory.peak_by_category.items(),
+                                           key=lambda kv: -kv[1]) if nbytes),
+            f"  fragmentation {memory.fragmentation:.1%}, reorganisations in 3 iterations "
+            f"{memory.reorganisations}"]
+
+
+def describe(prediction, device_bytes: int) -> list[str]:
+    """The prediction's lines: memory (per traced pipeline stage when PP > 1), host memory,
+    the slowest stage's time and the MFU; an SPPO prediction's are the solver's report."""
+    if isinstance(prediction, SPPOPrediction):
+        return prediction.lines()
+    if len(prediction.stages) == 1:
+        lines = _memory_lines(prediction.memory, device_bytes, f"seq {prediction.seq}: ",
+                              prediction.verdict())
+    else:
+        lines = [f"seq {prediction.seq}: {prediction.verdict()}"]
+        for stage in prediction.stages:
+            in_flight = stage.stage.microbatches_in_flight
+            lines += _memory_lines(
+                stage.memory, device_bytes,
+                f" stage {stage.stage.index} (rank {stage.stage.rank}, {in_flight} "
+                f"micro-batch{'es' if in_flight > 1 else ''} in flight): ",
+                "FITS" if stage.memory.fits else "OOM")
+    step = prediction.step
+    if prediction.memory.host_bytes:
+        lines.append(f"  host memory for offloaded activations: "
+                     f"{prediction.host_bytes_per_node / prediction.ranks_per_node / GiB:.2f} "
+                     f"GiB per rank, {prediction.host_bytes_per_node / 1e9:.0f} of "
+                     f"{prediction.host_capacity_bytes / 1e9:.0f} GB per node")
+    slowest = "" if len(prediction.stages) == 1 else " (the slowest traced stage)"
+    lines.append(f"  time{slowest}: {step.breakdown()}")
+    lines.append(f"  predicted MFU {step.mfu:.1%} ({prediction.layout.gpus} GPUs, "
+                 f"{step.microbatches * prediction.layout.dp * prediction.layout.micro_batch} "
+                 f"sequences per iteration)")
+    return lines
+
+
+def table(predictions, top: int) -> list[str]:
+    lines = ["| # | layout | seq | peak GiB/rank | host GB/node | step s | MFU | fits |",
+             "|---|---|---|---|---|---|---|---|"]
+    for index, p in enumerate(predictions[:top], 1):
+        lines.append(f"| {index} | {p.describe()} | {p.seq} | "
+                     f"{p.peak_device_bytes / GiB:.1f} | "
+                     f"{p.host_bytes_per_node / 1e9:.0f} | {p.step_s:.1f} | "
+                     f"{p.mfu:.1%} | {p.verdict()} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    from memo_ext.estimate import EstimateError, load_hardware
+    from memo_ext.estimate.cost import CostModelError
+    from memo_ext.estimate.layout import (
+        FIT_SEQS,
+        Layout,
+        LayoutModel,
+        TraceCache,
+        build_models,
+        candidate_layouts,
+        default_cache_dir,
+        rank_at,
+        rank_longest,
+    )
+
+    started = time.perf_counter()
+    try:
+        shape_argv, shape = model_argv(opts.model)
+        hardware = load_hardware(opts.gpu, opts.hardware_file)
+        device = int(hardware["device_memory_bytes"])
+        cache = TraceCache(None if opts.no_cache else (opts.cache_dir or default_cache_dir()))
+        if opts.recompute_num_layers is not None and opts.policy != "megatron-block":
+            raise UsageError("--recompute-num-layers applies to --policy megatron-block only "
+                             "(megatron full recompute is 1 layer per block, uniform)")
+        fixed_layout = any(v is not None for v in (opts.tp, opts.cp, opts.pp))
+        if opts.recommend or (opts.gpus and not fixed_layout):
+            if not opts.gpus:
+                raise UsageError("--recommend needs --gpus N")
+            if opts.recommend:
+                policies = [p.strip() for p in opts.policies.split(",") if p.strip()]
+            else:  # the best layout for --policy
+                policies = [opts.policy]
+                if opts.memo_alpha is not None:
+                    opts.alphas = opts.memo_alpha
+            unknown = [p for p in policies if p not in POLICIES]
+            if unknown:
+                raise UsageError(f"--policies: unknown {', '.join(unknown)}; use "
+                                 f"{', '.join(POLICIES)}")
+            alphas = _numbers(opts.alphas, "--alphas")
+            if any(not 0 <= a <= 1 for a in alphas):
+                raise UsageError(f"--alphas {opts.alphas}: each in [0, 1]")
+            traced = [p for p in policies if p != "sppo"]
+            fractions = _numbers(opts.block_recompute_fractions, "--block-recompute-fractions")
+            if any(not 0 < f < 1 for f in fractions):
+                raise UsageError(f"--block-recompute-fractions {opts.block_recompute_fractions}:"
+                                 " each strictly between 0 and 1")
+            layouts, dropped = candidate_layouts(
+                shape, opts.gpus, hardware, policies=traced, alphas=alphas,
+                micro_batches=_numbers(opts.micro_batch_sizes, "--micro-batch-sizes", int),
+                global_batch=opts.global_batch_size,
+                pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int),
+                block_fractions=fractions) if traced else ([], [])
+            sppo_models, sppo_dropped = sppo_layout_models(
+                shape, opts.gpus, hardware, global_batch=opts.global_batch_size,
+                host_memory_gb_per_node=opts.host_memory_gb,
+                seq=opts.seq_length) if "sppo" in policies \
+                else ([], [])
+            print(f"{'recommend' if opts.recommend else 'layout search'}: {opts.model} on "
+                  f"{opts.gpus} x {opts.gpu}, policies {', '.join(policies)}, {len(layouts)} "
+                  f"layouts to trace ({len(dropped)} ruled out before tracing)"
+                  + (f", {len(sppo_models)} SPPO layouts from its analytic model "
+                     f"({len(sppo_dropped)} ruled out)" if "sppo" in policies else ""))
+            models, failed = build_models(shape_argv, layouts, hardware,
+                                          global_batch=opts.global_batch_size, cache=cache,
+                                          jobs=opts.jobs,
+                                          host_memory_gb_per_node=opts.host_memory_gb,
+                                          log=lambda line: print(f"  {line}", flush=True))
+            for layout, reason in failed:
+                print(f"  not predicted: {layout.describe()}: {reason}")
+            models += sppo_models
+            if opts.max_seq_length:
+                ranked = rank_longest(models, SEARCH_STEP, opts.search_max, FINE_STEP)
+            else:
+                ranked = [p for p in rank_at(models, opts.seq_length) if p.fits]
+            for line in table(ranked, opts.top):
+                print(line)
+            print(f"estimated in {time.perf_counter() - started:.1f} s")
+            if not ranked:
+                print("no layout fits" + ("" if opts.max_seq_length
+                                          else f" at {opts.seq_length} tokens"))
+                return 1
+            best = ranked[0]
+            print(f"best: {best.describe()}")
+            for text in describe(best, device):
+                print(text)
+            if opts.max_seq_length:
+                print(f"max sequence length: {best.seq} tokens, predicted MFU "
+                      f"{best.mfu * 100:.1f}%")
+            return 0
+
+        opts.tp, opts.cp, opts.pp = opts.tp or 1, opts.cp or 1, opts.pp or 1
+        model_parallel = opts.tp * opts.cp * opts.pp
+        gpus = opts.gpus or model_parallel
+        if gpus % model_parallel:
+            raise UsageError(f"--gpus {gpus} is not a multiple of TP x CP x PP = "
+                             f"{model_parallel}")
+        alpha = None
+        if opts.policy == "memo":
+            try:
+                alpha = float(opts.memo_alpha or 0)
+            except ValueError:
+                alpha = -1.0
+            if not 0.0 <= alpha <= 1.0:
+                raise UsageError(f"--memo-alpha {opts.memo_alpha}: give a number in [0, 1]")
+        if opts.policy == "sppo":
+            return _fixed_sppo_layout(opts, shape, hardware, gpus, started)
+        recompute_layers = None
+        if opts.policy == "megatron-block":
+            stage_layers = shape["num_layers"] // opts.pp
+            if opts.recompute_num_layers is None or not \
+                    1 <= opts.recompute_num_layers <= stage_layers:
+                raise UsageError(f"--policy megatron-block needs --recompute-num-layers K, 1 <= K"
+                                 f" <= {stage_layers} (the layers of a stage)")
+            recompute_layers = opts.recompute_num_layers
+        layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
+                        opts.micro_batch_size, recompute_layers)
+        model = LayoutModel.build(shape_argv, layout, hardware,
+                                  global_batch=opts.global_batch_size, cache=cache,
+                                  allocator=opts.allocator,
+                                  host_memory_gb_per_node=opts.host_memory_gb)
+        print(f"estimate: {opts.model} on {opts.gpu} ({device / GiB:.2f} GiB per GPU), "
+              f"{gpus} GPUs: {layout.describe()}, {model.allocator} allocator model, "
+              f"rank{'s' if len(model.stages) > 1 else ''} "
+              f"{', '.join(str(m.stage.rank) for m in model.stages)} traced (predicted; traces "
+              f"at {FIT_SEQS[0]} and {FIT_SEQS[1]} tokens)")
+        if opts.seq_length is not None:
+            for text in describe(model.predict(opts.seq_length), device):
+                print(text)
+            return 0
+        longest = model.longest(SEARCH_STEP, opts.search_max, FINE_STEP)
+        mfu = "n/a (nothing fits)"
+        if longest:
+            prediction = model.predict(longest)
+            for text in describe(prediction, device):
+                print(text)
+            mfu = f"{prediction.step.mfu * 100:.1f}%"
+        print(f"estimated in {time.perf_counter() - started:.1f} s")
+        print(f"max sequence length: {longest} tokens, predicted MFU {mfu}")
+        return 0
+    except (UsageError, EstimateError, CostModelError) as exc:
+        return _fail(str(exc))
+
+
+def _fixed_sppo_layout(opts, shape: dict, hardware: dict, gpus: int, started: float) -> int:
+    """--policy sppo with --tp/--pp: the solver's best N (and MSP) for that layout."""
+    from memo_ext.sppo.solver import SolverError
+
+    if opts.cp != 1:
+        raise UsageError(f"--policy sppo --cp {opts.cp}: SPPO splits the sequence over the "
+                         "pipeline, not over context-parallel ranks; give --cp 1")
+    if opts.micro_batch_size != 1:
+        raise UsageError("--policy sppo plans micro-batch 1; drop --micro-batch-size")
+    model = SPPOLayoutModel(shape, gpus, hardware, opts.tp, opts.pp, opts.global_batch_size,
+                            None if opts.host_memory_gb is None else opts.host_memory_gb * 1e9)
+    device = int(hardware["device_memory_bytes"])
+    print(f"estimate: {opts.model} on {opts.gpu} ({device / GiB:.2f} GiB per GPU), {gpus} "
+          f"GPUs: TP={opts.tp} PP={opts.pp} DP={model.dp} SPPO (analytic model, "
+          "memo_ext/sppo/solver.py; predicted)")
+    try:
+        if opts.seq_length is not None:
+            for text in model.predict(opts.seq_length - opts.seq_length % model.multiple).lines():
+                print(text)
+            return 0
+        longest = model.longest(SEARCH_STEP, opts.search_max, FINE_STEP)
+    except SolverError as exc:
+        raise UsageError(str(exc)) from None
+    mfu = "n/a (nothing fits)"
+    if longest:
+        prediction = model.predict(longest)
+        for text in prediction.lines():
+            print(text)
+        mfu = f"{prediction.mfu * 100:.1f}%"
+    print(f"estimated in {time.perf_counter() - started:.1f} s")
+    print(f"max sequence length: {longest} tokens, predicted MFU {mfu}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

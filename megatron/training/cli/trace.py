@@ -1,0 +1,578 @@
+"""Record the device-memory allocation trace of one training iteration of one rank.
+
+    python tools/trace.py --model 7b --seq-length 1048576 --tp 4 --cp 2 --pp 1 --rank 0 \\
+        --bf16 -o trace.jsonl.gz
+
+The model is the trainer's own, built its way (megatron.training.arguments validation,
+pretrain_gpt.model_provider, megatron.training.layer_specs' local spec with memo_ext.attention's
+core attention, megatron-core DDP); nothing is substituted. By default it runs offline: a fake process group stands in for the TP x CP x PP x DP world and every tensor
+is a FakeTensor on the CPU device, so a 1M-token 7B trace takes seconds and little memory.
+``--live`` uses real CPU tensors instead (small models only; same events).
+
+Writes gzipped JSON lines (header, then one event per line; docs/tracing.md) and prints a
+summary: events, peak live bytes, bytes by category at the peak, per-layer forward skeletal
+bytes against memo.md's 16·b·s·h/(TP·CP).
+"""
+
+from __future__ import annotations
+
+import time
+
+_START = time.perf_counter()
+
+import argparse
+import contextlib
+import dataclasses
+import resource
+import shlex
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Presets (layers, hidden, ffn hidden, heads) and the default vocabulary: one definition, shared
+# with tools/estimate.py and tools/sppo_plan.py.
+from memo_ext.estimate.models import DEFAULT_VOCAB_SIZE, MODELS  # noqa: E402
+# Host memory given to MEMO's offload while tracing: large enough never to refuse an alpha
+# (the trace does not model host capacity; memo_ext.offload.alpha does).
+TRACE_HOST_MEMORY_GB = 1e6
+TRACE_PCIE_GBPS = 25.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Allocation trace of one training iteration of one rank "
+                    "(gzipped JSON lines; see docs/tracing.md).", allow_abbrev=False)
+    model = parser.add_argument_group("model (--model or explicit shape flags)")
+    model.add_argument("--model", choices=sorted(MODELS), default=None,
+                       help="Shape of examples/configs/gpt_<model>.sh.")
+    model.add_argument("--num-layers", type=int, default=None)
+    model.add_argument("--hidden-size", type=int, default=None)
+    model.add_argument("--ffn-hidden-size", type=int, default=None)
+    model.add_argument("--num-attention-heads", type=int, default=None)
+    model.add_argument("--num-query-groups", type=int, default=None,
+                       help="Grouped-query attention with this many K/V groups.")
+    model.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    model.add_argument("--swiglu", action="store_true")
+    model.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    model.add_argument("--position-embedding-type", default="rope",
+                       choices=("rope", "learned_absolute"))
+    model.add_argument("--disable-bias-linear", action="store_true")
+    model.add_argument("--tie-embeddings", action="store_true",
+                       help="Share the input embedding and output layer weights (megatron's "
+                            "default; the trainer without --untie-embeddings-and-output-weights). "
+                            "Default: untied, as examples/configs.")
+    model.add_argument("--attention-dropout", type=float, default=0.0)
+    model.add_argument("--hidden-dropout", type=float, default=0.0)
+
+    layout = parser.add_argument_group("layout")
+    layout.add_argument("--seq-length", type=int, required=True, help="Tokens per sequence.")
+    layout.add_argument("--micro-batch-size", type=int, default=1)
+    layout.add_argument("--tp", type=int, default=1, help="Tensor-parallel size.")
+    layout.add_argument("--cp", type=int, default=1, help="Context-parallel size.")
+    layout.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size.")
+    layout.add_argument("--dp", type=int, default=1, help="Data-parallel size.")
+    layout.add_argument("--rank", type=int, default=0,
+                        help="Global rank whose trace is recorded (megatron's rank order).")
+    layout.add_argument("--no-sequence-parallel", action="store_true",
+                        help="Turn off sequence parallelism (on by default when TP > 1).")
+    layout.add_argument("--microbatches-in-flight", type=int, default=1,
+                        help="Forwards recorded before the backwards (1F1B keeps PP - stage "
+                             "micro-batches in flight on a stage).")
+
+    training = parser.add_argument_group("training")
+    training.add_argument("--bf16", action="store_true", help="bf16 parameters and activations.")
+    training.add_argument("--fp16", action="store_true")
+    training.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    training.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                          help="Default uniform with --recompute-granularity full.")
+    training.add_argument("--recompute-num-layers", type=int, default=None)
+    training.add_argument("--memo-offload", action="store_true",
+                          help="MEMO token-wise swap + recompute (memo_ext.offload).")
+    training.add_argument("--memo-alpha", default=None, metavar="ALPHA",
+                          help="Fraction of alpha-split tokens offloaded (a number; 'auto' needs "
+                               "measured timings and cannot be traced). Default 0.")
+    training.add_argument("--memo-mlp-tile-size", type=int, default=0, metavar="TOKENS",
+                          help="Sequence-tiled MLP with tiles of TOKENS (the trainer's flag; "
+                               "docs/tiled_mlp.md). Default 0: off.")
+    training.add_argument("--no-distributed-optimizer", action="store_true",
+                          help="Replicate optimizer state on every DP rank.")
+    training.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    training.add_argument("--param-dtype-grad-buffer", action="store_true",
+                          help="Gradient buffer in the parameter dtype instead of fp32 "
+                               "(Megatron-LM uses fp32 with --bf16).")
+    training.add_argument("--trainer-args", default="", metavar="'FLAGS'",
+                          help="More pretrain_gpt.py flags for the traced model, appended to "
+                               "the trainer command line (shell-split; write it with '=' when "
+                               "it is one flag), e.g. --trainer-args='--cross-entropy-loss-fusion "
+                               "--cross-entropy-fusion-impl chunked' (docs/loss.md).")
+
+    trace = parser.add_argument_group("trace")
+    trace.add_argument("-o", "--output", default=None, help="Trace file (.jsonl.gz).")
+    trace.add_argument("--snapshot", default=None, metavar="PATH",
+                       help="Also write the trace as a PyTorch memory snapshot pickle, to open in "
+                            "https://pytorch.org/memory_viz (Active Memory Timeline).")
+    trace.add_argument("--live", action="store_true",
+                       help="Real CPU tensors instead of FakeTensors (small models only).")
+    trace.add_argument("--warmup", choices=("auto", "forward", "iteration", "none"),
+                       default="auto",
+                       help="How the steady state is reached before recording (see "
+                            "memo_ext.planner.record_iteration): 'none' traces the first "
+                            "iteration; 'auto' is 'iteration' with --memo-offload, else "
+                            "'forward'.")
+    trace.add_argument("--no-flash-workspace", action="store_true",
+                       help="Do not record flash-attention 2's backward workspaces (declared "
+                            "next to the kernels in memo_ext.attention.kernels).")
+    trace.add_argument("--no-cuda-semantics", action="store_true",
+                       help="Record CPU op output sizes as they are (layer-norm statistics in "
+                            "16 bits) instead of the CUDA kernels' (fp32).")
+    trace.add_argument("--cuda-context-mib", type=float, default=None,
+                       help="Override the CUDA context constant (MiB).")
+    trace.add_argument("--cublas-workspace-mib", type=float, default=None,
+                       help="Override the cuBLAS workspace constant (MiB).")
+    trace.add_argument("--nccl-mib-per-communicator", type=float, default=None,
+                       help="Override the NCCL buffer constant (MiB per communicator).")
+    trace.add_argument("--quiet", action="store_true", help="No summary on stdout.")
+    return parser
+
+
+def model_shape(opts: argparse.Namespace) -> tuple[int, int, int, int]:
+    """(layers, hidden, ffn, heads) from --model, overridden by explicit flags."""
+    base = MODELS.get(opts.model, (None, None, None, None))
+    layers = opts.num_layers or base[0]
+    hidden = opts.hidden_size or base[1]
+    heads = opts.num_attention_heads or base[3]
+    ffn = opts.ffn_hidden_size or (base[2] if opts.hidden_size in (None, base[1]) else None)
+    missing = [flag for flag, value in (("--num-layers", layers), ("--hidden-size", hidden),
+                                        ("--num-attention-heads", heads)) if value is None]
+    if missing:
+        raise SystemExit(f"error: give --model or {', '.join(missing)}")
+    return layers, hidden, ffn, heads
+
+
+def trainer_argv(opts: argparse.Namespace) -> list[str]:
+    """The trainer command line (pretrain_gpt.py flags) of the traced configuration."""
+    layers, hidden, ffn, heads = model_shape(opts)
+    argv = [
+        "--num-layers", str(layers), "--hidden-size", str(hidden),
+        "--num-attention-heads", str(heads),
+        "--seq-length", str(opts.seq_length), "--max-position-embeddings", str(opts.seq_length),
+        "--micro-batch-size", str(opts.micro_batch_size),
+        "--global-batch-size", str(opts.micro_batch_size * opts.dp * opts.microbatches_in_flight),
+        "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--vocab-size", str(opts.vocab_size),
+        "--position-embedding-type", opts.position_embedding_type,
+        "--normalization", opts.normalization,
+        *([] if opts.tie_embeddings else ["--untie-embeddings-and-output-weights"]),
+        "--attention-dropout", str(opts.attention_dropout),
+        "--hidden-dropout", str(opts.hidden_dropout),
+        "--tensor-model-parallel-size", str(opts.tp),
+        "--pipeline-model-parallel-size", str(opts.pp),
+        "--context-parallel-size", str(opts.cp), "--optimizer", opts.optimizer,
+    ]
+    if ffn is not None:
+        argv += ["--ffn-hidden-size", str(ffn)]
+    if opts.num_query_groups:
+        argv += ["--group-query-attention", "--num-query-groups", str(opts.num_query_groups)]
+    if opts.swiglu:
+        argv.append("--swiglu")
+    if opts.disable_bias_linear:
+        argv.append("--disable-bias-linear")
+    if not opts.no_sequence_parallel:
+        argv.append("--sequence-parallel")
+    if not opts.no_distributed_optimizer:
+        argv.append("--use-distributed-optimizer")
+    if opts.bf16:
+        argv.append("--bf16")
+    if opts.fp16:
+        argv.append("--fp16")
+    if not opts.param_dtype_grad_buffer:
+        argv.append("--accumulate-allreduce-grads-in-fp32")
+    if opts.recompute_granularity:
+        argv += ["--recompute-granularity", opts.recompute_granularity]
+        if opts.recompute_granularity == "full":
+            argv += ["--recompute-method", opts.recompute_method or "uniform"]
+            if opts.recompute_num_layers is not None:
+                argv += ["--recompute-num-layers", str(opts.recompute_num_layers)]
+    if opts.memo_offload:
+        alpha = "0" if opts.memo_alpha is None else opts.memo_alpha
+        argv += ["--memo-offload", "--memo-alpha", alpha,
+                 "--memo-host-memory-gb", str(TRACE_HOST_MEMORY_GB),
+                 "--memo-pcie-gbps", str(TRACE_PCIE_GBPS)]
+    if opts.memo_mlp_tile_size:
+        argv += ["--memo-mlp-tile-size", str(opts.memo_mlp_tile_size)]
+    return argv + shlex.split(opts.trainer_args)
+
+
+def rank_coordinates(rank: int) -> dict:
+    """This rank's TP/CP/PP/DP coordinates (megatron's parallel_state, initialised)."""
+    from megatron.core import parallel_state as ps
+
+    return {"rank": rank, "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "cp_rank": ps.get_context_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp_rank": ps.get_data_parallel_rank()}
+
+
+def make_forward_step(args, model, config):
+    """(forward_step, backward_done): forward_step(micro_batch) -> loss (last stage) or stage
+    output, the trainer's pretrain_gpt.forward_step on a synthetic batch allocated as the data
+    loader's H2D copies would be (tokens/labels/position ids int64, loss mask fp32, [b, s]);
+    backward_done(micro_batch) drops what a non-first pipeline stage received for it, once its
+    input gradient is "sent" back, as megatron's schedules do."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
+    import pretrain_gpt
+
+    first = parallel_state.is_pipeline_first_stage()
+    last = parallel_state.is_pipeline_last_stage()
+    shape = (args.micro_batch_size, args.seq_length)
+    tp = args.tensor_model_parallel_size
+    local_tokens = args.seq_length // args.context_parallel_size
+    if args.sequence_parallel:
+        local_tokens //= tp
+    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+    received_inputs: dict[int, torch.Tensor] = {}
+
+    def forward_step(microbatch: int) -> torch.Tensor:
+        batch = None
+        if first or last:
+            batch = {"tokens": torch.zeros(shape, dtype=torch.int64),
+                     "labels": torch.zeros(shape, dtype=torch.int64),
+                     "loss_mask": torch.ones(shape, dtype=torch.float32),
+                     "position_ids": torch.zeros(shape, dtype=torch.int64)}
+        if not first:
+            # megatron's recv_forward: the previous stage's output arrives in a fresh tensor.
+            received = torch.empty((local_tokens, args.micro_batch_size, args.hidden_size),
+                                   dtype=config.pipeline_dtype, requires_grad=True)
+            set_input_tensor(received)
+            received_inputs[microbatch] = received
+            del received
+        output, loss_func = pretrain_gpt.forward_step(iter([batch] if batch else []), model)
+        del batch
+        if not first:
+            set_input_tensor(None)
+        if not last:
+            return output
+        loss_sum, _num_tokens, _report = loss_func(output)
+        return loss_sum
+
+    def backward_done(microbatch: int) -> None:
+        received_inputs.pop(microbatch, None)  # with its .grad, sent to the previous stage
+
+    return forward_step, backward_done
+
+
+@dataclasses.dataclass
+class TracedRank:
+    """One rank built for tracing: its validated trainer ``args``, megatron-DDP-wrapped
+    ``model``, and everything :func:`memo_ext.planner.record_iteration` needs."""
+
+    args: argparse.Namespace
+    config: Any
+    model: torch.nn.Module
+    recorder: Any
+    header: dict
+    record_kwargs: dict
+
+    def record(self, **overrides):
+        """Record the iteration (record_iteration's keywords may be overridden)."""
+        from memo_ext.planner.trace import record_iteration
+
+        kwargs = {**self.record_kwargs, **overrides}
+        return record_iteration(self.model, recorder=self.recorder, header=self.header, **kwargs)
+
+
+@contextlib.contextmanager
+def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
+    """Build the configured rank (inside a fake process group and, unless ``--live``,
+    FakeTensorMode); everything is torn down on exit."""
+    from megatron.training.arguments import (
+        core_transformer_config_from_args,
+        parse_args,
+        silence_expected_cpu_warnings,
+    )
+
+    silence_expected_cpu_warnings()
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\..*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\..*")
+    if opts.microbatches_in_flight < 1:
+        raise SystemExit("error: --microbatches-in-flight must be >= 1")
+    world_size = opts.tp * opts.cp * opts.pp * opts.dp
+    args = parse_args(trainer_argv(opts), world_size=world_size, cuda_available=True)
+    if not 0 <= opts.rank < world_size:
+        raise SystemExit(f"error: --rank {opts.rank} is outside the world of {world_size} ranks "
+                         f"(TP x CP x PP x DP)")
+    if opts.memo_offload and args.memo_alpha.strip().lower() == "auto":
+        raise SystemExit("error: --memo-alpha auto solves the LP from measured layer times, "
+                         "which a trace cannot measure; give --memo-alpha A (0 <= A <= 1)")
+
+    from megatron.training.compat import apply_cpu_shims
+    from megatron.training.tokenizer import padded_vocab_size
+
+    apply_cpu_shims()  # the trace runs on the CPU device whatever the machine has
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+
+    import pretrain_gpt
+    from memo_ext.attention import kernels
+    from memo_ext.planner.trace import (
+        AllocationRecorder,
+        ProcessConstants,
+        allocate_optimizer_states,
+        communicators_for_layout,
+        fake_distributed,
+        fake_tensors,
+    )
+
+    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+    config = core_transformer_config_from_args(args)
+    # CPU semantics everywhere (also on a CUDA machine): CPU-side init, no torch.compile fusions.
+    config.use_cpu_initialization = True
+    config.perform_initialization = bool(opts.live)
+    config.bias_activation_fusion = config.bias_dropout_fusion = False
+    config.masked_softmax_fusion = False
+
+    constants = ProcessConstants(**{
+        key: int(value * MiB) for key, value in (
+            ("cuda_context_bytes", opts.cuda_context_mib),
+            ("cublas_workspace_bytes", opts.cublas_workspace_mib),
+            ("nccl_bytes_per_communicator", opts.nccl_mib_per_communicator))
+        if value is not None})
+    recorder = AllocationRecorder(cuda_semantics=not opts.no_cuda_semantics)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fake_distributed(world_size, opts.rank, opts.tp, opts.pp, opts.cp))
+        coordinates = rank_coordinates(opts.rank)
+        fake_mode = None if opts.live else stack.enter_context(fake_tensors())
+        memo = None
+        if opts.memo_offload:
+            memo = build_memo(args, recorder, stack, opts.microbatches_in_flight)
+        # The trainer's model, built by its own spec (--transformer-impl local).
+        model = pretrain_gpt.model_provider(
+            config, args, pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(), memo=memo)
+        stack.enter_context(kernels.declared_workspaces(not opts.no_flash_workspace))
+        # FakeTensorMode's op cache costs more than it saves on DDP's thousands of one-off
+        # views into the contiguous buffers (measured: 9.5 s -> 5.5 s for 7B).
+        with uncached(fake_mode):
+            ddp = DistributedDataParallel(
+                config=config,
+                ddp_config=DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+                    overlap_grad_reduce=False,
+                    use_distributed_optimizer=args.use_distributed_optimizer),
+                module=model)
+        ddp.train()
+        forward_step, backward_done = make_forward_step(args, ddp, config)
+        record_kwargs = {
+            "forward_step": forward_step,
+            "microbatch_backward_done": backward_done,
+            "microbatches": opts.microbatches_in_flight,
+            "warmup": warmup_mode(opts),
+            "optimizer_states": lambda: allocate_optimizer_states(
+                ddp, args.use_distributed_optimizer, adam=args.optimizer == "adam"),
+            # DDP's finish_grad_sync reduce-scatters / all-reduces the gradient buffer in place
+            # (no allocation); FakeTensorMode has no rule for its coalesced collectives.
+            "after_backward": None,
+            "constants": constants.entries(
+                communicators_for_layout(opts.tp, opts.cp, opts.pp, opts.dp)),
+            "deallocate_pipeline_outputs": config.deallocate_pipeline_outputs,
+        }
+        yield TracedRank(args=args, config=config, model=ddp, recorder=recorder,
+                         header=trace_header(opts, args, coordinates, constants),
+                         record_kwargs=record_kwargs)
+
+
+def record(opts: argparse.Namespace):
+    """Build the configured rank and record its iteration. Returns (trace, trainer args)."""
+    with traced_rank(opts) as rank:
+        return rank.record(), rank.args
+
+
+def uncached(fake_mode):
+    """``fake_mode`` (a FakeTensorMode or None) with its dispatch cache off in a block."""
+    if fake_mode is None:
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import disable_fake_tensor_cache
+
+    return disable_fake_tensor_cache(fake_mode)
+
+
+def build_memo(args, recorder, stack: contextlib.ExitStack, microbatches_in_flight: int):
+    """MEMO's runtime as megatron.training.memo builds it, with the fixed alpha, a CPU copy
+    engine, and host slots reported to the recorder (pool "host")."""
+    from memo_ext.config import OffloadConfig, config_from_args
+    from memo_ext.device import CopyEngine
+    from memo_ext.offload import ActivationShape, MemoOffload
+
+    class SynchronousCopyEngine(CopyEngine):
+        """Copies inline on the calling thread. CopyEngine's CPU workers would run ``copy_`` on
+        FakeTensors concurrently with the main thread, and FakeTensorMode is not thread-safe;
+        copies allocate nothing, so the trace is the same."""
+
+        def _copy_now(self, dst, src, after):
+            if after is not None:
+                after.synchronize()
+            dst.copy_(src)
+            return self.record_compute()
+
+        def offload(self, dst_host, src_device, after=None):
+            return self._copy_now(dst_host, src_device, after)
+
+        def prefetch(self, dst_device, src_host, after=None):
+            return self._copy_now(dst_device, src_host, after)
+
+    config = config_from_args(OffloadConfig, args)
+    engine = stack.enter_context(SynchronousCopyEngine("cpu", copy_delay_s=0.0))
+    shape = ActivationShape(
+        sequence_tokens=args.seq_length // args.context_parallel_size,
+        micro_batch_size=args.micro_batch_size, hidden_size=args.hidden_size,
+        tensor_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        element_bytes=torch.tensor([], dtype=args.params_dtype).element_size())
+    return MemoOffload(
+        config, engine, layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
+        microbatches_in_flight=microbatches_in_flight, shape=shape,
+        host_memory_bytes=config.host_memory_bytes,
+        bandwidth_bytes_per_s=config.pcie_bytes_per_s,
+        host_allocation_scope=recorder.host_allocations,
+        log=lambda message: None)
+
+
+def warmup_mode(opts: argparse.Namespace) -> str:
+    """The warm-up record_iteration runs: MEMO's rounding buffers and host slots need a whole
+    iteration to reach their steady state; everything else is created in forward."""
+    if opts.warmup != "auto":
+        return opts.warmup
+    return "iteration" if opts.memo_offload else "forward"
+
+
+def trace_header(opts, args, coordinates: dict, constants) -> dict:
+    """Plain-data description of what was traced (the trace file's first line)."""
+    from megatron.core import package_info
+
+    return {
+        "mode": "live" if opts.live else "fake",
+        "layout": {"tp": opts.tp, "cp": opts.cp, "pp": opts.pp, "dp": opts.dp,
+                   "world_size": opts.tp * opts.cp * opts.pp * opts.dp, **coordinates,
+                   "sequence_parallel": bool(args.sequence_parallel),
+                   "micro_batch_size": args.micro_batch_size,
+                   "microbatches_in_flight": opts.microbatches_in_flight},
+        "model": {"name": opts.model, "num_layers": args.num_layers,
+                  "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
+                  "num_attention_heads": args.num_attention_heads,
+                  "num_query_groups": args.num_query_groups, "kv_channels": args.kv_channels,
+                  "vocab_size": args.vocab_size, "padded_vocab_size": args.padded_vocab_size,
+                  "seq_length": args.seq_length, "params_dtype": str(args.params_dtype),
+                  "normalization": args.normalization, "swiglu": bool(args.swiglu),
+                  "position_embedding_type": args.position_embedding_type,
+                  "add_bias_linear": bool(args.add_bias_linear)},
+        "options": {"recompute_granularity": args.recompute_granularity,
+                    "recompute_method": args.recompute_method,
+                    "recompute_num_layers": args.recompute_num_layers,
+                    "memo_offload": bool(opts.memo_offload),
+                    "memo_alpha": args.memo_alpha if opts.memo_offload else None,
+                    "use_distributed_optimizer": bool(args.use_distributed_optimizer),
+                    "optimizer": args.optimizer,
+                    "grad_buffer_fp32": bool(args.accumulate_allreduce_grads_in_fp32),
+                    "warmup": warmup_mode(opts),
+                    "flash_workspace": not opts.no_flash_workspace,
+                    "cuda_semantics": not opts.no_cuda_semantics,
+                    "attention": "memo_ext.attention (ring CP, flash tiles)"},
+        "constants": dataclasses.asdict(constants),
+        "versions": {"torch": torch.__version__, "megatron_core": package_info.__version__},
+        "trainer_argv": trainer_argv(opts),
+    }
+
+
+def _gib(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (3 decimals)."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def format_summary(trace, summary, args, wall_s: float, peak_rss_bytes: int,
+                   output: str | None) -> str:
+    """The human-readable summary printed by main()."""
+    from memo_ext.planner.trace import skeletal_formula_bytes
+
+    layout = trace.header.get("layout", {})
+    model = trace.header.get("model", {})
+    lines = [
+        (f"trace: {model.get('name') or 'custom'} model, seq {args.seq_length}, "
+         f"TP={layout.get('tp')} CP={layout.get('cp')} PP={layout.get('pp')} "
+         f"DP={layout.get('dp')}, rank {layout.get('rank')} (tp {layout.get('tp_rank')}, "
+         f"cp {layout.get('cp_rank')}, pp {layout.get('pp_rank')}, dp {layout.get('dp_rank')}), "
+         f"{model.get('params_dtype')}, {trace.header.get('mode')} tensors"),
+        (f"events: {summary.num_events} ({summary.num_allocs} allocs, {summary.num_frees} frees)"
+         + (f" -> {output}" if output else "")),
+    ]
+    peak = trace.events[summary.peak_event] if summary.peak_event >= 0 else {}
+    lines.append(
+        f"peak live: {_gib(summary.peak_bytes)} device ({_gib(summary.peak_allocator_bytes)} "
+        f"through the caching allocator) at event {summary.peak_event} "
+        f"[{peak.get('phase')}, layer {peak.get('layer')}, {peak.get('module')}, {peak.get('op')}]")
+    lines.append("at peak by category: " + ", ".join(
+        f"{k} {_gib(v)}" for k, v in summary.peak_by_category.items() if v))
+    lines.append("category peaks: " + ", ".join(
+        f"{k} {_gib(v)}" for k, v in summary.category_peaks.items() if v))
+    lines.append("persistent (init): " + ", ".join(
+        f"{k} {_gib(v)}" for k, v in summary.persistent_by_category.items() if v))
+    if summary.iteration_leftover_bytes:
+        lines.append(f"warning: {_gib(summary.iteration_leftover_bytes)} allocated during the "
+                     f"iteration are still alive at its end (a leak, or state kept for the next "
+                     f"iteration)")
+    if summary.host_peak_bytes:
+        lines.append(f"host (MEMO offload slots): peak {_gib(summary.host_peak_bytes)}")
+    element = torch.tensor([], dtype=args.params_dtype).element_size()
+    formula = skeletal_formula_bytes(args.micro_batch_size, args.seq_length, args.hidden_size,
+                                     args.tensor_model_parallel_size,
+                                     args.context_parallel_size, element)
+    lines.append(f"per-layer forward skeletal bytes (micro-batch 0, alive when backward starts; "
+                 f"formula 16*b*s*h/(TP*CP) = {_gib(formula)}):")
+    runs: list[list] = []
+    for layer, nbytes in summary.layer_forward_skeletal_bytes.items():
+        peak_above = summary.layer_forward_peak_bytes.get(layer, 0)
+        if runs and runs[-1][2] == nbytes and runs[-1][3] == peak_above:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, nbytes, peak_above])
+    for first, last, nbytes, peak_above in runs:
+        name = f"layer {first}" if first == last else f"layers {first}-{last}"
+        ratio = nbytes / formula if formula else float("nan")
+        lines.append(f"  {name}: {_gib(nbytes)} ({ratio:.4f} x formula; "
+                     f"forward peak above layer start {_gib(peak_above)})")
+    lines.append(f"wall {wall_s:.1f} s, peak RSS {peak_rss_bytes / MiB:.0f} MiB")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    from memo_ext.planner.trace import summarize, write_snapshot, write_trace
+
+    trace, args = record(opts)
+    if opts.output:
+        write_trace(trace, opts.output)
+    if opts.snapshot:
+        write_snapshot(trace, opts.snapshot)
+    summary = summarize(trace)
+    wall = time.perf_counter() - _START
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if not opts.quiet:
+        print(format_summary(trace, summary, args, wall, rss, opts.output), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
