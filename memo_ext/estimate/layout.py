@@ -313,12 +313,18 @@ class LayoutModel:
     @classmethod
     def build(cls, model_argv: list[str], layout: Layout, hardware: dict, *, global_batch: int,
               cache: TraceCache, allocator: Optional[str] = None,
-              host_memory_gb_per_node: Optional[float] = None) -> "LayoutModel":
+              host_memory_gb_per_node: Optional[float] = None,
+              fit_seqs: tuple[int, int] = FIT_SEQS) -> "LayoutModel":
+        """``fit_seqs``: the two lengths traced (tokens). The line through them is exact at any
+        length where every request grows linearly, and only there: a buffer capped by a chunk
+        size (the chunked loss's logits, memo_ext.loss) is flat between two lengths above the
+        cap and smaller below it, so predict below FIT_SEQS[0] from traces at or around the
+        length asked for."""
         microbatches = max(1, global_batch // (layout.dp * layout.micro_batch))
         stages = []
         for stage in layout.stages(microbatches):
             argv = layout.trace_argv(model_argv, stage)
-            first, second = (cache.trace(argv, seq) for seq in FIT_SEQS)
+            first, second = (cache.trace(argv, seq) for seq in fit_seqs)
             stages.append(StageModel(stage, LinearTrace.from_traces(first, second),
                                      WorkLine.from_headers(first.header, second.header)))
         host = host_memory_gb_per_node or hardware["host_memory_gb_per_node"]

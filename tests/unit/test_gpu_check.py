@@ -233,6 +233,9 @@ def test_end_to_end_under_the_cuda_double(tmp_path, monkeypatch, capsys):
         else:
             assert float(cells[4]) > 0 and float(cells[7]) > 0, text  # predicted
     assert "alpha" in rows["memo-offload-alpha-auto"][8]
+    # Traced at the run's length: MEMO predicts below plain (the line through the estimator's
+    # 128K/256K traces carried the chunked loss's full 256 MiB logits down to 512 tokens).
+    assert float(rows["memo-offload-alpha-auto"][4]) < float(rows["plain"][4]), text
     assert rows["sppo"][2] == "TP=1 PP=2 DP=1 (2 GPUs)"
     stitching = rows["stitching-allocator"]
     assert stitching[1] == "FAIL" and "exit status 1: error: --memo-stitching-allocator" in \

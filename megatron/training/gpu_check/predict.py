@@ -90,8 +90,11 @@ def _predict_traced(run: PlannedRun, hardware: dict, cache, policy: str, allocat
                                         ("vocab_size", "--vocab-size"))
                   for arg in (flag, str(shape[key]))]
     layout = Layout(run.tp, 1, run.pp, run.dp, policy, memo_alpha if policy == "memo" else None)
+    # Traced at the run's own length (and twice it): a check's short runs sit below the
+    # estimator's fitted lengths, where the chunked loss's capped logits buffer breaks the line.
+    seq = run.model.seq_length
     model = LayoutModel.build(model_argv, layout, hardware, global_batch=run.global_batch,
-                              cache=cache, allocator=allocator)
+                              cache=cache, allocator=allocator, fit_seqs=(seq, 2 * seq))
     prediction = model.predict(run.model.seq_length)
     return Predicted(prediction.memory.peak_allocated_bytes / MIB, prediction.step_s, basis)
 
