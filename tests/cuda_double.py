@@ -5,6 +5,8 @@ listed in docs/gpu.md as PyTorch documents them, raising where PyTorch raises:
 
 - devices: ``device_count``, ``current_device``, ``set_device``, ``get_device_name``,
   ``get_device_properties``, ``mem_get_info``, ``synchronize``, ``_sleep``;
+- random state: ``get_rng_state`` / ``set_rng_state`` of each device's generator (a ByteTensor
+  of 16 bytes, Philox's seed and offset; anything but a ByteTensor raises TypeError);
 - streams and events: ``Stream`` (each with its own ``cuda_stream`` handle), ``current_stream``,
   ``stream`` (context manager), ``Event`` (``record``, ``query``, ``synchronize``,
   ``elapsed_time``, which raises unless both events were created with ``enable_timing`` and
@@ -50,6 +52,8 @@ _FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_in
 # The caching allocator rounds requests to 512 bytes and reserves 2 MiB segments for small ones
 # (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, kSmallBuffer); that is all the double models.
 _MIN_BLOCK, _SMALL_SEGMENT, _SMALL_SIZE = 512, 2 << 20, 1 << 20
+# A CUDA generator's state: Philox's 64-bit seed and 64-bit offset (CUDAGeneratorImpl::get_state).
+_RNG_STATE_BYTES = 16
 
 
 class FakeStream:
@@ -184,6 +188,8 @@ class CudaDouble:
         self._current = list(self._default)
         self._nccl = [FakeStream(d) for d in range(device_count)]
         self._live: dict[int, tuple[int, int, int]] = {}  # address -> (bytes, device, stream)
+        self.rng_states = [torch.zeros(_RNG_STATE_BYTES, dtype=torch.uint8)
+                           for _ in range(device_count)]
         self._next_address = itertools.count(0x7F0000000000, 1 << 21)
 
     # ------------------------------------------------------------------ allocations
@@ -297,6 +303,16 @@ class CudaDouble:
         with open(filename, "wb") as handle:
             pickle.dump(snapshot, handle)
 
+    def get_rng_state(self, device="cuda") -> torch.Tensor:
+        return self.rng_states[self._device_index(device)].clone()
+
+    def set_rng_state(self, new_state: torch.Tensor, device="cuda") -> None:
+        if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
+            raise TypeError(f"expected a torch.ByteTensor, but got {type(new_state).__name__}")
+        if new_state.numel() != _RNG_STATE_BYTES:
+            raise RuntimeError(f"RNG state is wrong size: {new_state.numel()} bytes")
+        self.rng_states[self._device_index(device)] = new_state.clone()
+
     def change_current_allocator(self, allocator) -> None:
         if self.initialized:
             raise RuntimeError("Can't swap an already initialized allocator")
@@ -329,6 +345,8 @@ class CudaDouble:
                 multi_processor_count=132, index=self._device_index(d)),
             "mem_get_info": self.mem_get_info,
             "synchronize": lambda device=None: None,
+            "get_rng_state": self.get_rng_state,
+            "set_rng_state": self.set_rng_state,
             "_sleep": lambda cycles: None,
             "Stream": FakeStream,
             "Event": FakeEvent,

@@ -163,3 +163,28 @@ def test_cuda_traces_need_pytorchs_allocator(planned_arena):
 
     with pytest.raises(RuntimeError, match="MEMO planned arena .* replaced that allocator"):
         record_cuda_trace(lambda: None)
+
+
+STATE = torch.arange(16, dtype=torch.uint8)
+
+
+def test_checkpoint_saves_and_restores_the_cuda_generator(cuda_double):
+    from megatron.training import checkpointing
+
+    cuda_double.set_rng_state(STATE)
+    saved = checkpointing._rng_state()
+    cuda_double.set_rng_state(torch.zeros(16, dtype=torch.uint8))
+    checkpointing._set_rng_state(saved)
+    assert torch.equal(torch.cuda.get_rng_state(), STATE)
+    with pytest.raises(TypeError, match="ByteTensor"):
+        torch.cuda.set_rng_state(torch.zeros(16))  # as PyTorch refuses a float state
+
+
+def test_memo_recomputation_restores_the_cuda_generator(cuda_double):
+    from memo_ext.offload.manager import _RngSnapshot
+
+    cuda_double.set_rng_state(STATE)
+    snapshot = _RngSnapshot.take()
+    cuda_double.set_rng_state(torch.zeros(16, dtype=torch.uint8))
+    snapshot.restore()
+    assert torch.equal(torch.cuda.get_rng_state(), STATE)
