@@ -230,6 +230,27 @@ def test_memo_plan_cli(traced, tmp_path):
     assert module.main(["--trace", str(path)]) == 2
 
 
+def test_memory_report_replays_a_memo_plan_plan(traced, tmp_path):
+    """memo-memory-report --plan takes memo-plan's output for the same trace (rows of the
+    device events become request indices) and refuses one made for another trace."""
+    from tests.conftest import run_memory_report
+
+    path, trace = traced
+    plan = P.plan_trace(trace)
+    out = tmp_path / "plan.json"
+    P.write_plan(plan, out)
+    result = run_memory_report(path, "--policies", "arena", "--plan", out)
+    assert result.returncode == 0, result.stderr
+    assert f"planned {len(plan.offsets)}, fallbacks 0" in result.stdout, result.stdout
+    other = tmp_path / "other.jsonl.gz"
+    T.write_trace(T.Trace(trace.header, trace.events[:-2]), other)
+    refused = run_memory_report(other, "--policies", "arena", "--plan", out)
+    last = refused.stderr.strip().splitlines()[-1]  # after megatron.core's import warnings
+    assert refused.returncode == 2, refused.stderr
+    assert last.startswith(f"memory_report: --plan {out}: the plan was made for trace ")
+    assert last.endswith(f"plan {other} with memo-plan")
+
+
 def _load_cli():
     from megatron.training.cli import memo_plan
 

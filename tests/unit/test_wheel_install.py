@@ -150,9 +150,10 @@ def test_console_scripts_run_outside_the_checkout(installed):
     assert out.startswith("plan.json: valid for trace.jsonl.gz"), out
 
     out = run(bin_ / "memo-memory-report", "trace.jsonl.gz", "--policies", "caching,arena",
-              "--capacity-gb", "1")
+              "--capacity-gb", "1", "--plan", "plan.json")
     assert re.match(r"trace trace.jsonl.gz: \d+ events, \d+ allocations, 1 stream", out), out
     assert "### policy arena (capacity 1.00 GiB)" in out
+    assert re.search(r"planned \d+, fallbacks 0", out), out
 
     (work / "tiny.json").write_text(json.dumps({"num_layers": 2, "hidden_size": 64,
                                                 "num_attention_heads": 4, "vocab_size": 512}))

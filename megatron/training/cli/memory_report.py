@@ -15,7 +15,8 @@ GiB (initial = before the trace's first event, which starts mid-run; peak over t
 final = at the dump), fragmentation = 1 - peak allocated / peak reserved, segment events, OOMs.
 Then one table per policy (default: all four) with what the model reserves at --capacity-gb
 (default: unlimited); a snapshot's blocks live before the recording are allocated first. The
-arena policy uses --plan, or a best-fit plan of the trace itself. The stitching policy also
+arena policy uses --plan (a plan of this trace from memo-plan, or {request, offset}
+placements), or a best-fit plan of the trace itself. The stitching policy also
 drives the real GMLake allocator on host memory (memo_ext.alloc.replay_host: memfd chunks,
 stitched mmap views, every block filled with a pattern and verified at its free) and prints its
 table beside the model's, unless --no-host-stitching. --compare-recorded (snapshots
@@ -27,7 +28,9 @@ rejected or malformed input, an unknown device or a bad option.
 """
 import argparse
 import contextlib
+import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -261,6 +264,29 @@ def write_plots(out: Path, title: str, summaries, by_policy: dict) -> list[Path]
     return written
 
 
+def _arena_plan(path: Path, trace_path: Path, snapshot):
+    """--plan: a bi-level plan from memo-plan (tools/memo_plan.py) made for this trace, or a
+    list of {request, offset} placements (memo_ext.alloc.load_plan)."""
+    from memo_ext.planner.plan import PLAN_FORMAT, arena_plan, read_plan, validate_plan
+    from memo_ext.planner.trace import read_trace
+
+    try:
+        is_memo_plan = json.loads(path.read_text()).get("format") == PLAN_FORMAT
+    except (AttributeError, UnicodeDecodeError, json.JSONDecodeError):
+        is_memo_plan = False
+    if not is_memo_plan:
+        return load_plan(path)
+    if snapshot is not None:
+        raise ValueError(f"--plan {path}: a memo-plan plan is made for a trace from memo-trace, "
+                         f"not for the snapshot {trace_path}")
+    plan, trace = read_plan(path), read_trace(trace_path)
+    try:
+        validate_plan(plan, trace)
+    except ValueError as exc:
+        raise ValueError(f"--plan {path}: {exc}; plan {trace_path} with memo-plan") from None
+    return replace(arena_plan(plan, trace), source=str(path))
+
+
 def _is_snapshot(path: Path) -> bool:
     """Pickles start with the PROTO opcode 0x80; our traces are .npz (zip: "PK"), JSON lines,
     or gzipped JSON lines (0x1f 0x8b)."""
@@ -305,7 +331,8 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", type=_policies, default=list(POLICIES),
                         help=f"comma-separated subset of {','.join(POLICIES)} (default: all)")
     parser.add_argument("--plan", type=Path, metavar="PLAN.json",
-                        help="arena plan: JSON list of {request, offset} (default: best fit)")
+                        help="arena plan: a plan of this trace from memo-plan, or a JSON list "
+                             "of {request, offset} (default: best fit)")
     parser.add_argument("--max-split-mb", type=_capacity, metavar="M",
                         help="caching policy: max_split_size in MiB (default: unlimited)")
     parser.add_argument("--compare-recorded", action="store_true",
@@ -335,7 +362,7 @@ def main(argv=None) -> int:
             summaries = summarize_snapshot(snapshot, device=args.device)
             traces = [snapshot_trace(snapshot, s.device, name=args.input.name)
                       for s in summaries]
-        plan = load_plan(args.plan) if args.plan is not None else None
+        plan = _arena_plan(args.plan, args.input, snapshot) if args.plan is not None else None
         if plan is not None and len(traces) > 1:
             raise ValueError("--plan applies to one device: choose it with --device")
         by_policy = {
