@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -16,13 +15,20 @@ from tests.conftest import REPO_ROOT
 
 
 def _nvcc() -> str:
-    candidates = [shutil.which("nvcc")] + [str(Path(home) / "bin" / "nvcc") for home in (
-        os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if home]
-    for candidate in candidates:
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): install the CUDA "
-                "toolkit to compile the CUDA sources")
+    """nvcc on PATH, else in the toolkit the stitching backend builds against."""
+    from memo_ext.alloc.stitching_cuda import cuda_home
+
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    try:
+        candidate = cuda_home() / "bin" / "nvcc"
+    except RuntimeError as exc:
+        pytest.skip(f"nvcc not found on PATH and {exc}")
+    if not os.access(candidate, os.X_OK):
+        pytest.skip(f"nvcc not found (PATH, {candidate}): install the CUDA toolkit to compile "
+                    "the CUDA sources")
+    return str(candidate)
 
 
 def _compile(arguments: list[str]) -> None:
