@@ -68,6 +68,7 @@ sys.path.insert(0, str(REPO))
 
 from memo_ext.alloc.models import KMIN_BLOCK  # noqa: E402
 from memo_ext.alloc.snapshot import load_snapshot  # noqa: E402
+from memo_ext.planner.cuda_rules import CudaTarget  # noqa: E402
 from memo_ext.planner.trace import AllocationRecorder, fake_tensors  # noqa: E402
 
 MiB = 1 << 20
@@ -82,6 +83,7 @@ class Program:
     snapshot: str                      # path in the checkout
     files: tuple[str, ...]             # paths a GIT_DIR@COMMIT checkout extracts
     snapshot_torch: str                # the recording's torch version (documented or inferred)
+    gpu: tuple[tuple[int, int], int, str]  # (compute capability, SMs, how we know) of the run
     step_file: Optional[str]           # (file name, line) of the step's first statement
     step_line: Optional[int]
     run: Callable = field(repr=False)  # run(checkout: Path, step: Callable, end: Callable)
@@ -226,21 +228,30 @@ PROGRAMS = {p.name: p for p in [
              "cs336_systems/benchmarking_script.py"),
             # ``logits = model(input_data)``: line 99 of the committed script, line 100 in the
             # recording's frames (the file the snapshot was taken with had one more line)
-            "2.6 (documented)", "benchmarking_script.py", 100, run_cs336_large),
+            "2.6 (documented)",
+            ((8, 9), 128, "RTX 4090 class: the 8 MiB + 128 KiB cuBLAS workspace is not "
+             "Hopper's; logits.sum() takes [1536, 4] B of reduction scratch = 384 blocks = "
+             "128 SMs x 1536 threads / 512 (memo_ext.planner.cuda_reduce)"),
+            "benchmarking_script.py", 100, run_cs336_large),
     Program("linear-grad", "shreyansh26/MLSys-Experiments @ b63fb8c7: nn.Linear(10000, 50000) "
             "fp32, 3 forwards of randn(5000, 10000), grad enabled",
             "model_memory_usage/profile_grad.pkl",
             ("model_memory_usage/profile_grad.pkl", "model_memory_usage/profile_grad.py"),
-            "2.4 (documented)", None, None, run_linear_grad),
+            "2.4 (documented)",
+            ((9, 0), 132, "Hopper: the 32 MiB cuBLAS workspace is the sm90 default"),
+            None, None, run_linear_grad),
     Program("linear-no-grad", "shreyansh26/MLSys-Experiments @ b63fb8c7: the same under "
             "torch.no_grad()", "model_memory_usage/profile_no_grad.pkl",
             ("model_memory_usage/profile_no_grad.pkl", "model_memory_usage/profile_no_grad.py"),
-            "2.4 (documented)", None, None, run_linear_no_grad),
+            "2.4 (documented)",
+            ((9, 0), 132, "Hopper: the 32 MiB cuBLAS workspace is the sm90 default"),
+            None, None, run_linear_no_grad),
     Program("mlp-sgd", "Da1sypetals/tomi @ f289cab: MLP 10-20-1, SGD, batch 64, MSE, 17 "
             "iterations (last one compared)", "snapshots/snapshot.pickle",
             # the generator was removed after 91de3ed; the snapshot is the one of f289cab
             ("snapshots/snapshot.pickle", "generate_snapshot/generate_snapshot.py@91de3ed"),
             "2.3 (inferred: torch/nn/modules/module.py _call_impl at line 1541)",
+            ((8, 0), 108, "pre-Hopper (8 MiB + 128 KiB cuBLAS workspace); A100 assumed"),
             "generate_snapshot.py", 52, run_mlp_sgd),
 ]}
 
@@ -282,8 +293,8 @@ class LocatingRecorder(AllocationRecorder):
     (the snapshot's frames give the same for the real side). trace.py keeps the op name of an
     allocation (event field ``op``) but no Python location."""
 
-    def __init__(self) -> None:
-        super().__init__(cuda_semantics=True)
+    def __init__(self, target: CudaTarget) -> None:
+        super().__init__(cuda_semantics=True, target=target)
         self.where: dict[int, str] = {}
 
     def _emit_alloc(self, token: int, nbytes: int, pool: str) -> None:
@@ -307,9 +318,17 @@ def _python_location() -> str:
     return "(bench step)"
 
 
+def target_of(program: Program) -> CudaTarget:
+    """The CUDA run the snapshot comes from: its GPU and its torch release."""
+    major, minor = (int(x) for x in program.snapshot_torch.split(" ")[0].split(".")[:2])
+    capability, sms, _ = program.gpu
+    return CudaTarget(compute_capability=capability, sm_count=sms,
+                      torch_version=(major, minor))
+
+
 def record_ours(program: Program, checkout: Path) -> tuple[list, list[Alloc], float]:
     """(window events as (action, bytes), the window's allocations, seconds)."""
-    recorder = LocatingRecorder()
+    recorder = LocatingRecorder(target_of(program))
     marks = {}
 
     def step():
@@ -593,10 +612,21 @@ def report(results: list[dict], command: str, total_seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def all_programs() -> dict[str, Program]:
+    """The programs above and the kept-aside one (bench/fidelity_kept_aside.py: checked the
+    same way, never used to tune the rules; imported here, not at the top, because it builds on
+    this module)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fidelity_kept_aside import KEPT_ASIDE
+
+    return {**PROGRAMS, KEPT_ASIDE.name: KEPT_ASIDE}
+
+
 def main(argv=None) -> int:
+    programs = all_programs()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--program", action="append", default=[],
-                        help=f"One of {', '.join(PROGRAMS)}; repeat for several.")
+                        help=f"One of {', '.join(programs)}; repeat for several.")
     parser.add_argument("--checkout", action="append", default=[],
                         help="Directory with the program's files, or GIT_DIR@COMMIT; one per "
                              "--program, in order.")
@@ -607,21 +637,21 @@ def main(argv=None) -> int:
     parser.add_argument("-o", "--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     if args.list:
-        for p in PROGRAMS.values():
+        for p in programs.values():
             print(f"{p.name}: {p.description} (snapshot {p.snapshot})")
         return 0
     if not args.program or len(args.checkout) != len(args.program) or \
             len(args.snapshot) > len(args.program):
         parser.error("give one --checkout per --program (and at most one --snapshot each)")
-    unknown = [p for p in args.program if p not in PROGRAMS]
+    unknown = [p for p in args.program if p not in programs]
     if unknown:
-        parser.error(f"unknown program(s) {', '.join(unknown)}; pick from {', '.join(PROGRAMS)}")
+        parser.error(f"unknown program(s) {', '.join(unknown)}; pick from {', '.join(programs)}")
     snapshots = args.snapshot + ["default"] * (len(args.program) - len(args.snapshot))
     started = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory(prefix="trace_fidelity_") as scratch:
         for name, source, snap in zip(args.program, args.checkout, snapshots):
-            program = PROGRAMS[name]
+            program = programs[name]
             checkout = materialise(program, source, Path(scratch))
             snapshot_path = checkout / program.snapshot if snap == "default" else Path(snap)
             print(f"{name}: checkout {checkout}, snapshot {snapshot_path}", flush=True)

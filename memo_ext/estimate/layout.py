@@ -324,6 +324,8 @@ class LayoutModel:
         stages = []
         for stage in layout.stages(microbatches):
             argv = layout.trace_argv(model_argv, stage)
+            if "name" in hardware:  # the GPU whose kernels' workspaces the trace records
+                argv += ["--gpu", hardware["name"]]
             first, second = (cache.trace(argv, seq) for seq in fit_seqs)
             stages.append(StageModel(stage, LinearTrace.from_traces(first, second),
                                      WorkLine.from_headers(first.header, second.header)))

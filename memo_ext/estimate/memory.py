@@ -28,6 +28,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Optional
 
+from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
 from memo_ext.planner.trace import POOL_EXTERNAL, Trace, read_trace
 
 #: The tracer (memo-trace), run as ``python -m`` in a subprocess: memo_ext never imports the
@@ -60,7 +61,7 @@ def load_hardware(name: str, extra_file: Optional[Path] = None) -> dict:
     if key not in profiles:
         raise EstimateError(f"--gpu {name}: unknown; use one of {', '.join(sorted(profiles))} "
                             "or add it with --hardware-file")
-    return {"efficiency": efficiency, **profiles[key]}
+    return {"name": key, "efficiency": efficiency, **profiles[key]}
 
 
 def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:
@@ -80,7 +81,15 @@ def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:
 
 @dataclass
 class LinearTrace:
-    """A trace whose every request size is ``a + b * seq`` (exact rationals)."""
+    """A trace whose every request size is ``a + b * seq`` (exact rationals).
+
+    Except the CUDA reductions' scratch (memo_ext.planner.cuda_rules, module
+    :data:`REDUCTION_SCRATCH`): it grows with the blocks per output until the reduction is
+    split into 32-bit-indexable launches, one after the other, so a line through two lengths
+    overshoots far beyond them. It is held at the larger of the two traced sizes: below the
+    per-launch cap (about 0.5 GiB for a 4096-wide bias gradient) it understates, by 0.2 GiB
+    for the 7B bias gradients at 1792K tokens from traces at 128K and 256K (docs/tracing.md).
+    """
 
     base: Trace
     intercepts: list[Fraction]
@@ -100,6 +109,10 @@ class LinearTrace:
                                 "(not only in sizes); trace at the target length instead")
         slopes, intercepts = [], []
         for x, y in zip(first.events, second.events):
+            if x["module"] == REDUCTION_SCRATCH:
+                slopes.append(Fraction(0))
+                intercepts.append(Fraction(max(x["bytes"], y["bytes"])))
+                continue
             slope = Fraction(y["bytes"] - x["bytes"], s2 - s1)
             slopes.append(slope)
             intercepts.append(x["bytes"] - slope * s1)

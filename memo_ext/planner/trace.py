@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from memo_ext.attention.kernels import WORKSPACE_OUTPUTS
+from memo_ext.planner.cuda_rules import CudaKernelRules, CudaTarget
 from memo_ext.planner.work import WorkCounter
 from memo_ext.telemetry.tracker import DEVICE, HOST, DeviceMemoryTracker, storage_of
 
@@ -99,14 +100,6 @@ MiB = 1 << 20
 #: assumption: measure it on the target and override.
 CUDA_CONTEXT_BYTES = 512 * MiB
 
-#: cuBLAS workspace, allocated *through* the caching allocator at the first GEMM of each
-#: (handle, stream) pair and kept for the process lifetime. PyTorch's
-#: aten/src/ATen/cuda/CublasHandlePool.cpp: default CUBLAS_WORKSPACE_CONFIG ":4096:8" = 32 MiB on
-#: sm90 (Hopper) and ":4096:2:16:8" = 8 MiB + 128 KiB before; cuBLASLt shares it
-#: (TORCH_CUBLASLT_UNIFIED_WORKSPACE defaults to on). One compute stream runs GEMMs here.
-CUBLAS_WORKSPACE_BYTES = 32 * MiB
-CUBLAS_WORKSPACE_BYTES_PRE_HOPPER = 8 * MiB + 128 * 1024
-
 #: NCCL's per-connection buffer for the Simple protocol (NCCL_BUFFSIZE, default 4 MiB per the
 #: NCCL environment-variable documentation).
 NCCL_BUFFSIZE_BYTES = 4 * MiB
@@ -124,16 +117,15 @@ NCCL_BYTES_PER_COMMUNICATOR = NCCL_ASSUMED_CHANNELS * NCCL_RING_PEERS * NCCL_BUF
 @dataclass(frozen=True)
 class ProcessConstants:
     """Device memory a rank holds that no traced op allocates (bytes). See the module-level
-    constants for each default's source and assumption."""
+    constants for each default's source and assumption. (The cuBLAS workspaces are allocated
+    by the first GEMM of each thread: memo_ext.planner.cuda_rules.)"""
 
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
-    cublas_workspace_bytes: int = CUBLAS_WORKSPACE_BYTES
     nccl_bytes_per_communicator: int = NCCL_BYTES_PER_COMMUNICATOR
 
     def entries(self, communicators: Sequence[str]) -> list[tuple[str, int, str]]:
         """(name, bytes, pool) of each constant for a rank that uses ``communicators``."""
-        entries = [("constant:cuda_context", self.cuda_context_bytes, POOL_EXTERNAL),
-                   ("constant:cublas_workspace", self.cublas_workspace_bytes, POOL_DEVICE)]
+        entries = [("constant:cuda_context", self.cuda_context_bytes, POOL_EXTERNAL)]
         entries += [(f"constant:nccl:{name}", self.nccl_bytes_per_communicator, POOL_EXTERNAL)
                     for name in communicators]
         return [e for e in entries if e[1] > 0]
@@ -160,6 +152,9 @@ def communicators_for_layout(tp: int, cp: int, pp: int, dp: int) -> list[str]:
 #: with real tensors the output is that (unseen) tensor, under FakeTensorMode a new fake one.
 #: Either way it is a fresh allocation (a host-to-device copy on GPU), recorded in both modes.
 _FRESH_TENSOR_OPS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+#: The factories autograd formulas take the zeros they update in place from.
+_ZERO_FACTORIES = ("aten.new_zeros.default", "aten.zeros.default", "aten.zeros_like.default")
 
 # ------------------------------------------------------------------------------ recorder
 
@@ -259,14 +254,23 @@ class AllocationRecorder(DeviceMemoryTracker):
       a known workspace (:data:`WORKSPACE_OUTPUTS`), or :meth:`retag` changes it later (the
       driver retags parameter gradients and megatron's global all-gather buffer).
 
-    ``cuda_semantics``: ops whose CPU/fake output dtype differs from the CUDA kernel's are
-    recorded at the CUDA size -- native_layer_norm's mean/rstd are fp32 on CUDA for 16-bit
-    inputs (bf16 on CPU and under FakeTensorMode).
+    ``cuda_semantics``: the trace is the one a CUDA run on ``target`` makes
+    (memo_ext.planner.cuda_rules): kernel workspaces (cuBLAS, operand copies, reduction
+    scratch) are recorded as the kernel requests them, autograd's out-of-place branches taken
+    only under a dispatch mode are folded into the in-place updates CUDA makes, and ops whose
+    CPU/fake output dtype differs from the CUDA kernel's are recorded at the CUDA size --
+    native_layer_norm's mean/rstd are fp32 on CUDA for 16-bit inputs (bf16 on CPU and under
+    FakeTensorMode). False: the trace of the CPU program as it runs here.
     """
 
-    def __init__(self, cuda_semantics: bool = True) -> None:
+    def __init__(self, cuda_semantics: bool = True, target: Optional[CudaTarget] = None) -> None:
         super().__init__(capacity_bytes=None)
         self.cuda_semantics = cuda_semantics
+        self.rules = CudaKernelRules(target) if cuda_semantics else None
+        #: Tokens of zeros an autograd formula updated in place on CUDA: their output took
+        #: over the block, so their own free is not an event (CudaKernelRules.folds).
+        self._folded: set = set()
+        self._workspace_tokens = itertools.count()
         self.events: list[list] = []
         self._ids = itertools.count()
         self._live: dict[int, list] = {}  # tracker token -> its alloc event (while alive)
@@ -367,11 +371,13 @@ class AllocationRecorder(DeviceMemoryTracker):
                 input_keys.add(st._cdata)
         name = str(func)
         out = func(*args, **kwargs)
-        if self.recording and not getattr(_TLS, "untraced", 0):
+        traced = self.recording and not getattr(_TLS, "untraced", 0)
+        if traced:
             self.work.count(self._context()[0], func, args, kwargs, out, self.is_host)
         self._op.name = name
         category = HOST if getattr(self._host_depth, "n", 0) > 0 else DEVICE
         seen = set()
+        fresh = []
         try:
             for tensor in _tensors_in(out):
                 st = storage_of(tensor)
@@ -382,6 +388,9 @@ class AllocationRecorder(DeviceMemoryTracker):
                     self._maybe_resized(st)
                 else:
                     self._track(st, category, count_allocation=True)
+                    fresh.append(st)
+            if self.rules is not None and traced and category == DEVICE:
+                self._apply_rules(func, args, kwargs, out, fresh)
         finally:
             self._op.name = None
         if name in WORKSPACE_OUTPUTS:
@@ -394,6 +403,47 @@ class AllocationRecorder(DeviceMemoryTracker):
             for stat in out[1:3]:
                 self._set_bytes(stat, stat.numel() * 4)
         return out
+
+    def _apply_rules(self, func, args, kwargs, out, fresh: list) -> None:
+        """Record ``func``'s CUDA workspaces after its outputs; fold the output of an autograd
+        formula's out-of-place update into the zeros it updates (memo_ext.planner.cuda_rules)."""
+        in_backward = torch._C._current_autograd_node() is not None
+        self.emit_workspaces(self.rules.workspaces(func, args, kwargs, out, in_backward))
+        if not (in_backward and len(fresh) == 1 and self.rules.folds(func)):
+            return
+        target = args[0]
+        target_storage = storage_of(target)
+        with self._lock:
+            output_entry = self._live_entry(fresh[0])
+            target_entry = (self._live_entry(target_storage) if target_storage is not None
+                            else None)
+            if output_entry is None or target_entry is None:
+                return
+            output = self._live.get(output_entry.token)
+            zeros = self._live.get(target_entry.token)
+            if (output is None or zeros is None or zeros[2] != output[2]
+                    or zeros[10] not in _ZERO_FACTORIES
+                    or not self.rules.same_dense_layout(target, next(_tensors_in(out)))):
+                return
+            index = len(self.events) - 1
+            while self.events[index] is not output:
+                index -= 1
+            del self.events[index]
+            self._live[output_entry.token] = zeros
+            self._folded.add(target_entry.token)
+
+    def emit_workspaces(self, workspaces: Iterable) -> None:
+        """Record kernel workspaces (memo_ext.planner.cuda_rules.Workspace): each allocated
+        in order, the transient ones freed afterwards, the persistent ones kept."""
+        transient = []
+        for workspace in workspaces:
+            token = ("workspace", next(self._workspace_tokens))
+            with tagged_allocations(WORKSPACE, workspace.what):
+                self._emit_alloc(token, workspace.nbytes, POOL_DEVICE)
+            if not workspace.persistent:
+                transient.append(token)
+        for token in reversed(transient):
+            self._emit_free(token)
 
     # ------------------------------------------------------------------ tracker overrides
     def _track(self, st: torch.UntypedStorage, category: str, count_allocation: bool) -> None:
@@ -436,7 +486,7 @@ class AllocationRecorder(DeviceMemoryTracker):
             event[8] = POOL_HOST
 
     # ------------------------------------------------------------------ events
-    def _emit_alloc(self, token: int, nbytes: int, pool: str) -> None:
+    def _emit_alloc(self, token, nbytes: int, pool: str) -> None:
         if not self.recording or nbytes == 0 or getattr(_TLS, "untraced", 0):
             return  # the CUDA caching allocator is not called for 0 bytes
         phase, module, layer = self._context()
@@ -447,7 +497,11 @@ class AllocationRecorder(DeviceMemoryTracker):
         self.events.append(event)
         self._live[token] = event
 
-    def _emit_free(self, token: int) -> None:
+    def _emit_free(self, token) -> None:
+        if token in self._folded:
+            self._folded.discard(token)
+            self._live.pop(token, None)  # its block lives on as the folded op's output
+            return
         alloc = self._live.pop(token, None)
         if alloc is None or not self.recording:
             return
@@ -841,6 +895,10 @@ def record_iteration(
                                    microbatch_backward_done, deallocate_pipeline_outputs)
                 gc.collect()
                 _retag_megatron_workspaces(recorder)
+                if recorder.rules is not None:
+                    # a previous iteration's backward bound the autograd thread's cuBLAS
+                    # workspace too
+                    recorder.emit_workspaces(recorder.rules.steady_state_workspaces())
                 recorder.promote_live_to_init(start)
             recorder.work.reset()  # the work of the recorded iteration only
             _run_iteration(recorder, model, forward_step, microbatches, after_backward,

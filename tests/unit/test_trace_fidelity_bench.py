@@ -59,7 +59,8 @@ def test_window_starts_at_the_last_step_and_peak_counts_from_there(bench):
     trace = [event("alloc", 100, 10), event("alloc", 50, 11), event("free_completed", 100, 12),
              event("alloc", 100, 10), event("alloc", 30, 10), event("free_completed", 50, 11),
              event("free_completed", 100, 12)]
-    program = bench.Program("toy", "", "s.pickle", (), "2.13", "train.py", 10, run=None)
+    program = bench.Program("toy", "", "s.pickle", (), "2.13", ((9, 0), 132, "toy"), "train.py", 10,
+                            run=None)
     window, allocs, how = bench.snapshot_window(program, {"device_traces": [trace]})
     assert [a.size for a in allocs] == [100, 30]
     assert "2 step(s)" in how

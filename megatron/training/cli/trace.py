@@ -38,6 +38,7 @@ MiB = 1 << 20
 # Presets (layers, hidden, ffn hidden, heads) and the default vocabulary: one definition, shared
 # with tools/estimate.py and tools/sppo_plan.py.
 from memo_ext.estimate.models import DEFAULT_VOCAB_SIZE, MODELS  # noqa: E402
+from memo_ext.planner.cuda_rules import DEFAULT_GPU  # noqa: E402
 # Host memory given to MEMO's offload while tracing: large enough never to refuse an alpha
 # (the trace does not model host capacity; memo_ext.offload.alpha does).
 TRACE_HOST_MEMORY_GB = 1e6
@@ -128,13 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--no-flash-workspace", action="store_true",
                        help="Do not record flash-attention 2's backward workspaces (declared "
                             "next to the kernels in memo_ext.attention.kernels).")
+    trace.add_argument("--gpu", default=DEFAULT_GPU, metavar="PROFILE",
+                       help="The GPU (a profile of memo_ext/estimate/hardware.json) whose CUDA "
+                            "kernels' workspaces the trace records: cuBLAS workspace size, "
+                            "reduction scratch (SM count). Default: %(default)s.")
     trace.add_argument("--no-cuda-semantics", action="store_true",
-                       help="Record CPU op output sizes as they are (layer-norm statistics in "
-                            "16 bits) instead of the CUDA kernels' (fp32).")
+                       help="Record the CPU program as it allocates here: no CUDA allocation "
+                            "rules (memo_ext/planner/cuda_rules.py: kernel workspaces, "
+                            "autograd's in-place branches, fp32 layer-norm statistics).")
     trace.add_argument("--cuda-context-mib", type=float, default=None,
                        help="Override the CUDA context constant (MiB).")
     trace.add_argument("--cublas-workspace-mib", type=float, default=None,
-                       help="Override the cuBLAS workspace constant (MiB).")
+                       help="cuBLAS workspace per GEMM thread (MiB), as CUBLAS_WORKSPACE_CONFIG "
+                            "sets it; default: PyTorch's for the --gpu architecture.")
     trace.add_argument("--nccl-mib-per-communicator", type=float, default=None,
                        help="Override the NCCL buffer constant (MiB per communicator).")
     trace.add_argument("--quiet", action="store_true", help="No summary on stdout.")
@@ -324,6 +331,7 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
 
     import pretrain_gpt
     from memo_ext.attention import kernels
+    from memo_ext.planner.cuda_rules import CudaTarget
     from memo_ext.planner.trace import (
         AllocationRecorder,
         ProcessConstants,
@@ -345,10 +353,11 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
     constants = ProcessConstants(**{
         key: int(value * MiB) for key, value in (
             ("cuda_context_bytes", opts.cuda_context_mib),
-            ("cublas_workspace_bytes", opts.cublas_workspace_mib),
             ("nccl_bytes_per_communicator", opts.nccl_mib_per_communicator))
         if value is not None})
-    recorder = AllocationRecorder(cuda_semantics=not opts.no_cuda_semantics)
+    target = CudaTarget.for_gpu(opts.gpu, cublas_workspace_bytes=(
+        None if opts.cublas_workspace_mib is None else int(opts.cublas_workspace_mib * MiB)))
+    recorder = AllocationRecorder(cuda_semantics=not opts.no_cuda_semantics, target=target)
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_distributed(world_size, opts.rank, opts.tp, opts.pp, opts.cp))
         coordinates = rank_coordinates(opts.rank)
@@ -489,6 +498,8 @@ def trace_header(opts, args, coordinates: dict, constants) -> dict:
                     "cuda_semantics": not opts.no_cuda_semantics,
                     "attention": "memo_ext.attention (ring CP, flash tiles)"},
         "constants": dataclasses.asdict(constants),
+        "cuda_target": None if opts.no_cuda_semantics else {
+            "gpu": opts.gpu, "cublas_workspace_mib": opts.cublas_workspace_mib},
         "versions": {"torch": torch.__version__, "megatron_core": package_info.__version__},
         "trainer_argv": trainer_argv(opts),
     }

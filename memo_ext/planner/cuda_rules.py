@@ -1,0 +1,321 @@
+"""CUDA allocation rules: what a CUDA run of an aten op allocates that the same op on CPU or on
+fake tensors does not (and the reverse), so a trace recorded on CPU makes the requests a GPU
+run makes (docs/tracing.md, "CUDA allocation rules", has the table and the evidence).
+
+Hand-written because no library models it: the allocations live inside PyTorch's CUDA kernels
+(cuBLAS handle setup, operand copies, reduction scratch buffers) and inside autograd formulas
+that take a different branch when a dispatch mode is active. Each rule names the PyTorch source
+it encodes. Two kinds:
+
+- *workspaces* (:meth:`CudaKernelRules.workspaces`): requests a CUDA kernel makes through the
+  caching allocator besides its outputs -- the cuBLAS workspace at a thread's first GEMM,
+  cuBLASLt's per-call workspace of older releases, copies of operands whose strides cuBLAS
+  cannot take, the global-memory buffer of a reduction split across thread blocks;
+- *folds* (:meth:`CudaKernelRules.folds`): an out-of-place op that autograd runs only because a
+  dispatch mode is active (``at::isTensorSubclassLike`` is true for every tensor then, and the
+  recorder *is* a dispatch mode), where a CUDA run updates its input in place. The recorder
+  merges the op's output into that input when the input dies before anything else is allocated
+  -- the same condition under which autograd's in-place branch would have been legal.
+
+The rules depend on the GPU (SM count, architecture) and the PyTorch release of the run a trace
+stands for: :class:`CudaTarget`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+from memo_ext.planner.cuda_reduce import reduction_workspace
+
+MiB = 1 << 20
+
+#: The profile a trace stands for when none is named (the trace CLI's --gpu default).
+DEFAULT_GPU = "h100"
+
+
+def _installed_torch() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+@dataclass(frozen=True)
+class CudaTarget:
+    """The GPU and PyTorch release a trace stands for.
+
+    ``cublas_workspace_bytes``: None takes PyTorch's default for the architecture
+    (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize: CUBLAS_WORKSPACE_CONFIG
+    ":4096:8" = 32 MiB on sm90, ":4096:2:16:8" = 8 MiB + 128 KiB otherwise); set it when the
+    job sets CUBLAS_WORKSPACE_CONFIG.
+    """
+
+    compute_capability: tuple[int, int]
+    sm_count: int
+    torch_version: tuple[int, int] = field(default_factory=_installed_torch)
+    cublas_workspace_bytes: Optional[int] = None
+
+    @classmethod
+    def for_gpu(cls, name: str = DEFAULT_GPU, **overrides) -> "CudaTarget":
+        """The target of a GPU profile of memo_ext/estimate/hardware.json (its
+        ``compute_capability`` "9.0" and ``sm_count``), with the installed torch."""
+        from memo_ext.estimate.memory import load_hardware  # (the estimator imports this)
+
+        profile = load_hardware(name)
+        major, minor = (int(x) for x in str(profile["compute_capability"]).split("."))
+        return cls(compute_capability=(major, minor), sm_count=int(profile["sm_count"]),
+                   **overrides)
+
+    @property
+    def max_threads_per_sm(self) -> int:
+        """cudaDeviceProp::maxThreadsPerMultiProcessor (CUDA C++ Programming Guide, compute
+        capabilities table): 1536 on sm86/sm87/sm89, 2048 on sm80 and sm90."""
+        return 1536 if self.compute_capability in ((8, 6), (8, 7), (8, 9)) else 2048
+
+    @property
+    def blas_workspace_bytes(self) -> int:
+        if self.cublas_workspace_bytes is not None:
+            return self.cublas_workspace_bytes
+        return 32 * MiB if self.compute_capability[0] == 9 else 8 * MiB + 128 * 1024
+
+    @property
+    def lt_workspace_per_call(self) -> bool:
+        """Before 2.6 ``at::cuda::blas::gemm_and_bias`` allocated its cuBLASLt workspace
+        (CUBLASLT_WORKSPACE_SIZE, 1 MiB) on every call and freed it on return (seen in a
+        torch 2.4 snapshot: one 1 MiB request per biased linear). Since, it is cached per
+        handle and stream, and shared with the cuBLAS workspace by default (2.10, pytorch
+        #168175) -- no request of its own."""
+        return self.torch_version < (2, 6)
+
+
+#: The threads that run GEMMs: the caller's, and the autograd engine's device thread.
+_BLAS_THREADS = ("main", "autograd")
+_BLAS_WORKSPACE = "cuBLAS workspace (getCurrentCUDABlasHandle)"
+#: The name of a reduction's scratch blocks (a trace's ``module``; the estimator's LinearTrace
+#: does not extrapolate them).
+REDUCTION_SCRATCH = "reduction scratch (gpu_reduce_kernel)"
+
+#: cuBLASLt's workspace of releases before 2.6 (CUBLASLT_WORKSPACE_SIZE default, KiB).
+LT_WORKSPACE_BYTES = 1 * MiB
+
+_aten = torch.ops.aten
+
+#: Ops that fetch the current cuBLAS handle (at::cuda::getCurrentCUDABlasHandle), which binds
+#: the per-(handle, stream) workspace on first use.
+_BLAS_OPS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten.mv.default, _aten.addmv.default, _aten.dot.default, _aten.addr.default,
+    _aten._addmm_activation.default,
+})
+_MATRIX_OPS = {  # op -> indices of its two matrix operands
+    _aten.mm.default: (0, 1), _aten.addmm.default: (1, 2),
+    _aten._addmm_activation.default: (1, 2),
+}
+_BATCHED_OPS = {_aten.bmm.default: (0, 1), _aten.baddbmm.default: (1, 2)}
+
+#: Reductions that run through gpu_reduce_kernel (aten/src/ATen/native/cuda/Reduce.cuh): op ->
+#: index of its ``dim`` argument (None: all dims).
+_REDUCTIONS = {
+    _aten.sum.dim_IntList: 1, _aten.sum.default: None, _aten.mean.dim: 1,
+    _aten.mean.default: None, _aten.amax.default: 1, _aten.amin.default: 1,
+    _aten.max.dim: 1, _aten.min.dim: 1,
+}
+#: Reductions with a (value, int64 index) accumulator and two outputs (ReduceMinMaxKernel.cu).
+_INDEXED_REDUCTIONS = (_aten.max.dim, _aten.min.dim)
+
+#: Out-of-place ops an autograd formula runs when a dispatch mode is active, where CUDA runs
+#: the in-place variant on a tensor it owns (torch/csrc/autograd/FunctionsManual.cpp,
+#: accumulate_grad.h):
+#: - scatter.src / scatter.value: value_selecting_reduction_backward (max/min/median/kthvalue
+#:   along a dim) scatters into fresh zeros with scatter_ unless a subclass-like tensor is
+#:   involved;
+#: - index_put: index_backward's zeros.index_put_ (out of place for subclass-like tensors);
+#: - scatter_add: gather_backward's (cross entropy's gather) zeros.scatter_add_;
+#: - index_add: index_select_backward's zeros.index_add_;
+#: Not folded: InputBuffer::accumulate's add (in place only when the engine holds the buffer's
+#: last reference, which a dispatch mode cannot observe: folding every add whose input dies
+#: next made the cs336 comparison worse, bench/results/trace_fidelity.md).
+_FOLDABLE = frozenset({
+    _aten.scatter.src, _aten.scatter.value, _aten.index_put.default,
+    _aten.scatter_add.default, _aten.index_add.default,
+})
+@dataclass(frozen=True)
+class Workspace:
+    """One request a CUDA kernel makes besides its outputs: freed when the op returns unless
+    ``persistent`` (kept for the process: the cuBLAS workspace)."""
+
+    nbytes: int
+    what: str
+    persistent: bool = False
+
+
+class CudaKernelRules:
+    """The rules for one recording (it remembers which threads have a cuBLAS workspace)."""
+
+    def __init__(self, target: Optional[CudaTarget] = None) -> None:
+        self.target = target or CudaTarget.for_gpu()
+        self._blas_threads: set[str] = set()
+        self._lock = threading.Lock()
+
+    def steady_state_workspaces(self) -> list[Workspace]:
+        """The persistent workspaces an earlier iteration left that this recording has not
+        made yet: the cuBLAS workspace of each GEMM thread (main and autograd)."""
+        with self._lock:
+            missing = [t for t in _BLAS_THREADS if t not in self._blas_threads]
+            self._blas_threads.update(missing)
+        return [Workspace(self.target.blas_workspace_bytes, _BLAS_WORKSPACE, True)
+                for _ in missing]
+
+    # ------------------------------------------------------------------ workspaces
+    def workspaces(self, func, args, kwargs, out, in_backward: bool) -> list[Workspace]:
+        """The extra requests of ``func(*args, **kwargs)`` -> ``out`` on the target GPU, in
+        the order the CUDA kernel makes them (after its outputs)."""
+        if func in _REDUCTIONS:
+            return self._reduction(func, args, out)
+        if func is _aten.mse_loss.default:
+            return _elementwise_loss(args, kwargs)
+        if func not in _BLAS_OPS:
+            return []
+        found = self._operand_copies(func, args)
+        # The autograd engine runs a CUDA device's backward on its own thread, whose handle
+        # pool window reserves another cuBLAS handle: a second workspace at its first GEMM.
+        thread = _BLAS_THREADS[1] if in_backward else _BLAS_THREADS[0]
+        with self._lock:
+            first = thread not in self._blas_threads
+            self._blas_threads.add(thread)
+        if self.target.lt_workspace_per_call and _uses_lt(func, args, kwargs, out):
+            # gemm_and_bias allocates it before it fetches the handle (first, in a torch 2.3
+            # snapshot, a 1 MiB request, then the cuBLAS workspace).
+            found.append(Workspace(LT_WORKSPACE_BYTES, "cuBLASLt workspace (gemm_and_bias)"))
+        if first:
+            found.append(Workspace(self.target.blas_workspace_bytes, _BLAS_WORKSPACE, True))
+        return found
+
+    def _operand_copies(self, func, args) -> list[Workspace]:
+        """Operands cuBLAS cannot read in place are cloned contiguous first (at::native
+        prepare_matrix_for_cublas / prepare_batch_matrix_for_cublas, Blas.cpp)."""
+        copies = []
+        if func in _MATRIX_OPS:
+            for index in _MATRIX_OPS[func]:
+                if _matrix_needs_copy(args[index]):
+                    copies.append(Workspace(_contiguous_bytes(args[index]),
+                                            "operand copy (prepare_matrix_for_cublas)"))
+        elif func in _BATCHED_OPS:
+            first, second = (args[i] for i in _BATCHED_OPS[func])
+            m, n, k = first.shape[1], second.shape[2], first.shape[2]
+            # The result is fresh and contiguous: not transposed (Blas.cpp
+            # baddbmm_out_cuda_impl), so operands are checked with transpose_result false.
+            for tensor, rows, cols in ((first, m, k), (second, k, n)):
+                if _batch_matrix_needs_copy(tensor, rows, cols):
+                    copies.append(Workspace(_contiguous_bytes(tensor),
+                                            "operand copy (prepare_batch_matrix_for_cublas)"))
+        return copies
+
+    def _reduction(self, func, args, out) -> list[Workspace]:
+        """gpu_reduce_kernel's scratch when it splits an output's inputs across thread blocks
+        (memo_ext.planner.cuda_reduce, a port of Reduce.cuh's launch configuration)."""
+        tensor = args[0]
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            return []  # integer sums read an int64 copy first (make_reduction): not modelled
+        dim_index = _REDUCTIONS[func]
+        dims = args[dim_index] if dim_index is not None and len(args) > dim_index else None
+        if isinstance(dims, int):
+            dims = [dims]
+        output = out if isinstance(out, torch.Tensor) else out[0]
+        extra = {}
+        if func in _INDEXED_REDUCTIONS:
+            acc = 16  # std::pair<scalar_t, int64_t>, 8-byte aligned
+            extra = dict(num_outputs=2, second_output_itemsize=8,
+                         can_accumulate_in_output=False)
+        elif func in (_aten.amax.default, _aten.amin.default):
+            acc = tensor.element_size()  # compared in the input's own type
+        else:
+            acc = 8 if tensor.dtype == torch.float64 else 4  # float accumulation (acc_type)
+        # Reduce.cuh was compared from 2.4 on; older releases differ only in vectorisation
+        version = max(self.target.torch_version, (2, 4))
+        sizes = reduction_workspace(
+            tuple(tensor.shape), tuple(tensor.stride()), dims or None,
+            input_itemsize=tensor.element_size(), acc_itemsize=acc,
+            output_itemsize=output.element_size(), sm_count=self.target.sm_count,
+            max_threads_per_sm=self.target.max_threads_per_sm, torch_version=version,
+            input_storage_offset=tensor.storage_offset(), **extra)
+        return [Workspace(n, REDUCTION_SCRATCH) for n in sizes]
+
+    # ------------------------------------------------------------------ folds
+    @staticmethod
+    def folds(func) -> bool:
+        """Whether ``func``'s output, run by an autograd node, may be folded into an input of
+        the same size and layout that dies before the next allocation (an autograd branch CUDA
+        runs in place; see _FOLDABLE)."""
+        return func in _FOLDABLE
+
+    @staticmethod
+    def same_dense_layout(source: torch.Tensor, result: torch.Tensor) -> bool:
+        """The in-place branch's layout condition: the tensor updated in place is dense and
+        non-overlapping and has the result's shape and strides."""
+        return (source.shape == result.shape and source.stride() == result.stride()
+                and source.storage_offset() == 0
+                and is_non_overlapping_and_dense_or_false(source))
+
+
+def _elementwise_loss(args, kwargs) -> list[Workspace]:
+    """mse_loss with a reduction computes the elementwise loss into a tensor of the broadcast
+    input shape (aten/src/ATen/native/Loss.cpp: TensorIterator output, then
+    apply_loss_reduction) and frees it once reduced; the fake kernel allocates only the
+    reduced result (a torch 2.3 snapshot shows both requests)."""
+    reduction = kwargs.get("reduction", args[2] if len(args) > 2 else 1)
+    if reduction == 0:  # Reduction::None returns the elementwise loss itself
+        return []
+    shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+    return [Workspace(shape.numel() * args[0].element_size(), "elementwise loss (mse_loss)")]
+
+
+def _contiguous_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _matrix_needs_copy(tensor: torch.Tensor) -> bool:
+    """prepare_matrix_for_cublas: a dense tensor (either major order) is read in place; else
+    one whose strides are a (possibly transposed) column-major layout with a leading dimension
+    of at least its rows; anything else is cloned."""
+    if tensor.dim() != 2 or is_non_overlapping_and_dense_or_false(tensor):
+        return False
+    (rows, cols), (s0, s1) = tensor.shape, tensor.stride()
+    if s0 == 1 and s1 >= max(1, rows):
+        return False
+    if s1 == 1 and s0 >= max(1, cols):
+        return False
+    return True
+
+
+def _batch_matrix_needs_copy(tensor: torch.Tensor, rows: int, cols: int) -> bool:
+    """prepare_batch_matrix_for_cublas with a non-transposed result: the matrix is read in
+    place when one of its two inner strides is 1 and the other a leading dimension of at least
+    ``rows`` (column-major view) or ``cols`` (row-major view), or when it is contiguous with
+    non-zero inner strides; otherwise cloned contiguous (expanded, stride-0 gradients are)."""
+    s1, s2 = tensor.stride(1), tensor.stride(2)
+    if s1 == 1 and s2 >= max(1, rows):
+        return False
+    if s2 == 1 and s1 >= max(1, cols):
+        return False
+    return not (tensor.is_contiguous() and s1 != 0 and s2 != 0)
+
+
+def _uses_lt(func, args, kwargs, out) -> bool:
+    """addmm_out_cuda_impl's cuBLASLt path (gemm_and_bias): a 1-D contiguous bias, beta 1, a
+    2-D contiguous result, both of mat2's sizes above 1, every size below 65535 * 32, and a
+    float type."""
+    if func not in (_aten.addmm.default, _aten._addmm_activation.default):
+        return False
+    bias, mat1, mat2 = args[0], args[1], args[2]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    limit = 65535 * 32
+    return (bias.dim() == 1 and bias.is_contiguous() and beta == 1
+            and isinstance(out, torch.Tensor) and out.is_contiguous()
+            and bias.shape[0] == mat2.shape[1]
+            and out.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+            and mat2.shape[0] > 1 and mat2.shape[1] > 1
+            and all(size < limit for size in (*mat1.shape, *mat2.shape)))

@@ -1,0 +1,162 @@
+"""memo_ext.planner.cuda_rules through the recorder: each CUDA allocation rule changes a fake
+recording exactly as the CUDA kernel it encodes allocates (docs/tracing.md, "CUDA allocation
+rules"; the evidence is bench/trace_fidelity.py against real snapshots)."""
+
+import pytest
+import torch
+
+from memo_ext.planner.cuda_rules import CudaKernelRules, CudaTarget, MiB
+from memo_ext.planner.trace import AllocationRecorder, fake_tensors
+
+HOPPER = CudaTarget(compute_capability=(9, 0), sm_count=132, torch_version=(2, 13))
+AMPERE_TORCH_24 = CudaTarget(compute_capability=(8, 0), sm_count=108, torch_version=(2, 4))
+BLAS = "cuBLAS workspace (getCurrentCUDABlasHandle)"
+
+
+def record(program, target=HOPPER, cuda_semantics=True):
+    """Device events of ``program()`` under fake tensors: [(action, bytes, op, module)]."""
+    recorder = AllocationRecorder(cuda_semantics=cuda_semantics, target=target)
+    with fake_tensors(), recorder:
+        program()
+    return [(e["action"], e["bytes"], e["op"], e["module"]) for e in recorder.trace().events
+            if e["pool"] == "device"]
+
+
+def allocs(events, nbytes=None, op=None, module=None):
+    return [e for e in events if e[0] == "alloc" and (nbytes is None or e[1] == nbytes)
+            and (op is None or e[2] == op) and (module is None or e[3] == module)]
+
+
+def test_profiles_name_the_architecture_and_sms():
+    a800, h100 = CudaTarget.for_gpu("a800"), CudaTarget.for_gpu("h100")
+    assert (a800.compute_capability, a800.sm_count) == ((8, 0), 108)
+    assert a800.blas_workspace_bytes == 8 * MiB + 128 * 1024  # ":4096:2:16:8"
+    assert h100.blas_workspace_bytes == 32 * MiB  # ":4096:8" on sm90
+    assert CudaTarget.for_gpu("a800", cublas_workspace_bytes=0).blas_workspace_bytes == 0
+
+
+def test_cublas_workspace_once_per_gemm_thread_and_kept():
+    def program():
+        weight = torch.randn(64, 32, requires_grad=True)
+        x = torch.randn(8, 64)
+        (x @ weight).sum().backward()
+        (x @ weight).sum()  # a second forward GEMM binds no new workspace
+
+    events = record(program)
+    workspaces = allocs(events, module=BLAS)
+    # forward thread at the first mm, the autograd engine's thread at its first mm
+    assert [e[1] for e in workspaces] == [32 * MiB, 32 * MiB]
+    assert not [e for e in events if e[0] == "free" and e[1] == 32 * MiB]
+    assert allocs(record(program, AMPERE_TORCH_24), 8 * MiB + 128 * 1024, module=BLAS)
+    assert not allocs(record(program, cuda_semantics=False), module=BLAS)
+
+
+def test_cublaslt_workspace_per_biased_linear_before_torch_2_6_only():
+    def program():
+        linear = torch.nn.Linear(16, 32)
+        with torch.no_grad():
+            for _ in range(3):
+                linear(torch.randn(4, 16))
+            torch.nn.Linear(16, 1)(torch.randn(4, 16))  # n == 1: no cuBLASLt
+
+    old = record(program, AMPERE_TORCH_24)
+    lt = allocs(old, MiB)
+    assert len(lt) == 3 and len([e for e in old if e[0] == "free" and e[1] == MiB]) == 3
+    # first call: the Lt workspace is requested before the handle binds the cuBLAS workspace
+    sizes = [e[1] for e in old if e[0] == "alloc"]
+    assert sizes.index(MiB) < sizes.index(8 * MiB + 128 * 1024)
+    assert not allocs(record(program, HOPPER), MiB)
+
+
+def test_bmm_operand_with_zero_strides_is_copied_for_cublas():
+    def expanded():
+        a = torch.randn(4, 8, 16)
+        b = torch.randn(16, 1).expand(16, 32)  # inner strides (1, 0)
+        torch.bmm(a, b.unsqueeze(0).expand(4, 16, 32))
+
+    def transposed():
+        a = torch.randn(4, 16, 8).transpose(1, 2)  # column-major view: read in place
+        torch.bmm(a, torch.randn(4, 16, 32))
+
+    events = record(expanded)
+    bmm = [e[1] for e in allocs(events, op="aten.bmm.default") if e[3] != BLAS]
+    assert bmm == [4 * 8 * 32 * 4, 4 * 16 * 32 * 4]  # the output, then b's contiguous copy
+    assert ("free", 4 * 16 * 32 * 4) in [e[:2] for e in events]
+    assert len(allocs(record(transposed), op="aten.bmm.default")) == 2  # output + workspace
+
+
+def test_mm_operand_that_is_neither_major_order_is_copied():
+    def program():
+        a = torch.randn(8, 32)[:, ::2]  # strides (32, 2): not cuBLAS-readable
+        a @ torch.randn(16, 4)
+
+    events = record(program)
+    assert [e[1] for e in allocs(events, op="aten.mm.default") if e[3] != BLAS] == [
+        8 * 4 * 4, 8 * 16 * 4]
+
+
+def test_max_backward_scatters_in_place_into_its_zeros():
+    def program():
+        x = torch.randn(64, 128, requires_grad=True)
+        x.max(dim=1).values.sum().backward()
+
+    size = 64 * 128 * 4
+    ours = [e for e in record(program) if e[0] == "alloc" and e[1] == size]
+    cpu = [e for e in record(program, cuda_semantics=False) if e[0] == "alloc" and e[1] == size]
+    # the input, then one gradient block: zeros, scattered into in place, which AccumulateGrad
+    # keeps as x.grad (the CPU recording: zeros and scatter's copy of them)
+    assert len(ours) == 2 and len(cpu) == 3
+    assert ours[1][2] == "aten.new_zeros.default"
+
+
+def test_mse_loss_reduction_allocates_the_elementwise_loss():
+    def program():
+        torch.nn.functional.mse_loss(torch.randn(64, 3), torch.randn(64, 3))
+
+    events = record(program)
+    loss = allocs(events, op="aten.mse_loss.default")
+    assert [e[1] for e in loss] == [4, 64 * 3 * 4]
+    assert ("free", 64 * 3 * 4, None, None) in [(a, b, None, None) for a, b, _, _ in events]
+
+
+def test_rules_are_off_without_cuda_semantics():
+    assert AllocationRecorder(cuda_semantics=False).rules is None
+    assert isinstance(AllocationRecorder(target=HOPPER).rules, CudaKernelRules)
+
+
+def test_steady_state_adds_the_workspaces_not_bound_yet():
+    rules = CudaKernelRules(HOPPER)
+    x = torch.randn(4, 4)
+    assert [w.nbytes for w in rules.workspaces(torch.ops.aten.mm.default, (x, x), {}, x,
+                                               in_backward=False)] == [32 * MiB]
+    # the trace's warm-up ran a forward only: the autograd thread's workspace is still missing
+    assert [(w.nbytes, w.persistent) for w in rules.steady_state_workspaces()] == [
+        (32 * MiB, True)]
+    assert rules.steady_state_workspaces() == []
+
+
+@pytest.mark.parametrize("name", ["a100-40gb", "a100-80gb", "a800", "h100", "h200"])
+def test_every_profile_has_a_target(name):
+    target = CudaTarget.for_gpu(name)
+    assert target.sm_count > 0 and target.compute_capability >= (8, 0)
+
+
+def test_estimator_holds_reduction_scratch_at_its_larger_traced_size():
+    from memo_ext.estimate.memory import LinearTrace
+    from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
+    from memo_ext.planner.trace import Trace
+
+    def trace(seq, activation, scratch):
+        base = {"stream": 0, "layer": 0, "phase": "backward", "microbatch": 0, "pool": "device",
+                "op": "aten.sum.dim_IntList"}
+        events = [{**base, "id": 0, "action": "alloc", "bytes": activation,
+                   "category": "activation", "module": "decoder.layers.0"},
+                  {**base, "id": 1, "action": "alloc", "bytes": scratch,
+                   "category": "workspace", "module": REDUCTION_SCRATCH},
+                  {**base, "id": 1, "action": "free", "bytes": scratch,
+                   "category": "workspace", "module": REDUCTION_SCRATCH}]
+        return Trace(header={"model": {"seq_length": seq}}, events=events)
+
+    line = LinearTrace.from_traces(trace(1000, 4000, 128 * MiB), trace(2000, 8000, 256 * MiB))
+    far = line.at(14000).events
+    assert [e["bytes"] for e in far] == [56000, 256 * MiB, 256 * MiB]
