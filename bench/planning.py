@@ -83,6 +83,7 @@ class PlanStats:
     chosen: str
     bi_level_arena_bytes: int
     level1_worst_gap: float
+    level1_unproven_worst_gap: float  # over level-1 blocks the MIP did not prove optimal
     level2_gap: float
     seconds: float
 
@@ -104,7 +105,10 @@ class Planned:
             self.stats[seq] = PlanStats(
                 seq, plan.arena_bytes, plan.iteration_lower_bound, plan.iteration_gap,
                 plan.chosen, plan.bi_level_arena_bytes,
-                max(level["gap"] for level in plan.level1), plan.level2.gap, seconds)
+                max(level["gap"] for level in plan.level1),
+                max((level["gap"] for level in plan.level1 if level["status"] != "Optimal"),
+                    default=0.0),
+                plan.level2.gap, seconds)
             self.log(f"  planned seq {seq}: arena {gib(plan.arena_bytes)} GiB ({plan.chosen}), "
                      f"gap {plan.iteration_gap:.2%}, {seconds:.1f} s")
         return self.plans[seq]

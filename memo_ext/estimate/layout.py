@@ -83,6 +83,7 @@ OPTIMIZER_BYTES_PER_PARAM = 12
 #: Modules whose change changes a trace: their files, wherever they are installed, are part of
 #: every cache key.
 TRACER_SOURCES = (TRACE_MODULE, "memo_ext.planner.trace", "memo_ext.planner.work",
+                  "memo_ext.planner.cuda_rules", "memo_ext.planner.cuda_reduce",
                   "memo_ext.offload.manager", "memo_ext.offload.layer",
                   "megatron.training.layer_specs", "pretrain_gpt",
                   "memo_ext.loss.chunked", "memo_ext.loss.model")
@@ -326,6 +327,8 @@ class LayoutModel:
             argv = layout.trace_argv(model_argv, stage)
             if "name" in hardware:  # the GPU whose kernels' workspaces the trace records
                 argv += ["--gpu", hardware["name"]]
+                if hardware.get("hardware_file"):
+                    argv += ["--hardware-file", hardware["hardware_file"]]
             first, second = (cache.trace(argv, seq) for seq in fit_seqs)
             stages.append(StageModel(stage, LinearTrace.from_traces(first, second),
                                      WorkLine.from_headers(first.header, second.header)))

@@ -61,7 +61,8 @@ def load_hardware(name: str, extra_file: Optional[Path] = None) -> dict:
     if key not in profiles:
         raise EstimateError(f"--gpu {name}: unknown; use one of {', '.join(sorted(profiles))} "
                             "or add it with --hardware-file")
-    return {"name": key, "efficiency": efficiency, **profiles[key]}
+    return {"name": key, "hardware_file": None if extra_file is None else str(extra_file),
+            "efficiency": efficiency, **profiles[key]}
 
 
 def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:
@@ -79,16 +80,45 @@ def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:
     return read_trace(path)
 
 
+def _pair_outside_scratch(shorter: list[dict], longer: list[dict]) -> Optional[list]:
+    """The longer trace's events, each with its counterpart in the shorter trace (None for
+    reduction scratch, which is not paired), or None when the two differ in anything but sizes
+    outside the scratch. Ids are compared by order of first appearance: scratch blocks take ids
+    too."""
+    def scratch_ids(events) -> set:
+        return {e["id"] for e in events
+                if e["action"] == "alloc" and e["module"] == REDUCTION_SCRATCH}
+
+    def outside(events, scratch):
+        ids: dict[int, int] = {}
+        kept = []
+        for event in events:
+            if event["id"] in scratch:
+                continue
+            number = ids.setdefault(event["id"], len(ids))
+            kept.append((number, *(event[k] for k in STRUCTURE_FIELDS if k != "id")))
+        return kept
+
+    short_scratch, long_scratch = scratch_ids(shorter), scratch_ids(longer)
+    if outside(shorter, short_scratch) != outside(longer, long_scratch):
+        return None
+    others = iter(e for e in shorter if e["id"] not in short_scratch)
+    return [(None, e) if e["id"] in long_scratch else (next(others), e) for e in longer]
+
+
 @dataclass
 class LinearTrace:
     """A trace whose every request size is ``a + b * seq`` (exact rationals).
 
     Except the CUDA reductions' scratch (memo_ext.planner.cuda_rules, module
-    :data:`REDUCTION_SCRATCH`): it grows with the blocks per output until the reduction is
-    split into 32-bit-indexable launches, one after the other, so a line through two lengths
-    overshoots far beyond them. It is held at the larger of the two traced sizes: below the
-    per-launch cap (about 0.5 GiB for a 4096-wide bias gradient) it understates, by 0.2 GiB
-    for the 7B bias gradients at 1792K tokens from traces at 128K and 256K (docs/tracing.md).
+    :data:`REDUCTION_SCRATCH`). Whether a reduction takes scratch, how much and in how many
+    launches depends on the length in steps: it grows with the blocks per output, then splits
+    into 32-bit-indexable launches, one after the other. So a line through two lengths would
+    overshoot far beyond them, and the two traces may even differ in how many scratch blocks
+    they hold. The scratch is therefore left out of the comparison and the line, and kept as the
+    longer trace has it. The estimate then understates it beyond the longer length, below the
+    per-launch cap (about 0.5 GiB for a 4096-wide bias gradient): by 0.19 GiB for the 7B bias
+    gradients at 1792K tokens from traces at 128K and 256K (docs/tracing.md).
     """
 
     base: Trace
@@ -102,21 +132,22 @@ class LinearTrace:
         s2 = second.header["model"]["seq_length"]
         if s1 == s2:
             raise EstimateError("the two traces have the same sequence length; trace two lengths")
-        if len(first.events) != len(second.events) or any(
-                tuple(x[k] for k in STRUCTURE_FIELDS) != tuple(y[k] for k in STRUCTURE_FIELDS)
-                for x, y in zip(first.events, second.events)):
+        shorter, longer = (first, second) if s1 < s2 else (second, first)
+        pairs = _pair_outside_scratch(shorter.events, longer.events)
+        if pairs is None:
             raise EstimateError(f"the allocation sequence differs between {s1} and {s2} tokens "
                                 "(not only in sizes); trace at the target length instead")
+        (sa, sb) = sorted((s1, s2))
         slopes, intercepts = [], []
-        for x, y in zip(first.events, second.events):
-            if x["module"] == REDUCTION_SCRATCH:
+        for x, y in pairs:
+            if x is None:  # scratch: as the longer trace holds it
                 slopes.append(Fraction(0))
-                intercepts.append(Fraction(max(x["bytes"], y["bytes"])))
+                intercepts.append(Fraction(y["bytes"]))
                 continue
-            slope = Fraction(y["bytes"] - x["bytes"], s2 - s1)
+            slope = Fraction(y["bytes"] - x["bytes"], sb - sa)
             slopes.append(slope)
-            intercepts.append(x["bytes"] - slope * s1)
-        return cls(first, intercepts, slopes, (s1, s2))
+            intercepts.append(x["bytes"] - slope * sa)
+        return cls(longer, intercepts, slopes, (s1, s2))
 
     def at(self, seq: int) -> Trace:
         """The trace at ``seq`` tokens (sizes rounded up where the line is not integral)."""

@@ -152,28 +152,12 @@ class _Iterator:
                      if s != 0 or size == 0)
 
 
-def reduction_workspace(input_shape: Sequence[int], input_strides: Sequence[int],
-                        reduced_dims: Optional[Sequence[int]], input_itemsize: int,
-                        acc_itemsize: int, output_itemsize: int, num_outputs: int = 1, *,
-                        sm_count: int, max_threads_per_sm: int = 2048, warp_size: int = 32,
-                        max_threads_per_block: int = 512, vt0: int = 4,
-                        input_vec_size: Optional[int] = None,
-                        torch_version: Optional[tuple[int, int]] = None,
-                        keepdim: bool = False, input_storage_offset: int = 0,
-                        second_output_itemsize: Optional[int] = None,
-                        can_accumulate_in_output: Optional[bool] = None) -> list[int]:
+def reduction_workspace(*args, **kwargs) -> list[int]:
     """Byte sizes of the blocks ``gpu_reduce_kernel`` takes from the caching allocator besides
     its output, in allocation order ([] when it takes none): for one launch, the staging buffer
-    then the semaphores. See :func:`plan_reduction` for the arguments and :class:`ReducePlan`
-    for when each block is freed."""
-    return plan_reduction(
-        input_shape, input_strides, reduced_dims, input_itemsize, acc_itemsize,
-        output_itemsize, num_outputs, sm_count=sm_count, max_threads_per_sm=max_threads_per_sm,
-        warp_size=warp_size, max_threads_per_block=max_threads_per_block, vt0=vt0,
-        input_vec_size=input_vec_size, torch_version=torch_version, keepdim=keepdim,
-        input_storage_offset=input_storage_offset,
-        second_output_itemsize=second_output_itemsize,
-        can_accumulate_in_output=can_accumulate_in_output).allocations
+    then the semaphores. Takes :func:`plan_reduction`'s arguments; see :class:`ReducePlan` for
+    when each block is freed."""
+    return plan_reduction(*args, **kwargs).allocations
 
 
 def plan_reduction(input_shape: Sequence[int], input_strides: Sequence[int],

@@ -59,15 +59,22 @@ class CudaTarget:
     cublas_workspace_bytes: Optional[int] = None
 
     @classmethod
-    def for_gpu(cls, name: str = DEFAULT_GPU, **overrides) -> "CudaTarget":
-        """The target of a GPU profile of memo_ext/estimate/hardware.json (its
-        ``compute_capability`` "9.0" and ``sm_count``), with the installed torch."""
-        from memo_ext.estimate.memory import load_hardware  # (the estimator imports this)
+    def for_gpu(cls, name: str = DEFAULT_GPU, hardware_file=None, **overrides) -> "CudaTarget":
+        """The target of a GPU profile of memo_ext/estimate/hardware.json or of
+        ``hardware_file`` (its ``compute_capability`` "9.0" and ``sm_count``), with the
+        installed torch."""
+        from memo_ext.estimate.memory import EstimateError, load_hardware  # (imports this)
 
-        profile = load_hardware(name)
-        major, minor = (int(x) for x in str(profile["compute_capability"]).split("."))
-        return cls(compute_capability=(major, minor), sm_count=int(profile["sm_count"]),
-                   **overrides)
+        profile = load_hardware(name, hardware_file)
+        try:
+            major, minor = (int(x) for x in str(profile["compute_capability"]).split("."))
+            sms = int(profile["sm_count"])
+        except (KeyError, ValueError):
+            raise EstimateError(
+                f"GPU profile {name!r}{f' in {hardware_file}' if hardware_file else ''} needs "
+                '"compute_capability" ("8.0") and "sm_count" (108) for the CUDA allocation '
+                "rules; add them") from None
+        return cls(compute_capability=(major, minor), sm_count=sms, **overrides)
 
     @property
     def max_threads_per_sm(self) -> int:
@@ -102,6 +109,7 @@ REDUCTION_SCRATCH = "reduction scratch (gpu_reduce_kernel)"
 LT_WORKSPACE_BYTES = 1 * MiB
 
 _aten = torch.ops.aten
+_HALF_TYPES = (torch.float16, torch.bfloat16)
 
 #: Ops that fetch the current cuBLAS handle (at::cuda::getCurrentCUDABlasHandle), which binds
 #: the per-(handle, stream) workspace on first use.
@@ -177,6 +185,8 @@ class CudaKernelRules:
             return self._reduction(func, args, out)
         if func is _aten.mse_loss.default:
             return _elementwise_loss(args, kwargs)
+        if func in _INDEX_PUT_OPS:
+            return _index_put_with_sort(args, kwargs)
         if func not in _BLAS_OPS:
             return []
         found = self._operand_copies(func, args)
@@ -244,6 +254,26 @@ class CudaKernelRules:
             input_storage_offset=tensor.storage_offset(), **extra)
         return [Workspace(n, REDUCTION_SCRATCH) for n in sizes]
 
+    # ------------------------------------------------------------------ sizes
+    @staticmethod
+    def cuda_sizes(func, args, out, op_of) -> list[tuple[torch.Tensor, int]]:
+        """Outputs the CUDA kernel makes at another size than the CPU one: (tensor, bytes).
+        ``op_of(tensor)`` names the op that allocated a tensor.
+
+        - native_layer_norm keeps mean and rstd in the accumulate type, fp32, for 16-bit
+          inputs (layer_norm_kernel.cu); the CPU kernel and its fake rule use the input type.
+        - dropout: on CUDA ``at::dropout`` runs the fused native_dropout, whose mask is bool (1
+          byte per element); elsewhere it draws ``empty_like(input).bernoulli_(1 - p)`` and keeps
+          that noise in the input's type (Dropout.cpp, is_fused_kernel_acceptable). The noise is
+          recorded as the mask.
+        """
+        if func is _aten.native_layer_norm.default and args[0].dtype in _HALF_TYPES:
+            return [(stat, stat.numel() * 4) for stat in out[1:3]]
+        if (func is _aten.bernoulli_.float and args[0].is_floating_point()
+                and op_of(args[0]) == "aten.empty_like.default"):
+            return [(args[0], args[0].numel())]
+        return []
+
     # ------------------------------------------------------------------ folds
     @staticmethod
     def folds(func) -> bool:
@@ -259,6 +289,31 @@ class CudaKernelRules:
         return (source.shape == result.shape and source.stride() == result.stride()
                 and source.storage_offset() == 0
                 and is_non_overlapping_and_dense_or_false(source))
+
+
+_INDEX_PUT_OPS = (_aten.index_put.default, _aten.index_put_.default,
+                  _aten._index_put_impl_.default)
+
+
+def _index_put_with_sort(args, kwargs) -> list[Workspace]:
+    """index_put with ``accumulate`` (the embedding's backward through IndexBackward0) runs
+    index_put_with_sort_kernel (aten/src/ATen/native/cuda/Indexing.cu): makeLinearIndex
+    computes the linear index (a remainder and a product, int64 per index), then the sort takes
+    sorted and original-position index tensors and an arange, and cub a 1-byte request; all
+    freed on return. Two real snapshots (torch 2.6 and 2.11) show this sequence."""
+    accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
+    indices = [i for i in args[1] if i is not None] if len(args) > 1 else []
+    if not accumulate or len(indices) != 1 or indices[0].dtype == torch.bool:
+        return []
+    count = indices[0].numel()
+    value = args[2]
+    found = [Workspace(count * 8, "linear index (makeLinearIndex)"),
+             Workspace(count * 8, "linear index (makeLinearIndex)")]
+    if not value.is_contiguous():
+        found.append(Workspace(_contiguous_bytes(value), "values made contiguous"))
+    found += [Workspace(count * 8, "sorted indices"), Workspace(count * 8, "original positions"),
+              Workspace(count * 8, "arange"), Workspace(1, "cub sort")]
+    return found
 
 
 def _elementwise_loss(args, kwargs) -> list[Workspace]:

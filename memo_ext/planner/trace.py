@@ -397,11 +397,6 @@ class AllocationRecorder(DeviceMemoryTracker):
             outputs = out if isinstance(out, (tuple, list)) else (out,)
             for index in WORKSPACE_OUTPUTS[name]:
                 self.retag(outputs[index], WORKSPACE)
-        elif (self.cuda_semantics and func is torch.ops.aten.native_layer_norm.default
-              and args[0].dtype in (torch.float16, torch.bfloat16)):
-            # CUDA's layer_norm keeps mean and rstd in the accumulate type (fp32).
-            for stat in out[1:3]:
-                self._set_bytes(stat, stat.numel() * 4)
         return out
 
     def _apply_rules(self, func, args, kwargs, out, fresh: list) -> None:
@@ -409,6 +404,8 @@ class AllocationRecorder(DeviceMemoryTracker):
         formula's out-of-place update into the zeros it updates (memo_ext.planner.cuda_rules)."""
         in_backward = torch._C._current_autograd_node() is not None
         self.emit_workspaces(self.rules.workspaces(func, args, kwargs, out, in_backward))
+        for tensor, nbytes in self.rules.cuda_sizes(func, args, out, self._op_of):
+            self._set_bytes(tensor, nbytes)
         if not (in_backward and len(fresh) == 1 and self.rules.folds(func)):
             return
         target = args[0]
@@ -531,6 +528,11 @@ class AllocationRecorder(DeviceMemoryTracker):
             event[6] = category
             if name is not None:
                 event[9] = name
+
+    def _op_of(self, tensor: torch.Tensor) -> Optional[str]:
+        """The op that allocated ``tensor``'s live block, or None."""
+        event = self._event_of(tensor)
+        return None if event is None else event[10]
 
     def _set_bytes(self, tensor: torch.Tensor, nbytes: int) -> None:
         event = self._event_of(tensor)

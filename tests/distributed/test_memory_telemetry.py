@@ -106,12 +106,13 @@ DEMO_ARGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads
              "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3",
              "--mock-data", "--vocab-size", "4096", "--eval-iters", "0"]
 #: The same for tools/trace.py, as a CPU run allocates it: tied embeddings, fp32, no CUDA
-#: constants (context, cuBLAS workspace, NCCL), no flash workspaces.
+#: allocation rules (hence no cuBLAS workspace), no CUDA context or NCCL constants, no flash
+#: workspaces.
 DEMO_TRACE_ARGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
                    "--vocab-size", "4096", "--micro-batch-size", "4", "--tp", "2",
                    "--tie-embeddings", "--no-distributed-optimizer",
                    "--no-cuda-semantics", "--no-flash-workspace", "--cuda-context-mib", "0",
-                   "--cublas-workspace-mib", "0", "--nccl-mib-per-communicator", "0"]
+                   "--nccl-mib-per-communicator", "0"]
 # MEMO at a fixed alpha: the demo's 'auto' solves it from measured layer times, which a trace
 # cannot know.
 MEMO_RUN = ["--memo-offload", "--memo-alpha", "0.5", "--memo-pcie-gbps", "10",

@@ -160,3 +160,40 @@ def test_estimator_holds_reduction_scratch_at_its_larger_traced_size():
     line = LinearTrace.from_traces(trace(1000, 4000, 128 * MiB), trace(2000, 8000, 256 * MiB))
     far = line.at(14000).events
     assert [e["bytes"] for e in far] == [56000, 256 * MiB, 256 * MiB]
+    # a shorter trace whose reduction still fits one block per output: no scratch at all
+    no_scratch = trace(1000, 4000, 0)
+    no_scratch.events[1:] = []
+    line = LinearTrace.from_traces(no_scratch, trace(2000, 8000, 256 * MiB))
+    assert [e["bytes"] for e in line.at(3000).events] == [12000, 256 * MiB, 256 * MiB]
+
+
+def test_embedding_backward_index_put_takes_the_sort_kernels_temporaries():
+    def program():
+        table = torch.randn(100, 8, requires_grad=True)
+        tokens = torch.randint(0, 100, (4, 16))
+        table[tokens].sum().backward()
+
+    events = record(program)
+    index = [e[1] for e in allocs(events, op="aten.index_put.default")]
+    # zeros folded: the op's own requests are index_put_with_sort_kernel's temporaries only --
+    # the linear index twice, the values made contiguous (sum's gradient is expanded: stride
+    # 0), sorted indices, original positions, an arange and cub's byte
+    assert index == [64 * 8, 64 * 8, 64 * 8 * 4, 64 * 8, 64 * 8, 64 * 8, 1]
+    frees = [e[1] for e in events if e[0] == "free"]
+    assert frees.count(64 * 8) >= 5 and 1 in frees
+    assert not allocs(record(program, cuda_semantics=False), 1)
+
+
+def test_dropout_keeps_cuda_bool_mask_and_layer_norm_fp32_statistics():
+    def program():
+        x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+        y = torch.nn.functional.dropout(x, 0.1, training=True)
+        torch.nn.functional.layer_norm(y, (128,)).sum().backward()
+
+    ours = record(program)
+    cpu = record(program, cuda_semantics=False)
+    mask = [e[1] for e in allocs(ours, op="aten.empty_like.default")]
+    assert mask == [64 * 128] and [e[1] for e in allocs(cpu, op="aten.empty_like.default")] == [
+        64 * 128 * 2]  # bool mask vs bf16 noise
+    stats = [e[1] for e in allocs(ours, op="aten.native_layer_norm.default")]
+    assert stats == [64 * 128 * 2, 64 * 4, 64 * 4]  # output bf16, mean and rstd fp32

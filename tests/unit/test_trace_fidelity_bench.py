@@ -65,3 +65,12 @@ def test_window_starts_at_the_last_step_and_peak_counts_from_there(bench):
     assert [a.size for a in allocs] == [100, 30]
     assert "2 step(s)" in how
     assert bench.peak_above_start(window) == (130, -20)
+
+
+def test_every_program_names_the_cuda_run_it_is_compared_with(bench):
+    programs = bench.all_programs()
+    assert "cs336-medium-bf16" in programs  # the kept-aside program is checked the same way
+    for program in programs.values():
+        target = bench.target_of(program)
+        assert target.sm_count > 0 and target.torch_version >= (2, 3), program.name
+        assert program.gpu[2], f"{program.name}: say how the GPU is known"

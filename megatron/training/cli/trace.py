@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="The GPU (a profile of memo_ext/estimate/hardware.json) whose CUDA "
                             "kernels' workspaces the trace records: cuBLAS workspace size, "
                             "reduction scratch (SM count). Default: %(default)s.")
+    trace.add_argument("--hardware-file", default=None, metavar="JSON",
+                       help="Extra GPU profiles for --gpu (the keys of hardware.json).")
     trace.add_argument("--no-cuda-semantics", action="store_true",
                        help="Record the CPU program as it allocates here: no CUDA allocation "
                             "rules (memo_ext/planner/cuda_rules.py: kernel workspaces, "
@@ -355,8 +357,11 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
             ("cuda_context_bytes", opts.cuda_context_mib),
             ("nccl_bytes_per_communicator", opts.nccl_mib_per_communicator))
         if value is not None})
-    target = CudaTarget.for_gpu(opts.gpu, cublas_workspace_bytes=(
-        None if opts.cublas_workspace_mib is None else int(opts.cublas_workspace_mib * MiB)))
+    try:
+        target = CudaTarget.for_gpu(opts.gpu, opts.hardware_file, cublas_workspace_bytes=(
+            None if opts.cublas_workspace_mib is None else int(opts.cublas_workspace_mib * MiB)))
+    except ValueError as exc:  # EstimateError: an unknown profile or one without the fields
+        raise SystemExit(f"error: {exc}") from None
     recorder = AllocationRecorder(cuda_semantics=not opts.no_cuda_semantics, target=target)
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_distributed(world_size, opts.rank, opts.tp, opts.pp, opts.cp))
