@@ -5,17 +5,19 @@ run makes (docs/tracing.md, "CUDA allocation rules", has the table and the evide
 Hand-written because no library models it: the allocations live inside PyTorch's CUDA kernels
 (cuBLAS handle setup, operand copies, reduction scratch buffers) and inside autograd formulas
 that take a different branch when a dispatch mode is active. Each rule names the PyTorch source
-it encodes. Two kinds:
+it encodes. Three kinds:
 
 - *workspaces* (:meth:`CudaKernelRules.workspaces`): requests a CUDA kernel makes through the
   caching allocator besides its outputs -- the cuBLAS workspace at a thread's first GEMM,
   cuBLASLt's per-call workspace of older releases, copies of operands whose strides cuBLAS
-  cannot take, the global-memory buffer of a reduction split across thread blocks;
-- *folds* (:meth:`CudaKernelRules.folds`): an out-of-place op that autograd runs only because a
-  dispatch mode is active (``at::isTensorSubclassLike`` is true for every tensor then, and the
-  recorder *is* a dispatch mode), where a CUDA run updates its input in place. The recorder
-  merges the op's output into that input when the input dies before anything else is allocated
-  -- the same condition under which autograd's in-place branch would have been legal.
+  cannot take, the global-memory buffer of a reduction split across thread blocks, the
+  embedding backward's sort temporaries, mse_loss's elementwise loss;
+- *sizes* (:meth:`CudaKernelRules.cuda_sizes`): outputs the CUDA kernel makes in another dtype
+  (layer-norm statistics in fp32, dropout's bool mask);
+- *folds* (:meth:`CudaKernelRules.folds`): an out-of-place update that an autograd formula
+  runs only because a dispatch mode is active (``at::isTensorSubclassLike`` is true for every
+  tensor then, and the recorder *is* a dispatch mode) on zeros it made itself, where a CUDA run
+  updates the zeros in place. The recorder makes the output the zeros' block.
 
 The rules depend on the GPU (SM count, architecture) and the PyTorch release of the run a trace
 stands for: :class:`CudaTarget`.
@@ -105,7 +107,7 @@ _BLAS_WORKSPACE = "cuBLAS workspace (getCurrentCUDABlasHandle)"
 #: does not extrapolate them).
 REDUCTION_SCRATCH = "reduction scratch (gpu_reduce_kernel)"
 
-#: cuBLASLt's workspace of releases before 2.6 (CUBLASLT_WORKSPACE_SIZE default, KiB).
+#: cuBLASLt's workspace of releases before 2.6 (the CUBLASLT_WORKSPACE_SIZE default).
 LT_WORKSPACE_BYTES = 1 * MiB
 
 _aten = torch.ops.aten
@@ -135,8 +137,7 @@ _REDUCTIONS = {
 _INDEXED_REDUCTIONS = (_aten.max.dim, _aten.min.dim)
 
 #: Out-of-place ops an autograd formula runs when a dispatch mode is active, where CUDA runs
-#: the in-place variant on a tensor it owns (torch/csrc/autograd/FunctionsManual.cpp,
-#: accumulate_grad.h):
+#: the in-place variant on zeros it made (torch/csrc/autograd/FunctionsManual.cpp):
 #: - scatter.src / scatter.value: value_selecting_reduction_backward (max/min/median/kthvalue
 #:   along a dim) scatters into fresh zeros with scatter_ unless a subclass-like tensor is
 #:   involved;
@@ -145,11 +146,13 @@ _INDEXED_REDUCTIONS = (_aten.max.dim, _aten.min.dim)
 #: - index_add: index_select_backward's zeros.index_add_;
 #: Not folded: InputBuffer::accumulate's add (in place only when the engine holds the buffer's
 #: last reference, which a dispatch mode cannot observe: folding every add whose input dies
-#: next made the cs336 comparison worse, bench/results/trace_fidelity.md).
+#: next made the 2.6 comparison worse, docs/tracing.md).
 _FOLDABLE = frozenset({
     _aten.scatter.src, _aten.scatter.value, _aten.index_put.default,
     _aten.scatter_add.default, _aten.index_add.default,
 })
+
+
 @dataclass(frozen=True)
 class Workspace:
     """One request a CUDA kernel makes besides its outputs: freed when the op returns unless
@@ -277,9 +280,9 @@ class CudaKernelRules:
     # ------------------------------------------------------------------ folds
     @staticmethod
     def folds(func) -> bool:
-        """Whether ``func``'s output, run by an autograd node, may be folded into an input of
-        the same size and layout that dies before the next allocation (an autograd branch CUDA
-        runs in place; see _FOLDABLE)."""
+        """Whether ``func``'s output, run by an autograd node, is folded into the zeros it
+        updates (its first argument, when the recorder saw a zeros factory make it and the
+        layouts agree): an autograd branch CUDA runs in place; see _FOLDABLE."""
         return func in _FOLDABLE
 
     @staticmethod
