@@ -521,6 +521,8 @@ def compare(program: Program, checkout: Path, snapshot_path: Path, log) -> dict:
     return {
         "program": program.name, "description": program.description,
         "snapshot": str(snapshot_path), "snapshot_torch": program.snapshot_torch,
+        "gpu": {"compute_capability": list(program.gpu[0]), "sm_count": program.gpu[1],
+                "how": program.gpu[2]},
         "window": how, "record_seconds": round(seconds, 2),
         "ours_allocs": len(a), "real_allocs": len(b), "lcs": lcs,
         "matched_pct": 100.0 * lcs / len(b) if b else 100.0,
@@ -586,7 +588,11 @@ def report(results: list[dict], command: str, total_seconds: float) -> str:
     for r in results:
         lines += [f"## {r['program']}", "", r["description"] + ".", "",
                   f"Snapshot window: {r['window']}. Snapshot torch {r['snapshot_torch']}. "
-                  f"Fake-tensor run: {r['record_seconds']} s.", ""]
+                  f"Fake-tensor run: {r['record_seconds']} s.", "",
+                  f"CUDA target of our recording: "
+                  f"sm{''.join(map(str, r['gpu']['compute_capability']))}, "
+                  f"{r['gpu']['sm_count']} SMs, torch {r['snapshot_torch'].split(' ')[0]} "
+                  f"({r['gpu']['how']}).", ""]
         if r["sizes_only_real"] or r["sizes_only_ours"]:
             lines.append("Block sizes on one side only: real "
                          f"{[fmt_bytes(s) for s in r['sizes_only_real']]}, ours "
