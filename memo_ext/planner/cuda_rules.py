@@ -5,7 +5,7 @@ run makes (docs/tracing.md, "CUDA allocation rules", has the table and the evide
 Hand-written because no library models it: the allocations live inside PyTorch's CUDA kernels
 (cuBLAS handle setup, operand copies, reduction scratch buffers) and inside autograd formulas
 that take a different branch when a dispatch mode is active. Each rule names the PyTorch source
-it encodes. Three kinds:
+it encodes. Four kinds:
 
 - *workspaces* (:meth:`CudaKernelRules.workspaces`): requests a CUDA kernel makes through the
   caching allocator besides its outputs -- the cuBLAS workspace at a thread's first GEMM,
@@ -14,6 +14,9 @@ it encodes. Three kinds:
   embedding backward's sort temporaries, mse_loss's elementwise loss;
 - *sizes* (:meth:`CudaKernelRules.cuda_sizes`): outputs the CUDA kernel makes in another dtype
   (layer-norm statistics in fp32, dropout's bool mask);
+- *kernel paths* (:func:`cuda_kernel_paths`): ops a CUDA build runs as one fused kernel where
+  the CPU build decomposes them (``rms_norm``); while recording, CPU autograd takes the fused
+  path too, so the recorder sees the fused kernel's outputs;
 - *folds* (:meth:`CudaKernelRules.folds`): an out-of-place update that an autograd formula
   runs only because a dispatch mode is active (``at::isTensorSubclassLike`` is true for every
   tensor then, and the recorder *is* a dispatch mode) on zeros it made itself, where a CUDA run
@@ -25,6 +28,7 @@ stands for: :class:`CudaTarget`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -377,3 +381,41 @@ def _uses_lt(func, args, kwargs, out) -> bool:
             and out.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
             and mat2.shape[0] > 1 and mat2.shape[1] > 1
             and all(size < limit for size in (*mat1.shape, *mat2.shape)))
+
+
+#: Ops a CUDA build dispatches to a fused kernel and the CPU build decomposes (their
+#: CompositeImplicitAutograd fallback): aten/src/ATen/native/layer_norm.cpp, rms_norm_symint,
+#: calls at::_fused_rms_norm off MPS (after its composite fallbacks for channels-last, complex
+#: and a weight of another dtype), whose CUDA kernel returns the output and fp32 rstd and whose
+#: backward is _fused_rms_norm_backward. On CPU the fallback upcasts the input and keeps fp32
+#: intermediates for backward.
+_FUSED_ON_CUDA = (_aten._fused_rms_norm.default, _aten._fused_rms_norm_backward.default)
+_paths_lock = threading.Lock()
+_paths_users = 0
+_paths_library = None
+
+
+@contextlib.contextmanager
+def cuda_kernel_paths():
+    """While active, CPU autograd runs :data:`_FUSED_ON_CUDA` as single ops, as a CUDA build
+    does: each gets a CPU kernel computing torch._decomp's reference decomposition, so values
+    are unchanged and a dispatch mode sees the fused op and its outputs. Removed on exit (the
+    CPU trainer keeps PyTorch's composite); nested uses share one registration."""
+    global _paths_users, _paths_library
+    from torch._decomp import decomposition_table
+
+    with _paths_lock:
+        if _paths_users == 0:
+            _paths_library = torch.library.Library("aten", "IMPL")
+            for op in _FUSED_ON_CUDA:
+                _paths_library.impl(op._schema.name.split("::")[1], decomposition_table[op],
+                                    "CPU")
+        _paths_users += 1
+    try:
+        yield
+    finally:
+        with _paths_lock:
+            _paths_users -= 1
+            if _paths_users == 0:
+                _paths_library._destroy()
+                _paths_library = None

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from memo_ext.attention.kernels import WORKSPACE_OUTPUTS
-from memo_ext.planner.cuda_rules import CudaKernelRules, CudaTarget
+from memo_ext.planner.cuda_rules import CudaKernelRules, CudaTarget, cuda_kernel_paths
 from memo_ext.planner.work import WorkCounter
 from memo_ext.telemetry.tracker import DEVICE, HOST, DeviceMemoryTracker, storage_of
 
@@ -285,6 +285,18 @@ class AllocationRecorder(DeviceMemoryTracker):
         self.tagger = _GraphTagger(self)
         #: FLOPs, bytes moved and collectives of the recorded iteration (the cost model's input).
         self.work = WorkCounter()
+
+    def __enter__(self):
+        self._kernel_paths = contextlib.ExitStack()
+        if self.rules is not None:  # rms_norm as CUDA runs it (cuda_rules.cuda_kernel_paths)
+            self._kernel_paths.enter_context(cuda_kernel_paths())
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            self._kernel_paths.close()
 
     # ------------------------------------------------------------------ context
     @contextlib.contextmanager

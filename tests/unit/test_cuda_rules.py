@@ -197,3 +197,31 @@ def test_dropout_keeps_cuda_bool_mask_and_layer_norm_fp32_statistics():
         64 * 128 * 2]  # bool mask vs bf16 noise
     stats = [e[1] for e in allocs(ours, op="aten.native_layer_norm.default")]
     assert stats == [64 * 128 * 2, 64 * 4, 64 * 4]  # output bf16, mean and rstd fp32
+
+
+@pytest.mark.parametrize("live", [True, False], ids=["live", "fake"])
+def test_rms_norm_records_the_fused_cuda_kernel(live):
+    import contextlib
+
+    def program():
+        x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.ones(128, dtype=torch.bfloat16, requires_grad=True)
+        torch.nn.functional.rms_norm(x, (128,), w, 1e-5).sum().backward()
+
+    def ops(cuda_semantics):
+        recorder = AllocationRecorder(cuda_semantics=cuda_semantics, target=HOPPER)
+        with (contextlib.nullcontext() if live else fake_tensors()), recorder:
+            program()
+        return [(e["op"], e["bytes"]) for e in recorder.trace().events if e["action"] == "alloc"]
+
+    fused = [o for o in ops(True) if "rms_norm" in o[0]]
+    # output bf16 and rstd fp32 [64, 1]; backward: grad input bf16 and grad weight
+    assert fused == [("aten._fused_rms_norm.default", 64 * 128 * 2),
+                     ("aten._fused_rms_norm.default", 64 * 4),
+                     ("aten._fused_rms_norm_backward.default", 64 * 128 * 2),
+                     ("aten._fused_rms_norm_backward.default", 128 * 2)]
+    composite = ops(False)
+    assert not [o for o in composite if "rms_norm" in o[0]]
+    assert ("aten._to_copy.default", 64 * 128 * 4) in composite  # the CPU path's fp32 upcast
+    # the registration lives only while recording
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CPU")

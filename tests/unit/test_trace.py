@@ -160,7 +160,8 @@ def test_context_parallel_trace_allocations_grow_linearly(tool):
     ["--recompute-granularity", "full"],                   # megatron full recompute
     ["--num-layers", "3", "--memo-offload", "--memo-alpha", "0.5"],  # MEMO swap + recompute
     ["--cp", "1", "--dp", "2", "--num-query-groups", "2", "--microbatches-in-flight", "2"],
-], ids=["tp2-cp2", "pp-last-stage", "full-recompute", "memo", "gqa-dp2-2mb"])
+    ["--normalization", "RMSNorm"],                        # the fused rms_norm kernel path
+], ids=["tp2-cp2", "pp-last-stage", "full-recompute", "memo", "gqa-dp2-2mb", "rmsnorm"])
 def test_live_and_fake_traces_are_identical(tool, extra):
     live, _ = record(tool, SMALL + extra + ["--live"])
     fake, _ = record(tool, SMALL + extra)
