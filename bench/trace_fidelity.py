@@ -8,6 +8,10 @@ snapshot read by memo_ext.alloc's restricted reader.
         --program linear-grad --checkout /work/.mirror/shreyansh26+MLSys-Experiments/repo@b63fb8c7 \\
         --program linear-no-grad --checkout /work/.mirror/shreyansh26+MLSys-Experiments/repo@b63fb8c7 \\
         --program mlp-sgd --checkout /work/.mirror/Da1sypetals+tomi/repo@f289cab \\
+        --program attention-fp32 \\
+        --checkout /work/.mirror/silmont2000+assignment2-systems/repo@133f0643dd71 \\
+        --program cs336-medium-bf16 \\
+        --checkout /work/.mirror/Wedsonlin+assignment2-systems/repo@8630bcfe2d6f \\
         [--snapshot FILE ...] [-o bench/results]
 
 One ``--program NAME --checkout SOURCE [--snapshot FILE]`` group per program (NAME from
@@ -220,6 +224,27 @@ def run_mlp_sgd(checkout: Path, step, end) -> None:
         end()
 
 
+def run_attention_fp32(checkout: Path, step, end) -> None:
+    """silmont2000/assignment2-systems cs336_systems/trace_peak_memory.py main(): the
+    checkout's custom_scaled_dot_product_attention (einops einsum of Q, K^T, scaling, its
+    custom_softmax, einsum with V; no mask, no heads) on Q, K, V = randn(8, 4096, 16) fp32
+    with requires_grad, output.sum(), backward; recorded from before the randn calls on an
+    empty cache (``empty_cache()``, then ``_record_memory_history``): the first iteration,
+    with the cuBLAS workspaces of the main and the autograd thread. pandas is imported by the
+    script but used only after the step."""
+    stubs = {"pandas": types.ModuleType("pandas")}
+    with _imported_from(checkout / "cs336_systems", ("trace_peak_memory",), stubs) as (tpm,):
+        batch_size, seq_len, d_model = 8, 4096, 16
+        step()
+        Q = torch.randn(batch_size, seq_len, d_model, requires_grad=True)
+        K = torch.randn(batch_size, seq_len, d_model, requires_grad=True)
+        V = torch.randn(batch_size, seq_len, d_model, requires_grad=True)
+        output = tpm.custom_scaled_dot_product_attention(Q, K, V)
+        loss = output.sum()
+        loss.backward()
+        end()
+
+
 PROGRAMS = {p.name: p for p in [
     Program("cs336-large", "notHanmin/assignment2-systems @ 33be88e: TransformerLM 36x1280 "
             "(d_ff 5120, 20 heads, ctx 256, vocab 10000), batch 4, fp32, logits.sum(), AdamW; "
@@ -253,6 +278,23 @@ PROGRAMS = {p.name: p for p in [
             "2.3 (inferred: torch/nn/modules/module.py _call_impl at line 1541)",
             ((8, 0), 108, "pre-Hopper (8 MiB + 128 KiB cuBLAS workspace); A100 assumed"),
             "generate_snapshot.py", 52, run_mlp_sgd),
+    Program(name="attention-fp32",
+            description="silmont2000/assignment2-systems @ 133f064: cs336_systems/"
+            "trace_peak_memory.py, unmasked single-head attention in plain ops (einops einsum, "
+            "max/exp/sum softmax) on Q, K, V randn(8, 4096, 16) fp32, output.sum(), backward; "
+            "from an empty cache (first iteration)",
+            snapshot="mem_snapshot.pickle",
+            files=("mem_snapshot.pickle", "cs336_systems/trace_peak_memory.py"),
+            # uv.lock pins torch 2.6.0 (pyproject ~=2.6.0 off Intel Macs); frames from a
+            # python3.12 uv .venv: torch/functional.py einsum 407, _tensor.py backward 626,
+            # autograd/__init__.py backward 340 / _make_grads 220
+            snapshot_torch="2.6.0 (documented: uv.lock)",
+            gpu=((8, 9), 128, "not recorded; pre-Hopper (the 8 MiB + 128 KiB cuBLAS "
+                 "workspace of both threads is not sm90's 32 MiB); an AutoDL host "
+                 "(/root/autodl-tmp paths): RTX 4090 assumed; the sum's [256, 4] B reduction "
+                 "scratch is the same for any card of 22 SMs or more"),
+            # the recording starts with the program's first CUDA tensor (Q, line 35): event 0
+            step_file=None, step_line=None, run=run_attention_fp32),
 ]}
 
 
