@@ -95,6 +95,12 @@ class CudaTarget:
         return 32 * MiB if self.compute_capability[0] == 9 else 8 * MiB + 128 * 1024
 
     @property
+    def fuses_rms_norm(self) -> bool:
+        """rms_norm runs the fused CUDA kernel from torch 2.8, the first release whose
+        layer_norm.cpp routes it to at::_fused_rms_norm; before, CUDA ran the composite too."""
+        return self.torch_version >= (2, 8)
+
+    @property
     def lt_workspace_per_call(self) -> bool:
         """Before 2.6 ``at::cuda::blas::gemm_and_bias`` allocated its cuBLASLt workspace
         (CUBLASLT_WORKSPACE_SIZE, 1 MiB) on every call and freed it on return (seen in a

@@ -288,7 +288,8 @@ class AllocationRecorder(DeviceMemoryTracker):
 
     def __enter__(self):
         self._kernel_paths = contextlib.ExitStack()
-        if self.rules is not None:  # rms_norm as CUDA runs it (cuda_rules.cuda_kernel_paths)
+        if self.rules is not None and self.rules.target.fuses_rms_norm:
+            # rms_norm as CUDA runs it (cuda_rules.cuda_kernel_paths)
             self._kernel_paths.enter_context(cuda_kernel_paths())
         return super().__enter__()
 

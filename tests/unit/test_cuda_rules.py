@@ -222,6 +222,7 @@ def test_rms_norm_records_the_fused_cuda_kernel(live):
                      ("aten._fused_rms_norm_backward.default", 128 * 2)]
     composite = ops(False)
     assert not [o for o in composite if "rms_norm" in o[0]]
+    assert not CudaTarget((9, 0), 132, torch_version=(2, 7)).fuses_rms_norm  # CUDA composite
     assert ("aten._to_copy.default", 64 * 128 * 4) in composite  # the CPU path's fp32 upcast
     # the registration lives only while recording
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CPU")
