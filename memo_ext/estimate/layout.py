@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
+
 from memo_ext.estimate.cost import (
     CostModelError,
     Efficiency,
@@ -48,9 +50,9 @@ from memo_ext.estimate.memory import (
     MemoryEstimate,
     estimate_at,
     max_sequence_length,
-    trace_rank,
 )
-from memo_ext.planner.trace import Trace, read_trace
+from memo_ext.estimate.symbolic import TRACED_LAYERS, SymbolicError, SymbolicTrace, live_lines
+from memo_ext.planner.trace import POOL_DEVICE, POOL_EXTERNAL, POOL_HOST, Trace, read_trace
 
 #: The two lengths every layout is traced at (multiples of TP x CP x 2 for any TP, CP <= 64).
 FIT_SEQS = (131072, 262144)
@@ -87,6 +89,16 @@ TRACER_SOURCES = (TRACE_MODULE, "memo_ext.planner.trace", "memo_ext.planner.work
                   "memo_ext.offload.manager", "memo_ext.offload.layer",
                   "megatron.training.layer_specs", "pretrain_gpt",
                   "memo_ext.loss.chunked", "memo_ext.loss.model")
+
+
+def gpu_argv(hardware: dict) -> list[str]:
+    """The tracer flags naming the GPU whose kernels' workspaces a trace records."""
+    if "name" not in hardware:
+        return []
+    argv = ["--gpu", hardware["name"]]
+    if hardware.get("hardware_file"):
+        argv += ["--hardware-file", hardware["hardware_file"]]
+    return argv
 
 
 def module_file(name: str) -> Optional[Path]:
@@ -167,21 +179,48 @@ class Layout:
 
 class TraceCache:
     """Traces on disk, keyed by the tracer's argv, the length and the tracer's sources, so a
-    repeated estimate or search costs no tracing. ``directory`` None: no cache."""
+    repeated estimate or search costs no tracing. ``directory`` None: no cache. Misses are
+    traced by a :class:`memo_ext.estimate.tracer.TracerPool` of ``workers`` long-lived tracer
+    processes (started on the first miss; :meth:`close` ends them)."""
 
-    def __init__(self, directory: Optional[Path]) -> None:
+    def __init__(self, directory: Optional[Path], workers: int = 2) -> None:
         self.directory = None if directory is None else Path(directory)
+        self.workers = workers
+        self._pool = None
+        self._pool_lock = threading.Lock()
         digest = hashlib.sha256()
         for module in TRACER_SOURCES:
             path = module_file(module)
             digest.update(path.read_bytes() if path is not None else module.encode())
         self._sources_digest = digest.hexdigest()
 
+    def __enter__(self) -> "TraceCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the tracer processes (a later miss starts them again)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def _traced(self, argv: list[str], seq: int, output: Path) -> Trace:
+        from memo_ext.estimate.tracer import TracerPool
+
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = TracerPool(self.workers)
+            pool = self._pool
+        return pool.trace(argv, seq, output)
+
     def trace(self, argv: list[str], seq: int) -> Trace:
         """The trace of ``argv`` at ``seq`` tokens, from the cache or traced now."""
         if self.directory is None:
             with tempfile.TemporaryDirectory(prefix="memo_estimate_") as workdir:
-                return trace_rank(argv, seq, Path(workdir))
+                return self._traced(argv, seq, Path(workdir) / "trace.jsonl.gz")
         key = hashlib.sha256(json.dumps([argv, seq, self._sources_digest]).encode()).hexdigest()
         path = self.directory / f"{key[:32]}.jsonl.gz"
         if path.exists():
@@ -191,8 +230,9 @@ class TraceCache:
                 path.unlink(missing_ok=True)
         self.directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.directory) as workdir:  # parallel-safe
-            trace = trace_rank(argv, seq, Path(workdir))
-            os.replace(Path(workdir) / f"trace_{seq}.jsonl.gz", path)
+            partial = Path(workdir) / "trace.jsonl.gz"
+            trace = self._traced(argv, seq, partial)
+            os.replace(partial, path)
         return trace
 
 
@@ -291,11 +331,53 @@ class Prediction:
 
 @dataclass
 class StageModel:
-    """A traced stage's allocation and work lines (any sequence length)."""
+    """A traced stage at any sequence length: its allocation trace (a LinearTrace of the whole
+    stage, or a SymbolicTrace of a few layers with the stage's persistent ``state``) and its
+    work line."""
 
     stage: Stage
-    line: LinearTrace
-    work: WorkLine
+    work: Optional[WorkLine]
+    line: Optional[LinearTrace] = None
+    symbolic: Optional[SymbolicTrace] = None
+    state: Optional[Trace] = None
+    layers: int = 0
+    checked: bool = False  # the symbolic trace matched a real trace (SymbolicTrace.check)
+    traced: Optional[tuple[TraceCache, list[str]]] = None  # exhaustive: traced at each length
+
+    def at(self, seq: int) -> Trace:
+        if self.traced is not None:
+            cache, argv = self.traced
+            return cache.trace(argv, seq)
+        if self.symbolic is None:
+            return self.line.at(seq)
+        return self.symbolic.at(seq, self.layers, self.state)
+
+    def work_at(self, seq: int, trace: Trace) -> dict:
+        """``header["work"]`` at ``seq`` (``trace``: this stage's trace at it)."""
+        return trace.header["work"] if self.traced is not None else self.work.at(seq)
+
+    def peak_bounds(self, seqs: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(device, host, outside the allocator) allocated peaks at each of ``seqs`` (bytes):
+        the first two are lower bounds of what any allocator model reserves."""
+        if self.symbolic is None:
+            events = self.line.base.events
+            intercepts, slopes = self.line.intercepts, self.line.slopes
+        else:
+            events, intercepts, slopes = self.symbolic.coefficients(self.layers, self.state)
+        return tuple(_max_of_lines(*live_lines(events, intercepts, slopes, pool), seqs)
+                     for pool in (POOL_DEVICE, POOL_HOST, POOL_EXTERNAL))
+
+
+def _max_of_lines(a: np.ndarray, b: np.ndarray, seqs: list[int]) -> np.ndarray:
+    if not len(a):
+        return np.zeros(len(seqs))
+    s = np.asarray(seqs, dtype=float)
+    return (a[None, :] + b[None, :] * s[:, None]).max(axis=1)
+
+
+#: The length (tokens) a symbolic trace is checked at before it is trusted: four times the
+#: longer fitted length, with two layers more than traced.
+CHECK_SEQ = 4 * FIT_SEQS[1]
 
 
 @dataclass
@@ -309,34 +391,68 @@ class LayoutModel:
     host_capacity_bytes: int
     stages: list[StageModel]
     efficiency: Efficiency
+    model_argv: list[str] = field(default_factory=list)
     _cache: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, model_argv: list[str], layout: Layout, hardware: dict, *, global_batch: int,
               cache: TraceCache, allocator: Optional[str] = None,
               host_memory_gb_per_node: Optional[float] = None,
-              fit_seqs: tuple[int, int] = FIT_SEQS) -> "LayoutModel":
+              fit_seqs: tuple[int, int] = FIT_SEQS, num_layers: Optional[int] = None,
+              symbolic: bool = True, exhaustive: bool = False) -> "LayoutModel":
         """``fit_seqs``: the two lengths traced (tokens). The line through them is exact at any
         length where every request grows linearly, and only there: a buffer capped by a chunk
         size (the chunked loss's logits, memo_ext.loss) is flat between two lengths above the
         cap and smaller below it, so predict below FIT_SEQS[0] from traces at or around the
-        length asked for."""
+        length asked for.
+
+        ``symbolic`` (and a stage deeper than TRACED_LAYERS + 2 layers; ``num_layers`` is the
+        model's): each stage is traced with TRACED_LAYERS layers at the two lengths plus its own
+        persistent state (memo_ext.estimate.symbolic), else whole at the two lengths. A
+        symbolic stage is not trusted before :meth:`check`. ``exhaustive``: no line at all,
+        the whole stage traced at every length asked (the reference the others are compared
+        with; slow)."""
         microbatches = max(1, global_batch // (layout.dp * layout.micro_batch))
+        stage_layers = None if num_layers is None else num_layers // layout.pp
         stages = []
         for stage in layout.stages(microbatches):
-            argv = layout.trace_argv(model_argv, stage)
-            if "name" in hardware:  # the GPU whose kernels' workspaces the trace records
-                argv += ["--gpu", hardware["name"]]
-                if hardware.get("hardware_file"):
-                    argv += ["--hardware-file", hardware["hardware_file"]]
+            argv = layout.trace_argv(model_argv, stage) + gpu_argv(hardware)
+            if exhaustive:
+                stages.append(StageModel(stage, None, checked=True, traced=(cache, argv)))
+                continue
+            if symbolic and stage_layers is not None and stage_layers > TRACED_LAYERS + 2:
+                few = [*argv, "--num-layers", str(TRACED_LAYERS * layout.pp)]
+                first, second = (cache.trace(few, seq) for seq in fit_seqs)
+                state = cache.trace([*argv, "--persistent-only"], fit_seqs[0])
+                trace = SymbolicTrace.from_traces(first, second)
+                stages.append(StageModel(
+                    stage, WorkLine.from_headers(*trace.work_headers(stage_layers, state)),
+                    symbolic=trace, state=state, layers=stage_layers))
+                continue
             first, second = (cache.trace(argv, seq) for seq in fit_seqs)
-            stages.append(StageModel(stage, LinearTrace.from_traces(first, second),
-                                     WorkLine.from_headers(first.header, second.header)))
+            stages.append(StageModel(stage, WorkLine.from_headers(first.header, second.header),
+                                     line=LinearTrace.from_traces(first, second),
+                                     checked=True))
         host = host_memory_gb_per_node or hardware["host_memory_gb_per_node"]
         return cls(layout=layout, hardware=hardware, global_batch=global_batch,
                    allocator=allocator or ("arena" if layout.policy == "memo" else "caching"),
                    host_capacity_bytes=int(float(host) * 1e9), stages=stages,
-                   efficiency=Efficiency.from_profile(hardware))
+                   efficiency=Efficiency.from_profile(hardware), model_argv=list(model_argv))
+
+    @property
+    def checked(self) -> bool:
+        return all(stage.checked for stage in self.stages)
+
+    def check(self, cache: TraceCache) -> None:
+        """Compare each symbolic stage with a real trace of TRACED_LAYERS + 2 layers at
+        CHECK_SEQ tokens (SymbolicTrace.check); raises SymbolicError on a mismatch."""
+        for model in self.stages:
+            if model.checked:
+                continue
+            argv = self.layout.trace_argv(self.model_argv, model.stage) + gpu_argv(self.hardware)
+            deeper = [*argv, "--num-layers", str((TRACED_LAYERS + 2) * self.layout.pp)]
+            model.symbolic.check(cache.trace(deeper, CHECK_SEQ - CHECK_SEQ % self.multiple))
+            model.checked = True
 
     def predict(self, seq: int, efficiency: Optional[Efficiency] = None) -> Prediction:
         """Memory and time at ``seq`` tokens; ``efficiency`` overrides the profile's (the
@@ -345,11 +461,11 @@ class LayoutModel:
         for model in self.stages:
             key = (model.stage.index, seq)
             if key not in self._cache:
-                trace = model.line.at(seq)
+                trace = model.at(seq)
                 memory = estimate_at(trace, int(self.hardware["device_memory_bytes"]),
                                      self.allocator, REPLAY_ITERATIONS)
-                self._cache[key] = (trace.header, persistent_bytes(trace), model.work.at(seq),
-                                    memory)
+                self._cache[key] = (trace.header, persistent_bytes(trace),
+                                    model.work_at(seq, trace), memory)
             header, persistent, work, memory = self._cache[key]
             step = predict_step(
                 work, header, self.hardware, efficiency or self.efficiency,
@@ -365,8 +481,45 @@ class LayoutModel:
         sequence-parallel shards)."""
         return 2 * self.layout.tp * self.layout.cp
 
+    def bound_fits(self, seqs: list[int]) -> np.ndarray:
+        """Whether each of ``seqs`` passes the allocated-peak bounds (device, with the memory
+        outside the allocator, and host, every rank of a node): a length that fails cannot
+        fit in any allocator model, with no replay."""
+        capacity = int(self.hardware["device_memory_bytes"])
+        ranks_per_node = min(int(self.hardware["gpus_per_node"]), self.layout.gpus)
+        fits = np.ones(len(seqs), dtype=bool)
+        for model in self.stages:
+            device, host, external = model.peak_bounds(seqs)
+            fits &= device + external <= capacity
+            fits &= host * ranks_per_node <= self.host_capacity_bytes
+        return fits
+
     def longest(self, step: int, maximum: int, fine_step: Optional[int] = None) -> int:
-        """Longest sequence that fits (device and host), in ``step`` tokens (0 if none)."""
+        """Longest sequence that fits (device and host), in ``step`` tokens (0 if none); below
+        ``step``, in ``fine_step`` tokens. Solved, not searched: the lengths whose allocated
+        peak fits (:meth:`bound_fits`, no replay) are replayed longest first until one fits; the
+        step above the answer failed its bound or its replay. Records the replays made in
+        ``self.replays``. An exhaustive model searches (:meth:`longest_by_search`)."""
+        if any(model.traced is not None for model in self.stages):
+            return self.longest_by_search(step, maximum, fine_step)
+        grids = [list(range(step, maximum + 1, step))]
+        if fine_step:
+            grids.append(list(range(fine_step, step, fine_step)))
+        self.replays = []
+        for grid in grids:
+            rounded = [seq - seq % self.multiple for seq in grid]
+            candidates = [seq for seq, ok in zip(rounded, self.bound_fits(rounded)) if ok and seq]
+            for seq in reversed(candidates):
+                fits = self.predict(seq).fits
+                self.replays.append((seq, fits))
+                if fits:
+                    return seq
+        return 0
+
+    def longest_by_search(self, step: int, maximum: int,
+                          fine_step: Optional[int] = None) -> int:
+        """:meth:`longest` by bisection, a replay per probe (the answer before the solver, and
+        the reference it is compared with in bench/estimator_speed.py)."""
         def estimate(seq: int):
             seq -= seq % self.multiple
             return _FitOnly(self.predict(seq).fits if seq else True)
@@ -454,25 +607,51 @@ def _infeasible(layout: Layout, model: dict, heads: int, groups: int, per_node: 
     return None
 
 
+def build_layout_model(model_argv: list[str], layout: Layout, hardware: dict, *,
+                       cache: TraceCache, exhaustive: bool = False,
+                       **options) -> tuple[LayoutModel, Optional[str]]:
+    """A checked LayoutModel: symbolic where the stage allows it, checked against a real
+    trace (:meth:`LayoutModel.check`), else (refused or failed the check) the stages traced
+    whole. Returns (model, why the symbolic trace was refused or None). ``options``: the
+    keywords of :meth:`LayoutModel.build`."""
+    def made(symbolic: bool) -> LayoutModel:
+        model = LayoutModel.build(model_argv, layout, hardware, cache=cache, symbolic=symbolic,
+                                  exhaustive=exhaustive, **options)
+        model.check(cache)
+        return model
+
+    try:
+        return made(symbolic=True), None
+    except SymbolicError as exc:
+        return made(symbolic=False), f"symbolic trace refused ({exc}); traced whole"
+
+
 def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *,
                  global_batch: int, cache: TraceCache, jobs: int = 2,
                  host_memory_gb_per_node: Optional[float] = None,
-                 log: Callable[[str], None] = lambda line: None
+                 log: Callable[[str], None] = lambda line: None,
+                 num_layers: Optional[int] = None, exhaustive: bool = False
                  ) -> tuple[list[LayoutModel], list[tuple[Layout, str]]]:
-    """A LayoutModel per layout, tracing ``jobs`` at a time; layouts whose tracing fails are
-    returned with the reason."""
+    """A checked LayoutModel per layout (:func:`build_layout_model`), ``jobs`` at a time;
+    layouts whose tracing fails are returned with the reason. ``log`` hears each layout as it
+    is done, with its place among them."""
     log_lock = threading.Lock()  # one line at a time from the worker threads
+    done = []
 
     def build(layout: Layout):
         try:
-            model = LayoutModel.build(model_argv, layout, hardware, global_batch=global_batch,
-                                      cache=cache,
-                                      host_memory_gb_per_node=host_memory_gb_per_node)
-            with log_lock:
-                log(f"traced {layout.describe()}")
-            return model, None
+            model, refused = build_layout_model(
+                model_argv, layout, hardware, cache=cache, exhaustive=exhaustive,
+                global_batch=global_batch, num_layers=num_layers,
+                host_memory_gb_per_node=host_memory_gb_per_node)
+            result, line = (model, None), f"traced {layout.describe()}" + (
+                f": {refused}" if refused else "")
         except (EstimateError, CostModelError) as exc:
-            return None, (layout, str(exc))
+            result, line = (None, (layout, str(exc))), f"not predicted: {layout.describe()}"
+        with log_lock:
+            done.append(layout)
+            log(f"[{len(done)}/{len(layouts)}] {line}")
+        return result
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         results = list(pool.map(build, layouts))
@@ -487,12 +666,44 @@ def rank_at(models: list, seq: int) -> list:
     return sorted(predictions, key=lambda p: (not p.fits, -p.mfu))
 
 
-def rank_longest(models: list, step: int, maximum: int,
-                 fine_step: Optional[int] = None) -> list:
-    """Every layout at its own longest fitting sequence, longest first, then by MFU."""
+def bound_longest(model, step: int, maximum: int, fine_step: Optional[int] = None) -> float:
+    """The longest length ``model`` could fit by its allocated-peak bounds (no replay);
+    infinite for models without bounds (SPPO's analytic ones)."""
+    if not hasattr(model, "bound_fits") or any(s.traced is not None for s in model.stages):
+        return float("inf")
+    for grid in ([*range(step, maximum + 1, step)],
+                 [*range(fine_step, step, fine_step)] if fine_step else []):
+        rounded = [seq - seq % model.multiple for seq in grid]
+        passing = [seq for seq, ok in zip(rounded, model.bound_fits(rounded)) if ok and seq]
+        if passing:
+            return max(passing)
+    return 0
+
+
+def rank_longest(models: list, step: int, maximum: int, fine_step: Optional[int] = None,
+                 top: Optional[int] = None,
+                 log: Callable[[str], None] = lambda line: None) -> list:
+    """Every layout at its own longest fitting sequence, longest first, then by MFU. Layouts
+    are solved in order of their bounds (:func:`bound_longest`), and with ``top``, one whose
+    bound is shorter than the ``top`` longest answers so far is not solved (it cannot enter
+    the table). ``log`` hears each answer and the best so far as soon as they are known."""
+    def name(model) -> str:
+        return model.layout.describe() if hasattr(model, "layout") else \
+            f"TP={model.tp} PP={model.pp} SPPO"
+
+    bounds = [bound_longest(m, step, maximum, fine_step) for m in models]
     predictions = []
-    for model in models:
+    for bound, model in sorted(zip(bounds, models), key=lambda item: -item[0]):
+        ranked = sorted(predictions, key=lambda p: (-p.seq, -p.mfu))
+        if top and len(ranked) >= top and bound < ranked[top - 1].seq:
+            log(f"not solved: {name(model)}: its bound, {bound:.0f} tokens, is below the table")
+            continue
         longest = model.longest(step, maximum, fine_step)
         if longest:
             predictions.append(model.predict(longest - longest % model.multiple))
+            best = max(predictions, key=lambda p: (p.seq, p.mfu))
+            log(f"{name(model)}: {longest} tokens; best so far {best.describe()} at "
+                f"{best.seq} tokens, MFU {best.mfu:.1%}")
+        else:
+            log(f"{name(model)}: nothing fits")
     return sorted(predictions, key=lambda p: (-p.seq, -p.mfu))

@@ -386,7 +386,8 @@ class AllocationRecorder(DeviceMemoryTracker):
         out = func(*args, **kwargs)
         traced = self.recording and not getattr(_TLS, "untraced", 0)
         if traced:
-            self.work.count(self._context()[0], func, args, kwargs, out, self.is_host)
+            phase, _, layer = self._context()
+            self.work.count(phase, func, args, kwargs, out, self.is_host, layer)
         self._op.name = name
         category = HOST if getattr(self._host_depth, "n", 0) > 0 else DEVICE
         seen = set()
@@ -851,6 +852,7 @@ def record_iteration(
     cuda_semantics: bool = True,
     header: Optional[dict] = None,
     recorder: Optional[AllocationRecorder] = None,
+    persistent_only: bool = False,
 ) -> Trace:
     """Record one training iteration of ``model`` (this rank's chunk, megatron DDP-wrapped or
     not) as a rank holds it.
@@ -876,7 +878,11 @@ def record_iteration(
     with ``deallocate_pipeline_outputs``, has its data freed after "sending" as megatron's
     schedules do. Python's garbage collector is off while recording (cyclic garbage is
     collected once after the warm-up and once at the end), so live and fake runs free in the
-    same order. Returns the :class:`Trace`.
+    same order. Returns the :class:`Trace`; its header's ``persistent_events`` counts the
+    events before the warm-up (constants, parameters, gradients, optimizer states), which
+    ``persistent_only`` records alone, with the work of the optimizer phase (zeroing the
+    gradient buffers, ``after_backward``) and no warm-up or iteration: what a symbolic trace of
+    a deeper model takes from the model itself (memo_ext.estimate.symbolic).
     """
     if warmup not in WARMUP_MODES:
         raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
@@ -897,6 +903,16 @@ def record_iteration(
             if optimizer_states is not None:
                 with tagged_allocations(OPTIMIZER):
                     kept_states = optimizer_states()
+            persistent_events = len(recorder.events)
+            if persistent_only:  # and the optimizer phase's work, which grows with them
+                recorder.work.reset()
+                with recorder.phase_scope(OPTIMIZER_STEP):
+                    _zero_grad_buffers(model)
+                    if after_backward is not None:
+                        after_backward()
+                recorder.recording = False
+                return recorder.trace({**(header or {}), "work": recorder.work.as_dict(),
+                                       "persistent_events": persistent_events})
             if warmup != "none":
                 start = len(recorder.events)
                 if warmup == "forward":
@@ -922,7 +938,8 @@ def record_iteration(
                 gc.collect()
             _retag_megatron_workspaces(recorder)
             recorder.recording = False
-        header = {**(header or {}), "work": recorder.work.as_dict()}
+        header = {**(header or {}), "work": recorder.work.as_dict(),
+                  "persistent_events": persistent_events}
         return recorder.trace(header)
     finally:
         recorder.recording = False

@@ -106,26 +106,38 @@ def _group_ranks(args: tuple) -> Optional[list[int]]:
 
 
 class WorkCounter:
-    """Accumulates the work of ops by phase (see the module docstring). Plain data out:
-    :meth:`as_dict`."""
+    """Accumulates the work of ops by phase (see the module docstring), in total and per
+    transformer layer (the symbolic traces of memo_ext.estimate.symbolic repeat one layer's
+    work). Plain data out: :meth:`as_dict`."""
 
     def __init__(self) -> None:
         self.phases: dict[str, dict[str, int]] = {}
         self.collectives: dict[tuple[str, str, tuple], list[int]] = {}
+        self.layers: dict[int, "WorkCounter"] = {}
 
     def reset(self) -> None:
         self.phases.clear()
         self.collectives.clear()
+        self.layers.clear()
 
-    def _phase(self, phase: str) -> dict[str, int]:
-        totals = self.phases.get(phase)
-        if totals is None:
-            totals = self.phases[phase] = dict.fromkeys(PHASE_FIELDS, 0)
-        return totals
+    def _add(self, phase: str, layer: Optional[int], field: str, amount: int) -> None:
+        for counter in self._counters(layer):
+            totals = counter.phases.get(phase)
+            if totals is None:
+                totals = counter.phases[phase] = dict.fromkeys(PHASE_FIELDS, 0)
+            totals[field] += amount
+
+    def _counters(self, layer: Optional[int]) -> tuple["WorkCounter", ...]:
+        if layer is None:
+            return (self,)
+        if layer not in self.layers:
+            self.layers[layer] = WorkCounter()
+        return self, self.layers[layer]
 
     def count(self, phase: str, func, args: tuple, kwargs: dict, out,
-              is_host: callable) -> None:
-        """Add one op. ``is_host(tensor)`` tells whether a tensor lives in host memory."""
+              is_host: callable, layer: Optional[int] = None) -> None:
+        """Add one op, run by transformer layer ``layer`` (None: outside the layers).
+        ``is_host(tensor)`` tells whether a tensor lives in host memory."""
         name = str(func)
         if name in _NO_TRAFFIC:
             return
@@ -136,27 +148,28 @@ class WorkCounter:
             ranks = _group_ranks(args)
             if tensors and ranks is not None:
                 key = (phase, kind, tuple(ranks))
-                entry = self.collectives.setdefault(key, [0, 0])
-                entry[0] += sum(_nbytes(t) for t in tensors)
-                entry[1] += 1
+                for counter in self._counters(layer):
+                    entry = counter.collectives.setdefault(key, [0, 0])
+                    entry[0] += sum(_nbytes(t) for t in tensors)
+                    entry[1] += 1
             return
-        totals = self._phase(phase)
         if name in (TILE_FORWARD_OP, TILE_BACKWARD_OP):
-            totals["attention_flops"] += attention_flops(name, args)
+            self._add(phase, layer, "attention_flops", attention_flops(name, args))
             return
         packet = func.overloadpacket
         if packet in flop_registry:
-            totals["gemm_flops"] += int(flop_registry[packet](*args, **kwargs, out_val=out))
+            self._add(phase, layer, "gemm_flops",
+                      int(flop_registry[packet](*args, **kwargs, out_val=out)))
             return
         if func.is_view:
             return
         if packet is torch.ops.aten.copy_:
             dst, src = args[0], args[1]
             if is_host(dst) and not is_host(src):
-                totals["d2h_bytes"] += _nbytes(dst)
+                self._add(phase, layer, "d2h_bytes", _nbytes(dst))
                 return
             if is_host(src) and not is_host(dst):
-                totals["h2d_bytes"] += _nbytes(dst)
+                self._add(phase, layer, "h2d_bytes", _nbytes(dst))
                 return
         seen = set()
         moved = 0
@@ -164,14 +177,19 @@ class WorkCounter:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 moved += _nbytes(tensor)
-        totals["memory_bytes"] += moved
+        self._add(phase, layer, "memory_bytes", moved)
 
     def as_dict(self) -> dict:
-        """{"phases": {phase: {field: int}}, "collectives": [{phase, op, ranks, bytes, calls}]}"""
-        return {
+        """{"phases": {phase: {field: int}}, "collectives": [{phase, op, ranks, bytes, calls}],
+        "layers": {layer: {"phases": ..., "collectives": ...}}} (layers only in the total)."""
+        totals = {
             "phases": {phase: dict(totals) for phase, totals in self.phases.items()},
             "collectives": [
                 {"phase": phase, "op": kind, "ranks": list(ranks), "bytes": nbytes,
                  "calls": calls}
                 for (phase, kind, ranks), (nbytes, calls) in sorted(self.collectives.items())],
         }
+        if self.layers:
+            totals["layers"] = {str(layer): counter.as_dict()
+                                for layer, counter in sorted(self.layers.items())}
+        return totals

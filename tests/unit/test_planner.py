@@ -60,6 +60,95 @@ def test_greedy_placements_are_valid_and_never_below_the_bound(seed):
     assert placement.peak >= placement.lower_bound == dsa.lower_bound(requests)
 
 
+def _reference_greedy_offsets(blocks):
+    """greedy_offsets as it was in pure Python (O(n^2) interpreter steps): the reference the
+    vectorised one must match exactly."""
+    order = sorted(range(len(blocks)),
+                   key=lambda i: (-blocks[i].size, -(blocks[i].end - blocks[i].start),
+                                  blocks[i].start))
+    offsets = [0] * len(blocks)
+    placed = []
+    for i in order:
+        block = blocks[i]
+        busy = sorted((offsets[j], offsets[j] + blocks[j].size) for j in placed
+                      if block.start < blocks[j].end and blocks[j].start < block.end)
+        offset = 0
+        for low, high in busy:
+            if offset + block.size <= low:
+                break
+            offset = max(offset, high)
+        offsets[i] = offset
+        placed.append(i)
+    return offsets
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_offsets_match_the_pure_python_reference(seed):
+    rng = random.Random(seed)
+    horizon = rng.choice([20, 100, 400])
+    blocks = []
+    for _ in range(rng.randint(200, 400)):
+        # Few distinct sizes and lifetimes, so ties in the placement order and equal busy
+        # range ends are common.
+        start = rng.randrange(horizon)
+        blocks.append(dsa.Request(dsa.ALIGNMENT * rng.choice([1, 2, 3, 4, 8, 16, 33]), start,
+                                  start + rng.randint(1, max(1, horizon // rng.choice([2, 8])))))
+    offsets = dsa.greedy_offsets(blocks)
+    assert offsets == _reference_greedy_offsets(blocks)
+    assert all(type(offset) is int for offset in offsets)
+    dsa.check_placement(blocks, offsets, max(o + b.size for o, b in zip(offsets, blocks)))
+    # Odd inputs (sizes 0 or negative, empty lifetimes) and sizes beyond int64: still the same.
+    odd = [dsa.Request(rng.randint(-2, 5), s, s + rng.randint(-1, 4))
+           for s in (rng.randrange(30) for _ in range(100))]
+    assert dsa.greedy_offsets(odd) == _reference_greedy_offsets(odd)
+    huge = [dsa.Request(b.size << 60, b.start, b.end) for b in blocks[:50]]
+    assert dsa.greedy_offsets(huge) == _reference_greedy_offsets(huge)
+    assert dsa.greedy_offsets([]) == []
+
+
+def _reference_check(requests, offsets, arena_bytes):
+    """check_placement's overlap sweep as it was (every pair alive together), returning its
+    error message or None."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i].start)
+    active = []
+    for i in order:
+        active = [j for j in active if requests[j].end > requests[i].start]
+        low, high = offsets[i], offsets[i] + requests[i].size
+        for j in active:
+            if low < offsets[j] + requests[j].size and offsets[j] < high:
+                return (f"requests {j} and {i} are alive together and overlap at "
+                        f"[{max(low, offsets[j])}, {min(high, offsets[j] + requests[j].size)})")
+        active.append(i)
+    return None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_check_placement_reports_the_same_overlap_as_the_pairwise_sweep(seed):
+    rng = random.Random(seed)
+    for case in range(300):
+        odd = case % 5 == 0     # sizes 0 or negative, empty lifetimes
+        requests = [dsa.Request(rng.randint(-2, 4) if odd else rng.randint(1, 6), s,
+                                s + rng.randint(-1 if odd else 1, 6))
+                    for s in (rng.randrange(20) for _ in range(rng.randint(0, 40)))]
+        offsets = dsa.greedy_offsets(requests)
+        for _ in range(rng.randint(0, 3)):
+            if requests:
+                offsets[rng.randrange(len(requests))] = rng.randint(0, 20)
+        arena = max([o + r.size for o, r in zip(offsets, requests)] + [0, *offsets])
+        expected = _reference_check(requests, offsets, arena)
+        try:
+            dsa.check_placement(requests, offsets, arena)
+            found = None
+        except ValueError as error:
+            found = str(error)
+        assert found == expected
+        bound = 0
+        for t in {r.start for r in requests}:
+            bound = max(bound, sum(r.size for r in requests if r.start <= t < r.end))
+        if not odd:
+            assert dsa.lower_bound(requests) == bound
+
+
 def test_mip_improves_on_a_greedy_trap_and_matches_the_optimum():
     """Largest-first greedy peaks at 12 KiB here; the optimum (found by brute force over the
     orders in which blocks stack) is 11 KiB, the lower bound. Sizes in KiB, lifetimes in

@@ -30,6 +30,7 @@ without recompute, ``memo`` MEMO's offload at ``--memo-alpha``. Everything print
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -118,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--micro-batch-sizes", default="1",
                         help="micro-batch sizes searched (comma-separated)")
     search.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the answer as one JSON object on stdout (progress goes to "
+                             "stderr)")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="trace the whole stage at every length probed and bisect (the "
+                             "reference the symbolic traces and the solver are checked "
+                             "against; slow)")
     parser.add_argument("--jobs", type=int, default=2, help="traces run in parallel")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="trace cache (default $MEMO_ESTIMATE_CACHE or "
@@ -214,28 +222,50 @@ def table(predictions, top: int) -> list[str]:
     return lines
 
 
+def answer_json(opts, predictions, seconds: float) -> dict:
+    """--json's object: the question, each row (best first) and the time taken."""
+    rows = [{"layout": p.describe(), "seq": p.seq, "fits": p.fits, "verdict": p.verdict(),
+             "peak_device_gib": round(p.peak_device_bytes / GiB, 3),
+             "host_gb_per_node": round(p.host_bytes_per_node / 1e9, 3),
+             "step_s": p.step_s, "mfu": p.mfu} for p in predictions]
+    return {"model": opts.model, "gpu": opts.gpu, "gpus": opts.gpus,
+            "question": "max_seq_length" if opts.max_seq_length else "seq_length",
+            "seq_length": opts.seq_length, "rows": rows,
+            "max_seq_length": rows[0]["seq"] if rows and opts.max_seq_length else None,
+            "predicted": True, "seconds": round(seconds, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     from memo_ext.estimate import EstimateError, load_hardware
     from memo_ext.estimate.cost import CostModelError
     from memo_ext.estimate.layout import (
+        CHECK_SEQ,
         FIT_SEQS,
         Layout,
-        LayoutModel,
         TraceCache,
+        build_layout_model,
         build_models,
         candidate_layouts,
         default_cache_dir,
         rank_at,
         rank_longest,
     )
+    from memo_ext.estimate.symbolic import TRACED_LAYERS
 
     started = time.perf_counter()
+    # With --json, stdout carries the answer alone; progress goes to stderr.
+    out = sys.stderr if opts.json else sys.stdout
+
+    def say(line: str = "") -> None:
+        print(line, file=out, flush=True)
+
     try:
         shape_argv, shape = model_argv(opts.model)
         hardware = load_hardware(opts.gpu, opts.hardware_file)
         device = int(hardware["device_memory_bytes"])
-        cache = TraceCache(None if opts.no_cache else (opts.cache_dir or default_cache_dir()))
+        cache = TraceCache(None if opts.no_cache else (opts.cache_dir or default_cache_dir()),
+                           workers=opts.jobs)
         if opts.recompute_num_layers is not None and opts.policy != "megatron-block":
             raise UsageError("--recompute-num-layers applies to --policy megatron-block only "
                              "(megatron full recompute is 1 layer per block, uniform)")
@@ -272,37 +302,44 @@ def main(argv: list[str] | None = None) -> int:
                 host_memory_gb_per_node=opts.host_memory_gb,
                 seq=opts.seq_length) if "sppo" in policies \
                 else ([], [])
-            print(f"{'recommend' if opts.recommend else 'layout search'}: {opts.model} on "
+            say(f"{'recommend' if opts.recommend else 'layout search'}: {opts.model} on "
                   f"{opts.gpus} x {opts.gpu}, policies {', '.join(policies)}, {len(layouts)} "
                   f"layouts to trace ({len(dropped)} ruled out before tracing)"
                   + (f", {len(sppo_models)} SPPO layouts from its analytic model "
                      f"({len(sppo_dropped)} ruled out)" if "sppo" in policies else ""))
-            models, failed = build_models(shape_argv, layouts, hardware,
-                                          global_batch=opts.global_batch_size, cache=cache,
-                                          jobs=opts.jobs,
-                                          host_memory_gb_per_node=opts.host_memory_gb,
-                                          log=lambda line: print(f"  {line}", flush=True))
+            with cache:
+                models, failed = build_models(shape_argv, layouts, hardware,
+                                              global_batch=opts.global_batch_size, cache=cache,
+                                              jobs=opts.jobs,
+                                              host_memory_gb_per_node=opts.host_memory_gb,
+                                              log=lambda line: say(f"  {line}"),
+                                              num_layers=shape["num_layers"],
+                                              exhaustive=opts.exhaustive)
             for layout, reason in failed:
-                print(f"  not predicted: {layout.describe()}: {reason}")
+                say(f"  not predicted: {layout.describe()}: {reason}")
             models += sppo_models
             if opts.max_seq_length:
-                ranked = rank_longest(models, SEARCH_STEP, opts.search_max, FINE_STEP)
+                ranked = rank_longest(models, SEARCH_STEP, opts.search_max, FINE_STEP,
+                                      top=opts.top, log=lambda line: say(f"  {line}"))
             else:
                 ranked = [p for p in rank_at(models, opts.seq_length) if p.fits]
+            seconds = time.perf_counter() - started
             for line in table(ranked, opts.top):
-                print(line)
-            print(f"estimated in {time.perf_counter() - started:.1f} s")
+                say(line)
+            say(f"estimated in {seconds:.1f} s")
+            if opts.json:
+                print(json.dumps(answer_json(opts, ranked[:opts.top], seconds)))
             if not ranked:
-                print("no layout fits" + ("" if opts.max_seq_length
-                                          else f" at {opts.seq_length} tokens"))
+                say("no layout fits" + ("" if opts.max_seq_length
+                                        else f" at {opts.seq_length} tokens"))
                 return 1
             best = ranked[0]
-            print(f"best: {best.describe()}")
+            say(f"best: {best.describe()}")
             for text in describe(best, device):
-                print(text)
+                say(text)
             if opts.max_seq_length:
-                print(f"max sequence length: {best.seq} tokens, predicted MFU "
-                      f"{best.mfu * 100:.1f}%")
+                say(f"max sequence length: {best.seq} tokens, predicted MFU "
+                    f"{best.mfu * 100:.1f}%")
             return 0
 
         opts.tp, opts.cp, opts.pp = opts.tp or 1, opts.cp or 1, opts.pp or 1
@@ -331,28 +368,49 @@ def main(argv: list[str] | None = None) -> int:
             recompute_layers = opts.recompute_num_layers
         layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
                         opts.micro_batch_size, recompute_layers)
-        model = LayoutModel.build(shape_argv, layout, hardware,
-                                  global_batch=opts.global_batch_size, cache=cache,
-                                  allocator=opts.allocator,
-                                  host_memory_gb_per_node=opts.host_memory_gb)
-        print(f"estimate: {opts.model} on {opts.gpu} ({device / GiB:.2f} GiB per GPU), "
-              f"{gpus} GPUs: {layout.describe()}, {model.allocator} allocator model, "
-              f"rank{'s' if len(model.stages) > 1 else ''} "
-              f"{', '.join(str(m.stage.rank) for m in model.stages)} traced (predicted; traces "
-              f"at {FIT_SEQS[0]} and {FIT_SEQS[1]} tokens)")
+        with cache:
+            model, refused = build_layout_model(
+                shape_argv, layout, hardware, cache=cache, exhaustive=opts.exhaustive,
+                global_batch=opts.global_batch_size, allocator=opts.allocator,
+                host_memory_gb_per_node=opts.host_memory_gb, num_layers=shape["num_layers"])
+        how = ("traced whole at every length probed" if opts.exhaustive else
+               f"traces at {FIT_SEQS[0]} and {FIT_SEQS[1]} tokens"
+               + ("" if refused or all(m.symbolic is None for m in model.stages) else
+                  f" of {TRACED_LAYERS} layers, checked at {CHECK_SEQ} tokens"))
+        say(f"estimate: {opts.model} on {opts.gpu} ({device / GiB:.2f} GiB per GPU), "
+            f"{gpus} GPUs: {layout.describe()}, {model.allocator} allocator model, "
+            f"rank{'s' if len(model.stages) > 1 else ''} "
+            f"{', '.join(str(m.stage.rank) for m in model.stages)} traced (predicted; {how})")
+        if refused:
+            say(f"  {refused}")
         if opts.seq_length is not None:
-            for text in describe(model.predict(opts.seq_length), device):
-                print(text)
+            prediction = model.predict(opts.seq_length)
+            for text in describe(prediction, device):
+                say(text)
+            if opts.json:
+                print(json.dumps(answer_json(opts, [prediction],
+                                             time.perf_counter() - started)))
             return 0
         longest = model.longest(SEARCH_STEP, opts.search_max, FINE_STEP)
         mfu = "n/a (nothing fits)"
+        predictions = []
         if longest:
             prediction = model.predict(longest)
+            predictions.append(prediction)
             for text in describe(prediction, device):
-                print(text)
+                say(text)
             mfu = f"{prediction.step.mfu * 100:.1f}%"
-        print(f"estimated in {time.perf_counter() - started:.1f} s")
-        print(f"max sequence length: {longest} tokens, predicted MFU {mfu}")
+            if getattr(model, "replays", None):  # the solver's (not an exhaustive search)
+                above = "" if any(seq > longest for seq, _ in model.replays) else \
+                    "; every longer length OOM by its allocated-peak bound"
+                say("  solved: replayed " + ", ".join(
+                    f"{seq} ({'fits' if fits else 'OOM'})" for seq, fits in model.replays)
+                    + above)
+        seconds = time.perf_counter() - started
+        say(f"estimated in {seconds:.1f} s")
+        say(f"max sequence length: {longest} tokens, predicted MFU {mfu}")
+        if opts.json:
+            print(json.dumps(answer_json(opts, predictions, seconds)))
         return 0
     except (UsageError, EstimateError, CostModelError) as exc:
         return _fail(str(exc))

@@ -9,6 +9,11 @@ core attention, megatron-core DDP); nothing is substituted. By default it runs o
 is a FakeTensor on the CPU device, so a 1M-token 7B trace takes seconds and little memory.
 ``--live`` uses real CPU tensors instead (small models only; same events).
 
+``--serve`` (alone) keeps one process for many traces (memo_ext.estimate.tracer.TracerPool):
+it reads one JSON request per line on stdin, ``{"argv": [...], "output": "/abs/t.jsonl.gz"}``,
+writes what ``main(argv + ["--quiet", "-o", output])`` would, and answers one line on stdout,
+``{"ok": true}`` or ``{"ok": false, "error": "<last line of the error>"}``; EOF ends it.
+
 Writes gzipped JSON lines (header, then one event per line; docs/tracing.md) and prints a
 summary: events, peak live bytes, bytes by category at the peak, per-layer forward skeletal
 bytes against memo.md's 16·b·s·h/(TP·CP).
@@ -23,9 +28,13 @@ _START = time.perf_counter()
 import argparse
 import contextlib
 import dataclasses
+import gc
+import json
+import os
 import resource
 import shlex
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -146,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "sets it; default: PyTorch's for the --gpu architecture.")
     trace.add_argument("--nccl-mib-per-communicator", type=float, default=None,
                        help="Override the NCCL buffer constant (MiB per communicator).")
+    trace.add_argument("--persistent-only", action="store_true",
+                       help="Record only the persistent state (constants, weights, gradient "
+                            "buffers, optimizer state) and the optimizer phase's work, without "
+                            "running the model: what a symbolic trace of a deeper stage takes "
+                            "from that stage (memo_ext/estimate/symbolic.py).")
     trace.add_argument("--quiet", action="store_true", help="No summary on stdout.")
     return parser
 
@@ -407,9 +421,10 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
 
 
 def record(opts: argparse.Namespace):
-    """Build the configured rank and record its iteration. Returns (trace, trainer args)."""
+    """Build the configured rank and record its iteration (or its persistent state alone,
+    ``--persistent-only``). Returns (trace, trainer args)."""
     with traced_rank(opts) as rank:
-        return rank.record(), rank.args
+        return rank.record(persistent_only=opts.persistent_only), rank.args
 
 
 def uncached(fake_mode):
@@ -573,11 +588,79 @@ def format_summary(trace, summary, args, wall_s: float, peak_rss_bytes: int,
     return "\n".join(lines)
 
 
+class _TailWriter:
+    """A text stream that passes writes through to ``stream`` and keeps the last few KiB, so a
+    failed request can answer with the last line it wrote (as a subprocess's stderr would)."""
+
+    KEEP = 4096
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.tail = ""
+
+    def write(self, text: str) -> int:
+        self.tail = (self.tail + text)[-self.KEEP:]
+        return self.stream.write(text)
+
+    def last_line(self) -> str:
+        lines = [line for line in self.tail.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else ""
+
+    def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...
+        return getattr(self.stream, name)
+
+
+def serve() -> int:
+    """``--serve``: trace request after request in this process (module docstring). Importing
+    torch and megatron costs ~3.5 s, more than tracing a small model; a server pays it once."""
+    # The protocol keeps the real stdout; fd 1 then points at stderr, so nothing else the
+    # tracing prints (print, warnings, C libraries) can corrupt the protocol.
+    sys.stdout.flush()
+    protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    # The interpreter's and the libraries' objects live as long as the server: moved out of the
+    # collector's view, the collections record_iteration makes cost 2 ms instead of 160 ms.
+    import megatron.training.arguments  # noqa: F401  (the heavy imports, before freezing)
+    import pretrain_gpt  # noqa: F401
+    gc.collect()
+    gc.freeze()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        stderr = sys.stderr = _TailWriter(sys.__stderr__)
+        try:
+            request = json.loads(line)
+            main([*request["argv"], "--quiet", "-o", request["output"]])
+            reply = {"ok": True}
+        except SystemExit as exc:  # the tracer's refusals and argparse's errors
+            if isinstance(exc.code, str):  # what the interpreter would print on exit
+                print(exc.code, file=sys.stderr)
+            reply = {"ok": False, "error": stderr.last_line() or f"exit status {exc.code}"}
+        except Exception:  # as an uncaught exception would end a tracer subprocess
+            traceback.print_exc()
+            reply = {"ok": False, "error": stderr.last_line()}
+        finally:
+            sys.stderr = sys.__stderr__
+            sys.stderr.flush()
+        protocol.write(json.dumps(reply) + "\n")
+        protocol.flush()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:  # before the parser, which requires --seq-length
+        if len(argv) > 1:
+            raise SystemExit("error: --serve takes no other flags (they come per request)")
+        return serve()
     opts = build_parser().parse_args(argv)
     from memo_ext.planner.trace import summarize, write_snapshot, write_trace
 
     trace, args = record(opts)
+    if opts.persistent_only:
+        if opts.output:
+            write_trace(trace, opts.output)
+        return 0
     if opts.output:
         write_trace(trace, opts.output)
     if opts.snapshot:
