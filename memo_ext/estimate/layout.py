@@ -91,6 +91,20 @@ TRACER_SOURCES = (TRACE_MODULE, "memo_ext.planner.trace", "memo_ext.planner.work
                   "memo_ext.loss.chunked", "memo_ext.loss.model")
 
 
+def model_layers(model_argv: list[str]) -> Optional[int]:
+    """The model's layers from the tracer's model flags (``--num-layers N``, else a
+    ``--model`` preset); None when they name neither."""
+    from memo_ext.estimate.models import MODELS
+
+    layers = None
+    for flag, value in zip(model_argv, model_argv[1:]):
+        if flag == "--num-layers":
+            layers = int(value)
+        elif flag == "--model" and value in MODELS and layers is None:
+            layers = MODELS[value][0]
+    return layers
+
+
 def gpu_argv(hardware: dict) -> list[str]:
     """The tracer flags naming the GPU whose kernels' workspaces a trace records."""
     if "name" not in hardware:
@@ -343,6 +357,7 @@ class StageModel:
     layers: int = 0
     checked: bool = False  # the symbolic trace matched a real trace (SymbolicTrace.check)
     traced: Optional[tuple[TraceCache, list[str]]] = None  # exhaustive: traced at each length
+    _lines: Optional[list] = field(default=None, repr=False)
 
     def at(self, seq: int) -> Trace:
         if self.traced is not None:
@@ -359,13 +374,15 @@ class StageModel:
     def peak_bounds(self, seqs: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(device, host, outside the allocator) allocated peaks at each of ``seqs`` (bytes):
         the first two are lower bounds of what any allocator model reserves."""
-        if self.symbolic is None:
-            events = self.line.base.events
-            intercepts, slopes = self.line.intercepts, self.line.slopes
-        else:
-            events, intercepts, slopes = self.symbolic.coefficients(self.layers, self.state)
-        return tuple(_max_of_lines(*live_lines(events, intercepts, slopes, pool), seqs)
-                     for pool in (POOL_DEVICE, POOL_HOST, POOL_EXTERNAL))
+        if self._lines is None:  # the live-bytes lines of the three pools, made once
+            if self.symbolic is None:
+                events = self.line.base.events
+                intercepts, slopes = self.line.intercepts, self.line.slopes
+            else:
+                events, intercepts, slopes = self.symbolic.coefficients(self.layers, self.state)
+            self._lines = [live_lines(events, intercepts, slopes, pool)
+                           for pool in (POOL_DEVICE, POOL_HOST, POOL_EXTERNAL)]
+        return tuple(_max_of_lines(a, b, seqs) for a, b in self._lines)
 
 
 def _max_of_lines(a: np.ndarray, b: np.ndarray, seqs: list[int]) -> np.ndarray:
@@ -413,6 +430,7 @@ class LayoutModel:
         the whole stage traced at every length asked (the reference the others are compared
         with; slow)."""
         microbatches = max(1, global_batch // (layout.dp * layout.micro_batch))
+        num_layers = num_layers or model_layers(model_argv)
         stage_layers = None if num_layers is None else num_layers // layout.pp
         stages = []
         for stage in layout.stages(microbatches):

@@ -60,7 +60,15 @@ def test_gemm_and_attention_flops_are_the_models(traces):
 
 def test_work_at_any_length_from_two_lengths_is_exact(traces):
     line = WorkLine.from_headers(traces[1024].header, traces[2048].header)
-    assert line.at(8192) == traces[8192].header["work"]
+    work = traces[8192].header["work"]
+    assert line.at(8192) == {key: work[key] for key in ("phases", "collectives")}
+    # The per-layer counts (symbolic traces repeat a layer's): the layers are alike and
+    # part of the total.
+    layers = work["layers"]
+    assert len(layers) == LAYERS and len({json.dumps(v, sort_keys=True)
+                                          for v in layers.values()}) == 1
+    one = layers["0"]["phases"]["forward"]["gemm_flops"]
+    assert 0 < LAYERS * one < work["phases"]["forward"]["gemm_flops"]
 
 
 def test_collectives_are_counted_per_group(traces):
@@ -189,7 +197,7 @@ def test_recommend_ranks_layouts_and_reuses_its_trace_cache(tmp_path):
     assert mfus == sorted(mfus, reverse=True)
     assert re.search(r"^best: TP=", out, re.M) and "predicted MFU" in out
     cached = sorted(cache.glob("*.jsonl.gz"))
-    assert len(cached) == 2 * len(re.findall(r"^  traced ", out, re.M))
+    assert len(cached) == 2 * len(re.findall(r"^  \[\d+/6\] traced ", out, re.M))
     code, again = run_estimate_cli(argv)
     assert code == 0 and sorted(cache.glob("*.jsonl.gz")) == cached
     assert again.split("estimated in")[0].count("|") == out.split("estimated in")[0].count("|")

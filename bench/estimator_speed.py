@@ -1,0 +1,285 @@
+"""The estimator's time to answer, before and after symbolic traces and the solver, and its
+answers against the exhaustive reference.
+
+    python bench/estimator_speed.py                      # both parts
+    python bench/estimator_speed.py --part speed --cases 7b-memo,65b-search
+    python bench/estimator_speed.py --part answers --models 7b
+
+Speed: each case (a tools/estimate.py command) is answered by the estimator of ``--old-commit``
+(a git worktree of it, run with this interpreter) and by this checkout's, one after the other
+in this one run, each with an empty trace cache; wall time from launch to answer, and the
+answers. Answers: every row of bench/megatron_baseline.py (each layout's longest sequence; the
+best layout at each length) and of bench/cost_calibration.py (the best layout and its MFU at
+each length, each system's longest sequence), answered from symbolic traces and the solver, and
+exhaustively: every probe traced whole at its length, the longest by bisection
+(``--exhaustive``). Writes bench/results/estimator_speed.md and .png (speed) and
+estimator_answers.md (answers). Every figure is predicted
+(allocator models and the cost model); the times are this machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.common import seq_label  # noqa: E402
+
+RESULTS = REPO_ROOT / "bench" / "results"
+#: The estimator before symbolic traces (the issue's measurements were of it).
+OLD_COMMIT = "ff4ab63"
+#: name -> tools/estimate.py flags (issue 24's cases, and each model at one fixed layout).
+CASES = {
+    "7b-memo": "--model 7b --gpu a800 --tp 4 --cp 2 --policy memo --host-memory-gb 2048 "
+               "--max-seq-length",
+    "65b-memo": "--model 65b --gpu a800 --gpus 64 --tp 8 --cp 8 --policy memo "
+                "--host-memory-gb 2048 --max-seq-length",
+    "7b-recommend": "--model 7b --gpu a800 --gpus 8 --host-memory-gb 2048 --recommend "
+                    "--max-seq-length",
+    "30b-search": "--model 30b --gpu a800 --gpus 32 --host-memory-gb 2048 --policy memo "
+                  "--max-seq-length",
+    "65b-search": "--model 65b --gpu a800 --gpus 64 --host-memory-gb 2048 --policy memo "
+                  "--max-seq-length",
+}
+#: The acceptance bound of each case (s): one policy and model 60, the searches 120.
+TARGET_S = {"7b-memo": 60, "65b-memo": 60, "7b-recommend": 120, "30b-search": 120,
+            "65b-search": 120}
+_ANSWER = re.compile(r"max sequence length: (\d+) tokens, predicted MFU ([\d.]+%|n/a)")
+
+
+def _run(root: Path, flags: str, cache: Path, timeout_s: float) -> tuple[float, str]:
+    """(seconds, the answer line) of one estimate run from checkout ``root``."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, str(root / "tools" / "estimate.py"),
+                               *flags.split(), "--cache-dir", str(cache)], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return time.perf_counter() - started, f"stopped after {timeout_s:.0f} s"
+    seconds = time.perf_counter() - started
+    found = _ANSWER.search(done.stdout)
+    if done.returncode != 0 or found is None:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return seconds, f"failed: {last}"
+    return seconds, f"{seq_label(int(found.group(1)))}, MFU {found.group(2)}"
+
+
+def _old_checkout(commit: str, workdir: Path) -> Path:
+    """A worktree of ``commit`` with this checkout's compiled extension (build output)."""
+    root = workdir / "old"
+    subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-f",
+                    str(root), commit], check=True, capture_output=True)
+    for built in (REPO_ROOT / "memo_ext").glob("_C*.so"):
+        shutil.copy2(built, root / "memo_ext" / built.name)
+    return root
+
+
+def speed(cases: list[str], old_commit: str, timeout_s: float) -> list[str]:
+    lines = [f"| case | command | before ({old_commit}) | answer before | now | answer now | "
+             "target |", "|---|---|---|---|---|---|---|"]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="estimator_speed_") as tmp:
+        workdir = Path(tmp)
+        old = _old_checkout(old_commit, workdir)
+        try:
+            for case in cases:
+                flags = CASES[case]
+                times = {}
+                for label, root in (("old", old), ("new", REPO_ROOT)):
+                    cache = workdir / f"cache-{case}-{label}"  # empty: nothing traced before
+                    times[label] = _run(root, flags, cache, timeout_s)
+                    shutil.rmtree(cache, ignore_errors=True)
+                    print(f"{case} {label}: {times[label][0]:.1f} s, {times[label][1]}",
+                          flush=True)
+                rows.append((case, times))
+                lines.append(f"| {case} | `{flags}` | {times['old'][0]:.0f} s | "
+                             f"{times['old'][1]} | **{times['new'][0]:.0f} s** | "
+                             f"{times['new'][1]} | < {TARGET_S[case]} s |")
+        finally:
+            subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force",
+                            str(old)], capture_output=True)
+    _plot_speed(rows, RESULTS / "estimator_speed.png")
+    return lines
+
+
+def _plot_speed(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(8, 4))
+    names = [case for case, _ in rows]
+    xs = range(len(names))
+    axis.bar([x - 0.2 for x in xs], [t["old"][0] for _, t in rows], 0.4, label="before")
+    axis.bar([x + 0.2 for x in xs], [t["new"][0] for _, t in rows], 0.4, label="now")
+    axis.set_xticks(list(xs), names)
+    axis.set_yscale("log")
+    axis.set_ylabel("seconds to answer, empty trace cache")
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def answers(models: list[str], jobs: int) -> tuple[list[str], int]:
+    """Rows of megatron_baseline and cost_calibration, symbolic beside exhaustive; returns
+    the table and how many rows differ beyond the search step."""
+    from bench import cost_calibration as calibration
+    from bench import megatron_baseline as baseline
+    from memo_ext.estimate import load_hardware
+    from memo_ext.estimate.layout import (
+        Layout,
+        TraceCache,
+        build_models,
+        candidate_layouts,
+        default_cache_dir,
+    )
+
+    hardware = load_hardware("a800")
+    cache = TraceCache(default_cache_dir(), workers=jobs)
+    lines = ["| bench | model | row | symbolic | exhaustive | agree |", "|---|---|---|---|---|---|"]
+    differ = 0
+
+    def built(name: str, layouts, exhaustive: bool):
+        made, failed = build_models(["--model", name], layouts, hardware,
+                                    global_batch=calibration.GLOBAL_BATCH, cache=cache,
+                                    jobs=jobs, host_memory_gb_per_node=calibration.HOST_GB,
+                                    exhaustive=exhaustive,
+                                    log=lambda line: print(f"  {line}", flush=True))
+        if failed:
+            raise SystemExit(f"not predicted: {failed}")
+        return made
+
+    def row(bench: str, name: str, what: str, mine, theirs, agree: bool) -> None:
+        nonlocal differ
+        differ += not agree
+        lines.append(f"| {bench} | {name} | {what} | {mine} | {theirs} | "
+                     f"{'yes' if agree else '**no**'} |")
+        print(lines[-1], flush=True)
+
+    def at(prediction) -> str:
+        return "OOM" if prediction is None else \
+            f"{prediction.layout.describe()}, MFU {100 * prediction.step.mfu:.2f}%"
+
+    with cache:
+        for (name, gpus), families in baseline.FAMILIES.items():
+            if name not in models:
+                continue
+            for family, shapes in families.items():
+                wanted = [Layout(tp, cp, pp, dp, policy) for tp, cp, pp, dp in shapes
+                          for policy in ("megatron", "megatron-none")]
+                pairs = zip(built(name, wanted, False), built(name, wanted, True))
+                fast_models, slow_models = [], []
+                for fast, slow in pairs:
+                    fast_models.append(fast)
+                    slow_models.append(slow)
+                    if fast.layout.policy != "megatron":
+                        continue
+                    mine = fast.longest(baseline.SEARCH_STEP, baseline.SEARCH_MAX)
+                    theirs = slow.longest(baseline.SEARCH_STEP, baseline.SEARCH_MAX)
+                    row("megatron_baseline", name, f"longest, {fast.layout.describe()}",
+                        seq_label(mine), seq_label(theirs),
+                        abs(mine - theirs) <= baseline.SEARCH_STEP)
+                for seq in calibration.PAPER[(name, gpus)]:
+                    mine = baseline.best_fitting(fast_models, seq)
+                    theirs = baseline.best_fitting(slow_models, seq)
+                    row("megatron_baseline", name, f"{family} at {seq_label(seq)}", at(mine),
+                        at(theirs), _same(mine, theirs))
+        for name in models:
+            gpus = {"7b": 8, "13b": 16}[name]
+            layouts, _ = candidate_layouts(calibration.SHAPES[name], gpus, hardware,
+                                           policies=["megatron", "megatron-none", "memo"],
+                                           alphas=[0.0, 1.0], micro_batches=[1],
+                                           global_batch=calibration.GLOBAL_BATCH,
+                                           pipeline_sizes=[1])
+            if name == "13b":
+                layouts = [layout for layout in layouts if layout.tp in (2, 4, 8)]
+            fast_all, slow_all = built(name, layouts, False), built(name, layouts, True)
+            for system, policies in calibration.SYSTEMS.items():
+                fast = [m for m in fast_all if m.layout.policy in policies]
+                slow = [m for m in slow_all if m.layout.policy in policies]
+                for seq in calibration.PAPER[(name, gpus)]:
+                    _, mine = calibration.best(fast, seq, None)
+                    _, theirs = calibration.best(slow, seq, None)
+                    row("cost_calibration", name, f"{system} at {seq_label(seq)}", at(mine),
+                        at(theirs), _same(mine, theirs))
+                mine, theirs = calibration.longest(fast), calibration.longest(slow)
+                row("cost_calibration", name, f"{system} longest", seq_label(mine),
+                    seq_label(theirs), abs(mine - theirs) <= calibration.SEARCH_STEP)
+    return lines, differ
+
+
+def _same(mine, theirs) -> bool:
+    """The same verdict, layout and MFU (to 0.01 point)."""
+    if mine is None or theirs is None:
+        return mine is None and theirs is None
+    return mine.layout == theirs.layout and abs(mine.step.mfu - theirs.step.mfu) < 1e-4
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("speed", "answers", "both"), default="both")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"speed cases (comma-separated; {', '.join(CASES)})")
+    parser.add_argument("--old-commit", default=OLD_COMMIT)
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds a run may take before it is stopped and reported so")
+    parser.add_argument("--models", default="7b",
+                        help="answers: 7b and/or 13b (comma-separated; 13b traces ~60 layouts "
+                             "whole at every length)")
+    parser.add_argument("--jobs", type=int, default=2)
+    opts = parser.parse_args()
+    commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    machine = (f"Commit {commit}, {platform.machine()} CPU with {os.cpu_count()} cores, no GPU. "
+               "Every answer is predicted (allocator models and the cost model).")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    differ = 0
+    if opts.part in ("speed", "both"):
+        started = time.perf_counter()
+        cases = [c.strip() for c in opts.cases.split(",") if c.strip()]
+        table = speed(cases, opts.old_commit, opts.timeout)
+        _write(RESULTS / "estimator_speed.md", [
+            "# The estimator's time to answer, empty trace cache", "", machine, "",
+            f"`python bench/estimator_speed.py --part speed --cases {','.join(cases)}`, "
+            f"{time.perf_counter() - started:.0f} s: each command run by the estimator of "
+            f"{opts.old_commit} (before: two whole traces per stage, bisection with a replay "
+            f"per probe) and of {commit} (now: symbolic traces, the solver), one after the "
+            "other in this run, each from an empty trace cache.", "", *table])
+    if opts.part in ("answers", "both"):
+        started = time.perf_counter()
+        table, differ = answers([m.strip() for m in opts.models.split(",")], opts.jobs)
+        _write(RESULTS / "estimator_answers.md", [
+            "# The estimator's answers: symbolic traces and the solver against the exhaustive "
+            "reference", "", machine, "",
+            f"`python bench/estimator_speed.py --part answers --models {opts.models}`, "
+            f"{time.perf_counter() - started:.0f} s (traces from the cache where present): the "
+            "rows of bench/megatron_baseline.py and bench/cost_calibration.py (with "
+            "hardware.json's efficiencies), answered from symbolic traces (5 layers at two "
+            "lengths, checked at 1M tokens) and the solver, and by tracing every probe whole "
+            "at its length and bisecting. Longest sequences agree when within the search "
+            "step (128K); the other rows when layout, verdict and MFU (to 0.01 point) are the "
+            f"same. **{differ} rows differ.**", "", *table])
+    return 1 if differ else 0
+
+
+def _write(path: Path, lines: list[str]) -> None:
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

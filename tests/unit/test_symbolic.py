@@ -1,0 +1,485 @@
+"""memo_ext.estimate.symbolic and the solver of memo_ext.estimate.layout: a stage's trace at any
+length and depth from a TRACED_LAYERS-layer trace at two lengths (plus the deeper stage's
+persistent state) equals the real trace of the deeper stage event by event; the longest length
+solved from the allocated-peak bounds equals the bisection's; the bounds are below every replay;
+memo-estimate --json.
+
+Small models only (h 256, 8 heads, vocab 1024, a few thousand tokens): each trace takes 1-2.5 s
+in this process (fake tensors). The layouts' traces are shared by the tests (module fixtures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from memo_ext.estimate import load_hardware
+from memo_ext.estimate.layout import (
+    REPLAY_ITERATIONS,
+    Layout,
+    LayoutModel,
+    TraceCache,
+    bound_longest,
+    build_layout_model,
+    rank_longest,
+)
+from memo_ext.estimate.memory import estimate_at
+from memo_ext.estimate.symbolic import (
+    COPIED_LAYER,
+    TRACED_LAYERS,
+    SymbolicError,
+    SymbolicTrace,
+    expand_events,
+)
+from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
+from memo_ext.planner.trace import Trace
+from tests.conftest import REPO_ROOT, subprocess_env
+
+GiB = 1 << 30
+
+# The shape flags (the order of memo-estimate's --model JSON keys, so that the CLI test below
+# finds the layout tests' traces in their cache).
+SHAPE = ["--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-heads", "8",
+         "--vocab-size", "1024"]
+#: The two lengths the symbolic traces are fitted at (multiples of TP x CP x 2).
+FIT = (2048, 4096)
+#: (length, layers per stage) of the real traces the symbolic ones are compared with: longer
+#: than fitted (and one far longer), deeper than traced.
+POINTS = ((8192, 7), (16384, 9), (32768, 11))
+CHUNKED_LOSS = "--trainer-args=--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"
+MEMO = ["--memo-offload", CHUNKED_LOSS]
+#: name -> (tracer flags, PP). With PP the tracer's --num-layers is the whole model's.
+LAYOUTS = {
+    "tp2": (["--tp", "2"], 1),
+    "cp2": (["--cp", "2"], 1),
+    # the first stage with 1F1B's micro-batches in flight; the last stage's first rank is
+    # (PP - 1) x TP x CP x DP = 2
+    "pp2-first": (["--tp", "2", "--pp", "2", "--rank", "0", "--microbatches-in-flight", "2"], 2),
+    "pp2-last": (["--tp", "2", "--pp", "2", "--rank", "2"], 2),
+    "memo-alpha0": ([*MEMO, "--memo-alpha", "0"], 1),
+    "memo-alpha1": ([*MEMO, "--memo-alpha", "1"], 1),
+}
+#: The layouts as test parameters: MEMO alpha 1 (everything offloaded, no recompute phase) only
+#: with -m slow, to keep this file near a minute (each layout costs 10-15 s of tracing).
+LAYOUT_PARAMS = [pytest.param(name, marks=pytest.mark.slow) if name == "memo-alpha1" else name
+                 for name in LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    from megatron.training.cli import trace
+
+    return trace
+
+
+def _opts(tool, flags: list[str], layers: int, seq: int, *more: str):
+    return tool.build_parser().parse_args(
+        [*SHAPE, "--bf16", *flags, "--num-layers", str(layers), "--seq-length", str(seq), *more])
+
+
+@dataclasses.dataclass
+class Case:
+    """One layout: its symbolic trace, the fitted traces, and real traces of deeper stages."""
+
+    name: str
+    pp: int
+    fitted: tuple[Trace, Trace]                # TRACED_LAYERS layers at FIT
+    symbolic: SymbolicTrace
+    reals: dict[int, Trace]                    # seq -> the real trace at POINTS' depth
+    state: Trace                               # persistent-only trace at POINTS[-1]
+
+
+@pytest.fixture(scope="module")
+def cases(tool):
+    """Case of a layout name, traced on first use (each layout: 2 + 3 traces and a
+    persistent-only one)."""
+    done: dict[str, Case] = {}
+
+    def case(name: str) -> Case:
+        if name not in done:
+            flags, pp = LAYOUTS[name]
+            fitted = tuple(tool.record(_opts(tool, flags, TRACED_LAYERS * pp, seq))[0]
+                           for seq in FIT)
+            symbolic = SymbolicTrace.from_traces(*fitted)
+            reals = {seq: tool.record(_opts(tool, flags, layers * pp, seq))[0]
+                     for seq, layers in POINTS}
+            seq, layers = POINTS[-1]
+            # --persistent-only through record(opts), as the tracer's CLI does
+            state, _ = tool.record(_opts(tool, flags, layers * pp, seq, "--persistent-only"))
+            done[name] = Case(name, pp, fitted, symbolic, reals, state)
+        return done[name]
+
+    return case
+
+
+def _scratch_ids(events: list[dict]) -> set:
+    return {e["id"] for e in events
+            if e["action"] == "alloc" and e["module"] == REDUCTION_SCRATCH}
+
+
+def _rows(events: list[dict]) -> list[tuple]:
+    """Each event's fields but its size, ids renumbered by first appearance. The module is
+    compared in the ``init`` phase too: symbolic._structure leaves it out there (megatron names
+    an optimizer-state bucket after one of its parameters, which moves with the depth), but
+    here the persistent state is the deeper stage's own, and the warm-up's leftovers follow
+    the copies, so the names agree."""
+    numbers: dict[int, int] = {}
+    return [(numbers.setdefault(e["id"], len(numbers)), e["action"], e["stream"], e["layer"],
+             e["phase"], e["category"], e["microbatch"], e["pool"], e["op"], e["module"])
+            for e in events]
+
+
+def _first_mismatch(ours: list, theirs: list, what: str):
+    for index, (x, y) in enumerate(zip(ours, theirs)):
+        if x != y:
+            return f"{what}: event {index}: symbolic {x} != real {y}"
+    if len(ours) != len(theirs):
+        return f"{what}: {len(ours)} symbolic events != {len(theirs)} real"
+    return None
+
+
+# ------------------------------------------------------------------ symbolic == real
+
+
+@pytest.mark.parametrize("name", LAYOUT_PARAMS)
+def test_symbolic_trace_equals_the_deeper_stages_real_trace_event_by_event(cases, name):
+    """The issue's acceptance: at three lengths, none traced, with more layers than traced,
+    every event's id (by first appearance), action, bytes, stream, layer, phase, category,
+    micro-batch, pool, op and module agree. The reduction scratch is compared apart: its
+    structure agrees, its sizes are held at the longer fitted length (LinearTrace), below the
+    real ones beyond it."""
+    case = cases(name)
+    scratch_events = {}
+    for seq, layers in POINTS:
+        real = case.reals[seq]
+        assert real.header["model"]["seq_length"] == seq
+        assert real.header["model"]["num_layers"] == layers * case.pp
+        mine = case.symbolic.at(seq, layers, real)
+        assert mine.header["model"]["seq_length"] == seq
+        assert mine.header["model"]["num_layers"] == layers * case.pp
+        assert mine.header["persistent_events"] == real.header["persistent_events"]
+        mismatch = _first_mismatch(_rows(mine.events), _rows(real.events),
+                                   f"{name} at {seq} tokens, {layers} layers")
+        assert mismatch is None, mismatch
+
+        ours, theirs = _scratch_ids(mine.events), _scratch_ids(real.events)
+        wrong = [(index, x, y) for index, (x, y) in enumerate(zip(mine.events, real.events))
+                 if y["id"] not in theirs and x["bytes"] != y["bytes"]]
+        if wrong:
+            index, x, y = wrong[0]
+            pytest.fail(f"{name} at {seq} tokens, {layers} layers: {len(wrong)} sizes differ "
+                        f"outside the scratch, first event {index} ({y['phase']} "
+                        f"{y['module']} {y['op']}): {x['bytes']} symbolic, {y['bytes']} real")
+        scratch = [(x["bytes"], y["bytes"]) for x, y in zip(mine.events, real.events)
+                   if y["id"] in theirs]
+        assert [x["id"] in ours for x in mine.events] == \
+            [y["id"] in theirs for y in real.events]
+        if all(x == y for x, y in scratch):  # no scratch difference: the whole trace is equal
+            assert [e["bytes"] for e in mine.events] == [e["bytes"] for e in real.events]
+        else:
+            # understated beyond the longer fitted length (LinearTrace's docstring) ...
+            assert all(x <= y for x, y in scratch), (name, seq, scratch)
+            # ... as the symbolic trace holds it at that length, whatever the length asked
+            at_fit = case.symbolic.at(FIT[1], layers, real)
+            assert [x for x, _ in scratch] == [e["bytes"] for e in at_fit.events
+                                               if e["id"] in _scratch_ids(at_fit.events)]
+        scratch_events[seq] = len(scratch)
+        # and the check agrees
+        case.symbolic.check(real)
+    # every point has scratch blocks (the separate comparison above was not vacuous)
+    assert all(scratch_events.values()), scratch_events
+
+
+@pytest.mark.parametrize("name", LAYOUT_PARAMS)
+def test_symbolic_trace_at_its_own_points_is_the_traced_one(cases, name):
+    """At the fitted lengths with TRACED_LAYERS layers, nothing is expanded: the longer fitted
+    trace back exactly (scratch included), the shorter outside the scratch."""
+    case = cases(name)
+    shorter, longer = case.fitted
+    mine = case.symbolic.at(FIT[1], TRACED_LAYERS, longer)
+    assert _rows(mine.events) == _rows(longer.events)
+    assert [e["bytes"] for e in mine.events] == [e["bytes"] for e in longer.events]
+    mine = case.symbolic.at(FIT[0], TRACED_LAYERS, shorter)
+    scratch = _scratch_ids(shorter.events)
+    assert _rows(mine.events) == _rows(shorter.events)
+    assert [e["bytes"] for e, r in zip(mine.events, shorter.events) if r["id"] not in scratch] \
+        == [e["bytes"] for e in shorter.events if e["id"] not in scratch]
+    case.symbolic.check(shorter)
+    case.symbolic.check(longer)
+    assert case.symbolic.stage == longer.header["layout"]["pp_rank"]
+    assert case.symbolic.layers == TRACED_LAYERS
+
+
+@pytest.mark.parametrize("name", LAYOUT_PARAMS)
+def test_persistent_only_state_stands_for_the_real_trace(cases, name):
+    """What the estimator gives ``at``: a persistent-only trace of the deeper stage (its events
+    are the real trace's persistent ones), which gives the same symbolic trace and work."""
+    case = cases(name)
+    seq, layers = POINTS[-1]
+    real, state = case.reals[seq], case.state
+    count = state.header["persistent_events"]
+    assert count == real.header["persistent_events"] == len(state.events) > 0
+    assert state.events == real.events[:count]
+    assert set(state.header["work"]["phases"]) == {"optimizer"}
+    from_state = case.symbolic.at(seq, layers, state)
+    from_real = case.symbolic.at(seq, layers, real)
+    assert from_state.events == from_real.events
+    assert from_state.header["work"] == from_real.header["work"]
+    # the optimizer phase's work is the deeper stage's own
+    assert from_state.header["work"]["phases"]["optimizer"] == \
+        real.header["work"]["phases"]["optimizer"]
+
+
+def test_persistent_only_through_traced_rank(tool, cases):
+    """rank.record(persistent_only=True) records what --persistent-only does."""
+    case = cases("pp2-last")
+    flags, pp = LAYOUTS["pp2-last"]
+    seq, layers = POINTS[-1]
+    with tool.traced_rank(_opts(tool, flags, layers * pp, seq)) as rank:
+        state = rank.record(persistent_only=True)
+    assert state.events == case.state.events
+    assert state.header["persistent_events"] == case.state.header["persistent_events"]
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def test_check_refuses_a_trace_of_another_layout(cases):
+    tp, cp = cases("tp2"), cases("cp2")
+    seq, layers = POINTS[0]
+    with pytest.raises(SymbolicError, match=rf"^at {seq} tokens, {layers} layers the symbolic "
+                       r"trace differs from the traced one \(event \d+: .* != .*\)$"):
+        tp.symbolic.check(cp.reals[seq])
+    first, last = cases("pp2-first"), cases("pp2-last")
+    with pytest.raises(SymbolicError, match="differs from the traced one"):
+        first.symbolic.check(last.reals[seq])
+
+
+def test_check_refuses_a_tampered_event_size(cases):
+    case = cases("tp2")
+    seq, layers = POINTS[1]
+    real = case.reals[seq]
+    scratch = _scratch_ids(real.events)
+    start = real.header["persistent_events"]
+    index = next(i for i, e in enumerate(real.events)
+                 if i >= start and e["action"] == "alloc" and e["category"] == "activation"
+                 and e["id"] not in scratch and e["phase"] == "forward")
+    events = [dict(e) for e in real.events]
+    events[index]["bytes"] += 512
+    tampered = Trace(header=real.header, events=events)
+    module, op = events[index]["module"], events[index]["op"]
+    with pytest.raises(SymbolicError) as refused:
+        case.symbolic.check(tampered)
+    assert str(refused.value) == (
+        f"at {seq} tokens, {layers} layers {module} ({op}) is {real.events[index]['bytes']} "
+        f"bytes symbolically, {real.events[index]['bytes'] + 512} traced")
+    # a scratch block's size is not compared (it is not linear in the length)
+    index = next(i for i, e in enumerate(real.events) if e["id"] in scratch)
+    events = [dict(e) for e in real.events]
+    events[index]["bytes"] += 512
+    case.symbolic.check(Trace(header=real.header, events=events))
+
+
+def test_check_refuses_different_work(cases):
+    case = cases("tp2")
+    seq, _ = POINTS[0]
+    real = case.reals[seq]
+    header = json.loads(json.dumps(real.header))
+    fields = header["work"]["phases"]["forward"]
+    name = next(k for k, v in fields.items() if v)
+    fields[name] = int(fields[name] * 1.2)
+    with pytest.raises(SymbolicError, match=rf"the symbolic work differs from the traced work: "
+                       rf"forward {name}: \d+ symbolic, \d+ traced"):
+        case.symbolic.check(Trace(header=header, events=real.events))
+
+
+def test_refusals_of_unmarked_traces_and_bad_expansions(cases):
+    shorter, longer = cases("tp2").fitted
+    header = {k: v for k, v in shorter.header.items() if k != "persistent_events"}
+    with pytest.raises(SymbolicError, match="do not mark their persistent state"):
+        SymbolicTrace.from_traces(Trace(header=header, events=shorter.events), longer)
+    events = longer.events[longer.header["persistent_events"]:]
+    with pytest.raises(SymbolicError, match="cannot shrink a 5-layer trace to 4 layers"):
+        expand_events(events, TRACED_LAYERS, TRACED_LAYERS - 1)
+    with pytest.raises(SymbolicError, match="layer 4 of 5 is not a middle layer"):
+        expand_events(events, TRACED_LAYERS, 7, copied=TRACED_LAYERS - 1)
+    # a persistent state that frees something is not one
+    real = cases("tp2").reals[POINTS[0][0]]
+    bad = Trace(header={**real.header, "persistent_events": len(real.events)},
+                events=real.events)
+    with pytest.raises(SymbolicError, match="not a persistent trace"):
+        cases("tp2").symbolic.at(POINTS[0][0], POINTS[0][1], bad)
+
+
+def test_expansion_copies_the_middle_layer(cases):
+    """expand_events alone: to the same depth it renumbers the ids and nothing else; each layer
+    added is one more copy of the copied layer's blocks."""
+    longer = cases("tp2").fitted[1]
+    events = longer.events[longer.header["persistent_events"]:]
+    same = expand_events(events, TRACED_LAYERS, TRACED_LAYERS)
+    assert [row for row, _ in same] == list(range(len(events)))
+    assert _rows([e for _, e in same]) == _rows(events)
+    deeper = expand_events(events, TRACED_LAYERS, TRACED_LAYERS + 3)
+    per_layer = sum(1 for e in events if e["layer"] == COPIED_LAYER)
+    assert len(deeper) == len(events) + 3 * (len(expand_events(
+        events, TRACED_LAYERS, TRACED_LAYERS + 1)) - len(events))
+    assert per_layer and len(deeper) > len(events)
+    layers = {e["layer"] for _, e in deeper if e["layer"] is not None}
+    assert layers == set(range(TRACED_LAYERS + 3))
+    ids = [e["id"] for _, e in deeper if e["action"] == "alloc"]
+    assert ids == list(range(len(ids)))
+
+
+# ------------------------------------------------------------------ the layout model's solver
+
+#: The layout model's shape: 8 layers (more than TRACED_LAYERS + 2, so the stage is symbolic).
+MODEL = ["--num-layers", "8", *SHAPE]
+STEP, MAXIMUM, FINE = 131072, 8 * 1048576, 16384  # memo-estimate's search
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    with TraceCache(tmp_path_factory.mktemp("symbolic_cache"), workers=1) as shared:
+        yield shared
+
+
+def _hardware(device_gib: float) -> dict:
+    return {**load_hardware("a800"), "device_memory_bytes": int(device_gib * GiB)}
+
+
+def _with_capacity(model: LayoutModel, device_gib: float) -> LayoutModel:
+    return dataclasses.replace(model, hardware=_hardware(device_gib), _cache={})
+
+
+@pytest.fixture(scope="module")
+def layout_models(cache):
+    """Checked symbolic LayoutModels of the 8-layer model, TP=2, on an A800 (80 GiB): full
+    recompute, no recompute, MEMO alpha 0."""
+    models = {}
+    for policy, alpha in (("megatron", None), ("megatron-none", None), ("memo", 0.0)):
+        model, refused = build_layout_model(MODEL, Layout(2, 1, 1, 1, policy, alpha),
+                                            load_hardware("a800"), cache=cache,
+                                            global_batch=16, num_layers=8)
+        assert refused is None
+        assert all(s.symbolic is not None and s.layers == 8 for s in model.stages)
+        assert model.checked
+        models[policy] = model
+    return models
+
+
+def test_solver_answer_equals_the_bisections(cache, layout_models):
+    """LayoutModel.build(symbolic=True) on a device small enough for the answer to fall
+    mid-range: longest (bounds, then replays longest first) == longest_by_search (bisection),
+    also at other capacities, below one step (the fine grid) among them."""
+    model = LayoutModel.build(MODEL, Layout(2, 1, 1, 1), _hardware(30), global_batch=16,
+                              cache=cache, num_layers=8, symbolic=True)
+    assert model.stages[0].symbolic is not None and not model.checked
+    model.check(cache)
+    assert model.checked
+    solved = model.longest(STEP, MAXIMUM, FINE)
+    assert STEP < solved < MAXIMUM and solved % STEP == 0
+    assert solved == model.longest_by_search(STEP, MAXIMUM, FINE)
+    assert model.predict(solved).fits and not model.predict(solved + STEP).fits
+    assert model.replays and model.replays[-1] == (solved, True)
+    assert all(not fits for _, fits in model.replays[:-1])
+    answers = {}
+    for policy, gib in (("megatron", 1.5), ("megatron", 12.7), ("megatron", 51.3),
+                        ("megatron-none", 3.3), ("megatron-none", 33.3)):
+        other = _with_capacity(layout_models[policy], gib)
+        answers[(policy, gib)] = solved = other.longest(STEP, MAXIMUM, FINE)
+        assert solved == _with_capacity(layout_models[policy], gib).longest_by_search(
+            STEP, MAXIMUM, FINE), (policy, gib, other.replays)
+    assert 0 < answers[("megatron", 1.5)] < STEP  # the fine grid's answer
+    assert all(0 < answer < MAXIMUM for answer in answers.values()), answers
+
+
+@pytest.mark.parametrize("policy", ["megatron", "megatron-none", "memo"])
+def test_peak_bounds_are_below_every_replay(layout_models, policy):
+    """StageModel.peak_bounds: the allocated peak (device, host) and the memory outside the
+    allocator, from the lines of live bytes; no allocator model reserves less. (MEMO's own
+    model, the planned arena, is replayed at the shortest length only: between about 114K and
+    393K tokens its placement MIP runs to its 10 s time limit on this model.)"""
+    model = layout_models[policy]
+    (stage,) = model.stages
+    seqs = [16384, 131072, 655360, 1048576]
+    device, host, external = stage.peak_bounds(seqs)
+    for index, seq in enumerate(seqs):
+        trace = stage.at(seq)
+        allocators = {"caching", "expandable"}
+        if index == 0:
+            allocators.add(model.allocator)
+        for allocator in sorted(allocators):
+            memory = estimate_at(trace, 1 << 50, allocator, REPLAY_ITERATIONS)
+            assert memory.fits
+            assert memory.peak_reserved_bytes >= memory.peak_allocated_bytes >= device[index] \
+                > 0, (seq, allocator, memory.peak_reserved_bytes, memory.peak_allocated_bytes,
+                      device[index])
+            assert memory.host_bytes >= host[index]
+            assert memory.external_bytes == external[index] > 0
+    assert (host > 0).all() if policy == "memo" else not host.any()
+    assert (device[1:] > device[:-1]).all()
+
+
+@pytest.mark.parametrize("policy", ["megatron", "megatron-none"])
+def test_bounds_pass_every_length_that_fits(layout_models, policy):
+    """LayoutModel.bound_fits never rules out a length whose replay fits."""
+    model = _with_capacity(layout_models[policy], 6)
+    seqs = [16384, 131072, 393216, 655360, 1048576, 2097152]
+    fits = [model.predict(seq).fits for seq in seqs]
+    assert any(fits) and not all(fits)
+    bounds = model.bound_fits(seqs)
+    assert all(bound for bound, fit in zip(bounds, fits) if fit), (seqs, fits, bounds)
+    assert not bounds[-1]  # far beyond: ruled out by the bound alone
+
+
+def test_rank_longest_skips_layouts_bounded_below_the_table(layout_models):
+    """With top=1, a layout whose bound is below the best answer so far is not solved."""
+    full, none = (_with_capacity(layout_models[p], 40) for p in ("megatron", "megatron-none"))
+    assert bound_longest(none, STEP, MAXIMUM, FINE) < full.longest(STEP, MAXIMUM, FINE)
+    for model in (full, none):
+        assert bound_longest(model, STEP, MAXIMUM, FINE) >= model.longest(STEP, MAXIMUM, FINE)
+    heard = []
+    ranked = rank_longest([none, full], STEP, MAXIMUM, FINE, top=1, log=heard.append)
+    assert [p.layout.policy for p in ranked] == ["megatron"]
+    assert ranked[0].seq == full.longest(STEP, MAXIMUM, FINE) and ranked[0].fits
+    assert heard[0].startswith(f"{full.layout.describe()}: {ranked[0].seq} tokens; best so far")
+    assert re.fullmatch(rf"not solved: {re.escape(none.layout.describe())}: its bound, "
+                        rf"\d+ tokens, is below the table", heard[1]), heard
+    assert len(heard) == 2
+    # without top, both are solved, longest first
+    heard.clear()
+    ranked = rank_longest([none, full], STEP, MAXIMUM, FINE, log=heard.append)
+    assert [p.layout.policy for p in ranked] == ["megatron", "megatron-none"]
+    assert ranked[1].seq == none.longest(STEP, MAXIMUM, FINE) > 0
+    assert not any(line.startswith("not solved") for line in heard)
+
+
+def test_estimate_cli_json(tmp_path, cache, layout_models):
+    """memo-estimate --json: one JSON object on stdout (progress on stderr); its answer is the
+    layout model's. The traces come from the layout tests' cache (same argv)."""
+    shape = {"num_layers": 8, "hidden_size": 256, "ffn_hidden_size": 1024,
+             "num_attention_heads": 8, "vocab_size": 1024}
+    model_file = tmp_path / "model.json"
+    model_file.write_text(json.dumps(shape))
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron.training.cli.estimate", "--model", str(model_file),
+         "--gpu", "a800", "--tp", "2", "--policy", "megatron-none", "--max-seq-length",
+         "--json", "--jobs", "1", "--cache-dir", str(cache.directory)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(done.stdout.strip().splitlines()) == 1, done.stdout
+    answer = json.loads(done.stdout)
+    expected = layout_models["megatron-none"].longest(STEP, MAXIMUM, FINE)
+    assert answer["question"] == "max_seq_length" and answer["predicted"] is True
+    assert answer["max_seq_length"] == expected > 0
+    (row,) = answer["rows"]
+    assert row["seq"] == expected and row["fits"] and row["verdict"] == "FITS"
+    assert row["layout"] == "TP=2 CP=1 PP=1 DP=1 mbs=1 Megatron no recompute"
+    assert 0 < row["peak_device_gib"] <= 80 and row["step_s"] > 0 and 0 < row["mfu"] < 1
+    assert f"max sequence length: {expected} tokens" in done.stderr
+    assert "of 5 layers, checked at" in done.stderr
