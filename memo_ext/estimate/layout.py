@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -202,6 +202,7 @@ class TraceCache:
         self.workers = workers
         self._pool = None
         self._pool_lock = threading.Lock()
+        self._pending: dict[str, Future] = {}
         digest = hashlib.sha256()
         for module in TRACER_SOURCES:
             path = module_file(module)
@@ -231,7 +232,29 @@ class TraceCache:
         return pool.trace(argv, seq, output)
 
     def trace(self, argv: list[str], seq: int) -> Trace:
-        """The trace of ``argv`` at ``seq`` tokens, from the cache or traced now."""
+        """The trace of ``argv`` at ``seq`` tokens, from the cache or traced now; a request
+        made while the same one is being traced waits for it rather than tracing it again
+        (a search's layouts share traces, e.g. the persistent state of every policy)."""
+        key = json.dumps([argv, seq])
+        with self._pool_lock:
+            pending = self._pending.get(key)
+            mine = pending is None
+            if mine:
+                pending = self._pending[key] = Future()
+        if not mine:
+            return pending.result()
+        try:
+            trace = self._trace_once(argv, seq)
+            pending.set_result(trace)
+            return trace
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        finally:
+            with self._pool_lock:
+                del self._pending[key]
+
+    def _trace_once(self, argv: list[str], seq: int) -> Trace:
         if self.directory is None:
             with tempfile.TemporaryDirectory(prefix="memo_estimate_") as workdir:
                 return self._traced(argv, seq, Path(workdir) / "trace.jsonl.gz")
@@ -392,9 +415,10 @@ def _max_of_lines(a: np.ndarray, b: np.ndarray, seqs: list[int]) -> np.ndarray:
     return (a[None, :] + b[None, :] * s[:, None]).max(axis=1)
 
 
-#: The length (tokens) a symbolic trace is checked at before it is trusted: four times the
-#: longer fitted length, with two layers more than traced.
-CHECK_SEQ = 4 * FIT_SEQS[1]
+#: The length (tokens) a symbolic trace is checked at before it is trusted: twice the longer
+#: fitted length, with two layers more than traced (the chunked loss's ops grow with the length:
+#: a MEMO check at 1M costs 6 s, at 512K 3.5 s).
+CHECK_SEQ = 2 * FIT_SEQS[1]
 
 
 @dataclass
@@ -441,7 +465,12 @@ class LayoutModel:
             if symbolic and stage_layers is not None and stage_layers > TRACED_LAYERS + 2:
                 few = [*argv, "--num-layers", str(TRACED_LAYERS * layout.pp)]
                 first, second = (cache.trace(few, seq) for seq in fit_seqs)
-                state = cache.trace([*argv, "--persistent-only"], fit_seqs[0])
+                # The persistent state does not depend on the policy (weights, gradients and
+                # optimizer state are the model's): one trace serves every policy of a layout.
+                plain = Layout(layout.tp, layout.cp, layout.pp, layout.dp, "megatron-none",
+                               micro_batch=layout.micro_batch)
+                state = cache.trace([*plain.trace_argv(model_argv, stage), *gpu_argv(hardware),
+                                     "--persistent-only"], fit_seqs[0])
                 trace = SymbolicTrace.from_traces(first, second)
                 stages.append(StageModel(
                     stage, WorkLine.from_headers(*trace.work_headers(stage_layers, state)),
@@ -471,6 +500,19 @@ class LayoutModel:
             deeper = [*argv, "--num-layers", str((TRACED_LAYERS + 2) * self.layout.pp)]
             model.symbolic.check(cache.trace(deeper, CHECK_SEQ - CHECK_SEQ % self.multiple))
             model.checked = True
+
+    def trusted(self, cache: TraceCache) -> tuple["LayoutModel", Optional[str]]:
+        """This model once :meth:`check` passes, else the layout built again with its stages
+        traced whole; and why the symbolic trace was refused (None if it was not)."""
+        try:
+            self.check(cache)
+            return self, None
+        except SymbolicError as exc:
+            whole = LayoutModel.build(
+                self.model_argv, self.layout, self.hardware, global_batch=self.global_batch,
+                cache=cache, allocator=self.allocator,
+                host_memory_gb_per_node=self.host_capacity_bytes / 1e9, symbolic=False)
+            return whole, f"symbolic trace refused ({exc}); traced whole"
 
     def predict(self, seq: int, efficiency: Optional[Efficiency] = None) -> Prediction:
         """Memory and time at ``seq`` tokens; ``efficiency`` overrides the profile's (the
@@ -626,31 +668,28 @@ def _infeasible(layout: Layout, model: dict, heads: int, groups: int, per_node: 
 
 
 def build_layout_model(model_argv: list[str], layout: Layout, hardware: dict, *,
-                       cache: TraceCache, exhaustive: bool = False,
-                       **options) -> tuple[LayoutModel, Optional[str]]:
-    """A checked LayoutModel: symbolic where the stage allows it, checked against a real
-    trace (:meth:`LayoutModel.check`), else (refused or failed the check) the stages traced
-    whole. Returns (model, why the symbolic trace was refused or None). ``options``: the
-    keywords of :meth:`LayoutModel.build`."""
-    def made(symbolic: bool) -> LayoutModel:
-        model = LayoutModel.build(model_argv, layout, hardware, cache=cache, symbolic=symbolic,
-                                  exhaustive=exhaustive, **options)
-        model.check(cache)
-        return model
-
+                       cache: TraceCache, **options) -> tuple[LayoutModel, Optional[str]]:
+    """A trusted LayoutModel (:meth:`LayoutModel.trusted`) and why its symbolic trace was
+    refused (None if it was not). ``options``: the keywords of :meth:`LayoutModel.build`."""
     try:
-        return made(symbolic=True), None
-    except SymbolicError as exc:
-        return made(symbolic=False), f"symbolic trace refused ({exc}); traced whole"
+        model = LayoutModel.build(model_argv, layout, hardware, cache=cache, **options)
+    except SymbolicError as exc:  # the traces are not a pass over the layers
+        options["symbolic"] = False
+        return (LayoutModel.build(model_argv, layout, hardware, cache=cache, **options),
+                f"symbolic trace refused ({exc}); traced whole")
+    return model.trusted(cache)
 
 
 def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *,
                  global_batch: int, cache: TraceCache, jobs: int = 2,
                  host_memory_gb_per_node: Optional[float] = None,
                  log: Callable[[str], None] = lambda line: None,
-                 num_layers: Optional[int] = None, exhaustive: bool = False
+                 num_layers: Optional[int] = None, exhaustive: bool = False,
+                 trust: bool = True
                  ) -> tuple[list[LayoutModel], list[tuple[Layout, str]]]:
-    """A checked LayoutModel per layout (:func:`build_layout_model`), ``jobs`` at a time;
+    """A LayoutModel per layout, ``jobs`` at a time, trusted (:func:`build_layout_model`)
+    unless ``trust`` is False: then a symbolic one is checked only when it is used
+    (:func:`rank_longest`, :func:`rank_at`: a search checks the layouts it answers with);
     layouts whose tracing fails are returned with the reason. ``log`` hears each layout as it
     is done, with its place among them."""
     log_lock = threading.Lock()  # one line at a time from the worker threads
@@ -658,10 +697,19 @@ def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *
 
     def build(layout: Layout):
         try:
-            model, refused = build_layout_model(
-                model_argv, layout, hardware, cache=cache, exhaustive=exhaustive,
-                global_batch=global_batch, num_layers=num_layers,
-                host_memory_gb_per_node=host_memory_gb_per_node)
+            options = dict(exhaustive=exhaustive, global_batch=global_batch,
+                           num_layers=num_layers, host_memory_gb_per_node=host_memory_gb_per_node)
+            if trust:
+                model, refused = build_layout_model(model_argv, layout, hardware, cache=cache,
+                                                    **options)
+            else:
+                try:
+                    model, refused = LayoutModel.build(model_argv, layout, hardware,
+                                                       cache=cache, **options), None
+                except SymbolicError as exc:
+                    model = LayoutModel.build(model_argv, layout, hardware, cache=cache,
+                                              **{**options, "symbolic": False})
+                    refused = f"symbolic trace refused ({exc}); traced whole"
             result, line = (model, None), f"traced {layout.describe()}" + (
                 f": {refused}" if refused else "")
         except (EstimateError, CostModelError) as exc:
@@ -671,7 +719,9 @@ def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *
             log(f"[{len(done)}/{len(layouts)}] {line}")
         return result
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    # Twice as many builders as tracers: a builder's own work between its traces (reading,
+    # fitting) would otherwise leave its tracer idle.
+    with ThreadPoolExecutor(max_workers=2 * max(1, jobs)) as pool:
         results = list(pool.map(build, layouts))
     return ([m for m, _ in results if m is not None],
             [failure for _, failure in results if failure is not None])
@@ -698,24 +748,57 @@ def bound_longest(model, step: int, maximum: int, fine_step: Optional[int] = Non
     return 0
 
 
+class SearchChecks:
+    """The checks of a search (:meth:`LayoutModel.trusted`), ``jobs`` at a time: rank_longest
+    asks for them in the order of the layouts' bounds, ahead of the solving, so the traces they
+    need run while the first layouts are solved. (Starting them during the tracing, for the
+    layouts whose bounds lead so far, checked three times as many layouts for 7B on 8 GPUs:
+    the early leaders are rarely the final ones.)"""
+
+    def __init__(self, cache: TraceCache, jobs: int) -> None:
+        self.cache = cache
+        self._pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+        self._futures: dict[int, Future] = {}
+
+    def future(self, model: "LayoutModel") -> Future:
+        if id(model) not in self._futures:
+            self._futures[id(model)] = self._pool.submit(model.trusted, self.cache)
+        return self._futures[id(model)]
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+
 def rank_longest(models: list, step: int, maximum: int, fine_step: Optional[int] = None,
                  top: Optional[int] = None,
-                 log: Callable[[str], None] = lambda line: None) -> list:
+                 log: Callable[[str], None] = lambda line: None,
+                 checks: Optional[SearchChecks] = None) -> list:
     """Every layout at its own longest fitting sequence, longest first, then by MFU. Layouts
     are solved in order of their bounds (:func:`bound_longest`), and with ``top``, one whose
     bound is shorter than the ``top`` longest answers so far is not solved (it cannot enter
-    the table). ``log`` hears each answer and the best so far as soon as they are known."""
+    the table). With ``checks``, each layout solved is trusted first
+    (:meth:`LayoutModel.trusted`, run ahead of the solving, in the order of the bounds).
+    ``log`` hears each answer and the best so far as soon as they are known."""
     def name(model) -> str:
         return model.layout.describe() if hasattr(model, "layout") else \
             f"TP={model.tp} PP={model.pp} SPPO"
 
     bounds = [bound_longest(m, step, maximum, fine_step) for m in models]
+    order = sorted(zip(bounds, models), key=lambda item: -item[0])
+    trusted = [checks.future(m) if checks is not None and hasattr(m, "trusted") else None
+               for _, m in order]
     predictions = []
-    for bound, model in sorted(zip(bounds, models), key=lambda item: -item[0]):
+    for (bound, model), future in zip(order, trusted):
         ranked = sorted(predictions, key=lambda p: (-p.seq, -p.mfu))
         if top and len(ranked) >= top and bound < ranked[top - 1].seq:
             log(f"not solved: {name(model)}: its bound, {bound:.0f} tokens, is below the table")
+            if future is not None:
+                future.cancel()
             continue
+        if future is not None:
+            model, refused = future.result()
+            if refused:
+                log(f"{name(model)}: {refused}")
         longest = model.longest(step, maximum, fine_step)
         if longest:
             predictions.append(model.predict(longest - longest % model.multiple))

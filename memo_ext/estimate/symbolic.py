@@ -38,6 +38,7 @@ Hand-written: no library expands a recorded allocation sequence over a model's d
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -132,6 +133,13 @@ def _rename_layers(name: Optional[str], move) -> Optional[str]:
     return _LAYER_IN_NAME.sub(lambda m: str(move(int(m.group(1)))), name)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _shifted_name(name: Optional[str], shift: int) -> Optional[str]:
+    """``name`` with each ``layers.<n>`` moved by ``shift`` (memoised: a stage's names
+    repeat in every copy of a layer)."""
+    return name if not shift else _rename_layers(name, lambda layer: layer + shift)
+
+
 def expand_events(events: list[dict], layers: int, target: int, copied: int = COPIED_LAYER,
                   stage: int = 0) -> list[tuple[int, dict]]:
     """The events of ``events`` (pipeline stage ``stage`` of ``layers`` layers) expanded to
@@ -191,13 +199,13 @@ def expand_events(events: list[dict], layers: int, target: int, copied: int = CO
         elif key not in new_ids:
             raise SymbolicError(f"event {row}: expansion frees {key} before allocating it")
         if home is None:  # a fixed event: its layer and names point at originals
-            move = position
+            layer = None if event["layer"] is None else position(event["layer"])
+            module = _rename_layers(event["module"], position)
         else:
-            def move(layer: int, shift: int = at - home) -> int:
-                return layer + shift
-        layer = None if event["layer"] is None else move(event["layer"]) + stage * target
-        out.append((row, {**event, "id": new_ids[key], "layer": layer,
-                          "module": _rename_layers(event["module"], move)}))
+            layer = None if event["layer"] is None else event["layer"] + at - home
+            module = _shifted_name(event["module"], at - home)
+        out.append((row, {**event, "id": new_ids[key], "module": module,
+                          "layer": None if layer is None else layer + stage * target}))
 
     rows_by_block: dict[tuple, list[int]] = {}
     for row in range(len(events)):

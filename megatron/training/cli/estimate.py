@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     from memo_ext.estimate.layout import (
         CHECK_SEQ,
         FIT_SEQS,
+        SearchChecks,
         Layout,
         TraceCache,
         build_layout_model,
@@ -307,22 +308,23 @@ def main(argv: list[str] | None = None) -> int:
                   f"layouts to trace ({len(dropped)} ruled out before tracing)"
                   + (f", {len(sppo_models)} SPPO layouts from its analytic model "
                      f"({len(sppo_dropped)} ruled out)" if "sppo" in policies else ""))
+            checks = SearchChecks(cache, opts.jobs)
             with cache:
-                models, failed = build_models(shape_argv, layouts, hardware,
-                                              global_batch=opts.global_batch_size, cache=cache,
-                                              jobs=opts.jobs,
-                                              host_memory_gb_per_node=opts.host_memory_gb,
-                                              log=lambda line: say(f"  {line}"),
-                                              num_layers=shape["num_layers"],
-                                              exhaustive=opts.exhaustive)
-            for layout, reason in failed:
-                say(f"  not predicted: {layout.describe()}: {reason}")
-            models += sppo_models
-            if opts.max_seq_length:
-                ranked = rank_longest(models, SEARCH_STEP, opts.search_max, FINE_STEP,
-                                      top=opts.top, log=lambda line: say(f"  {line}"))
-            else:
-                ranked = [p for p in rank_at(models, opts.seq_length) if p.fits]
+                models, failed = build_models(
+                    shape_argv, layouts, hardware, global_batch=opts.global_batch_size,
+                    cache=cache, jobs=opts.jobs, host_memory_gb_per_node=opts.host_memory_gb,
+                    log=lambda line: say(f"  {line}"), num_layers=shape["num_layers"],
+                    exhaustive=opts.exhaustive, trust=not opts.max_seq_length)
+                for layout, reason in failed:
+                    say(f"  not predicted: {layout.describe()}: {reason}")
+                models += sppo_models
+                if opts.max_seq_length:
+                    ranked = rank_longest(models, SEARCH_STEP, opts.search_max, FINE_STEP,
+                                          top=opts.top, log=lambda line: say(f"  {line}"),
+                                          checks=checks)
+                else:
+                    ranked = [p for p in rank_at(models, opts.seq_length) if p.fits]
+                checks.close()
             seconds = time.perf_counter() - started
             for line in table(ranked, opts.top):
                 say(line)

@@ -642,6 +642,10 @@ def serve() -> int:
         finally:
             sys.stderr = sys.__stderr__
             sys.stderr.flush()
+        # What the request imported stays: frozen too, so the next request's collections
+        # skip it (cyclic garbage of a request was collected by record_iteration already).
+        gc.collect()
+        gc.freeze()
         protocol.write(json.dumps(reply) + "\n")
         protocol.flush()
     return 0
