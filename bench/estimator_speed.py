@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -208,6 +209,14 @@ def answers(models: list[str], jobs: int) -> tuple[list[str], int]:
             if name == "13b":
                 layouts = [layout for layout in layouts if layout.tp in (2, 4, 8)]
             fast_all, slow_all = built(name, layouts, False), built(name, layouts, True)
+            # Every exhaustive probe traced ``jobs`` at a time (predictions are memoised, so
+            # the rows below then read them).
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                for seq in calibration.PAPER[(name, gpus)]:
+                    list(pool.map(lambda m, seq=seq: m.predict(seq - seq % m.multiple),
+                                  slow_all))
+                list(pool.map(lambda m: m.longest(calibration.SEARCH_STEP,
+                                                  calibration.SEARCH_MAX), slow_all))
             for system, policies in calibration.SYSTEMS.items():
                 fast = [m for m in fast_all if m.layout.policy in policies]
                 slow = [m for m in slow_all if m.layout.policy in policies]

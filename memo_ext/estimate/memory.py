@@ -106,6 +106,21 @@ def _pair_outside_scratch(shorter: list[dict], longer: list[dict]) -> Optional[l
     return [(None, e) if e["id"] in long_scratch else (next(others), e) for e in longer]
 
 
+def sized_events(events: list[dict], intercepts: list[Fraction], slopes: list[Fraction],
+                 seq: int) -> list[dict]:
+    """``events`` with their bytes at ``seq`` tokens, a + b·seq rounded up where the line is
+    not integral."""
+    sized = []
+    for event, a, b in zip(events, intercepts, slopes):
+        size = a + b * seq
+        nbytes = -(-size.numerator // size.denominator)
+        if nbytes < 0:
+            raise EstimateError(f"{seq} tokens is below the traced range: a request size "
+                                "turns negative; trace a shorter length")
+        sized.append({**event, "bytes": int(nbytes)})
+    return sized
+
+
 @dataclass
 class LinearTrace:
     """A trace whose every request size is ``a + b * seq`` (exact rationals).
@@ -151,14 +166,7 @@ class LinearTrace:
 
     def at(self, seq: int) -> Trace:
         """The trace at ``seq`` tokens (sizes rounded up where the line is not integral)."""
-        events = []
-        for event, a, b in zip(self.base.events, self.intercepts, self.slopes):
-            size = a + b * seq
-            nbytes = -(-size.numerator // size.denominator)
-            if nbytes < 0:
-                raise EstimateError(f"{seq} tokens is below the traced range: a request size "
-                                    "turns negative; trace a shorter length")
-            events.append({**event, "bytes": int(nbytes)})
+        events = sized_events(self.base.events, self.intercepts, self.slopes, seq)
         header = json.loads(json.dumps(self.base.header))
         header.setdefault("model", {})["seq_length"] = seq
         header["estimated_from_seq_lengths"] = list(self.seqs)

@@ -47,7 +47,12 @@ from typing import Optional
 
 import numpy as np
 
-from memo_ext.estimate.memory import EstimateError, LinearTrace, _pair_outside_scratch
+from memo_ext.estimate.memory import (
+    EstimateError,
+    LinearTrace,
+    _pair_outside_scratch,
+    sized_events,
+)
 from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
 from memo_ext.planner.trace import OPTIMIZER_STEP, Trace
 
@@ -338,15 +343,7 @@ class SymbolicTrace:
         """The trace at ``seq`` tokens with ``layers`` layers per stage, whose persistent
         state and optimizer-phase work are ``state``'s (a trace of that model, e.g.
         ``persistent_only``); sizes rounded up where the line is not integral."""
-        events, intercepts, slopes = self.coefficients(layers, state)
-        sized = []
-        for event, a, b in zip(events, intercepts, slopes):
-            size = a + b * seq
-            nbytes = -(-size.numerator // size.denominator)
-            if nbytes < 0:
-                raise EstimateError(f"{seq} tokens is below the traced range: a request size "
-                                    "turns negative; trace a shorter length")
-            sized.append({**event, "bytes": int(nbytes)})
+        sized = sized_events(*self.coefficients(layers, state), seq)
         header = json.loads(json.dumps(self.line.base.header))
         header["model"]["seq_length"] = seq
         header["model"]["num_layers"] = layers * header.get("layout", {}).get("pp", 1)
