@@ -135,7 +135,7 @@ def _plot_speed(rows, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def answers(models: list[str], jobs: int) -> tuple[list[str], int]:
+def answers(models: list[str], jobs: int, benches: list[str]) -> tuple[list[str], int]:
     """Rows of megatron_baseline and cost_calibration, symbolic beside exhaustive; returns
     the table and how many rows differ beyond the search step."""
     from bench import cost_calibration as calibration
@@ -177,7 +177,7 @@ def answers(models: list[str], jobs: int) -> tuple[list[str], int]:
 
     with cache:
         for (name, gpus), families in baseline.FAMILIES.items():
-            if name not in models:
+            if name not in models or "megatron_baseline" not in benches:
                 continue
             for family, shapes in families.items():
                 wanted = [Layout(tp, cp, pp, dp, policy) for tp, cp, pp, dp in shapes
@@ -199,7 +199,7 @@ def answers(models: list[str], jobs: int) -> tuple[list[str], int]:
                     theirs = baseline.best_fitting(slow_models, seq)
                     row("megatron_baseline", name, f"{family} at {seq_label(seq)}", at(mine),
                         at(theirs), _same(mine, theirs))
-        for name in models:
+        for name in models if "cost_calibration" in benches else []:
             gpus = {"7b": 8, "13b": 16}[name]
             layouts, _ = candidate_layouts(calibration.SHAPES[name], gpus, hardware,
                                            policies=["megatron", "megatron-none", "memo"],
@@ -249,6 +249,8 @@ def main() -> int:
     parser.add_argument("--models", default="7b",
                         help="answers: 7b and/or 13b (comma-separated; 13b traces ~60 layouts "
                              "whole at every length)")
+    parser.add_argument("--benches", default="megatron_baseline,cost_calibration",
+                        help="answers: whose rows (comma-separated)")
     parser.add_argument("--jobs", type=int, default=2)
     opts = parser.parse_args()
     commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
@@ -270,11 +272,13 @@ def main() -> int:
             "other in this run, each from an empty trace cache.", "", *table])
     if opts.part in ("answers", "both"):
         started = time.perf_counter()
-        table, differ = answers([m.strip() for m in opts.models.split(",")], opts.jobs)
+        benches = [b.strip() for b in opts.benches.split(",") if b.strip()]
+        table, differ = answers([m.strip() for m in opts.models.split(",")], opts.jobs, benches)
         _write(RESULTS / "estimator_answers.md", [
             "# The estimator's answers: symbolic traces and the solver against the exhaustive "
             "reference", "", machine, "",
-            f"`python bench/estimator_speed.py --part answers --models {opts.models}`, "
+            f"`python bench/estimator_speed.py --part answers --models {opts.models} "
+            f"--benches {','.join(benches)}`, "
             f"{time.perf_counter() - started:.0f} s (traces from the cache where present): the "
             "rows of bench/megatron_baseline.py and bench/cost_calibration.py (with "
             "hardware.json's efficiencies), answered from symbolic traces (5 layers at two "
