@@ -2,8 +2,8 @@
 layouts the recommender runs.
 
 A :class:`LayoutModel` traces each distinct pipeline stage of the layout at two sequence lengths
-(memo-trace on fake tensors, cached on disk by :class:`TraceCache`), then answers at any
-length: the allocation trace through the allocator model (memory.py: fit or OOM,
+(memo-trace on fake tensors, cached on disk by :class:`TraceCache`; a deep stage symbolically,
+memo_ext.estimate.symbolic), then answers at any length: the allocation trace through the allocator model (memory.py: fit or OOM,
 reorganisations) and the work through the cost model (cost.py: step time, MFU). The prediction
 is the worst stage's memory and the slowest stage's time. Host memory is checked too: MEMO's
 offload slots of every rank of a node must fit the node's host memory.
@@ -17,7 +17,8 @@ no embedding) and the last stage alone carries the output layer and the loss.
 :func:`candidate_layouts` enumerates (TP, CP, PP, DP, policy, alpha, micro-batch) for a number
 of GPUs and drops, before any tracing, what cannot run: shapes that do not divide, and layouts
 whose parameters, gradients and optimizer state alone exceed the device (bytes per parameter
-below). :func:`recommend` predicts every candidate (tracing in parallel) and ranks them.
+below). :func:`build_models` traces every candidate in parallel; :func:`rank_at` and
+:func:`rank_longest` rank them.
 """
 
 from __future__ import annotations

@@ -228,7 +228,9 @@ def estimate_at(trace: Trace, capacity_bytes: int, policy: str = "caching",
         result = replay(repeated, policy, allocator_capacity, plan=plan, timelines=False)
         if result.oom is not None:
             plan = arena_plan(plan_trace(trace), trace, iterations)
-    result = replay(repeated, policy, allocator_capacity, plan=plan, timelines=False)
+            result = replay(repeated, policy, allocator_capacity, plan=plan, timelines=False)
+    else:
+        result = replay(repeated, policy, allocator_capacity, plan=plan, timelines=False)
     return MemoryEstimate(
         seq=seq, policy=policy, capacity_bytes=capacity_bytes, external_bytes=external,
         peak_allocated_bytes=result.peak_allocated_bytes,

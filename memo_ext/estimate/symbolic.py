@@ -6,10 +6,10 @@ of them. For a fixed layout the allocation sequence of an iteration does not cha
 length (:class:`memo_ext.estimate.memory.LinearTrace`: every size is linear in it), and the
 layers repeat: each section of the iteration (forward or backward of a micro-batch) is a
 prefix, one block of events per layer, and a tail. So a stage of N layers is traced with
-``k = TRACED_LAYERS`` layers at two lengths (the line in the length) and with k + 1 layers at
-the longer (the per-layer growth of the persistent state: weights, gradients, optimizer
-state), and its trace at any (length, N) is the k-layer trace with a middle layer's block
-repeated N - k times.
+``k = TRACED_LAYERS`` layers at two lengths (the line in the length), and its persistent state
+(weights, gradient buffers, optimizer state, which grow with the depth) is traced alone at its
+own depth (``persistent_only``; no iteration run); its trace at any (length, N) is that state
+followed by the k-layer iteration with a middle layer's blocks repeated N - k times.
 
 Expansion, precisely. In each section the layers appear in one order (ascending forward,
 descending backward); layer l's block runs from its first event to the next layer's first
@@ -21,17 +21,16 @@ that block's allocations), so a copy's frees land on its neighbours' copies. Fre
 prefix or tail refer relative to the adjacent layer. Layer indices in the events and module
 names follow the copies.
 
-Nothing is trusted unchecked: the expansion to k + 1 layers must equal the real (k+1)-layer
-trace event by event (structure; sizes at the longer length give the per-layer growth, which
-must be zero inside the blocks), and :meth:`SymbolicTrace.check` compares the symbolic trace
-with a real trace at another (longer, more layers) point, event by event outside the reduction
-scratch. Any mismatch raises :class:`SymbolicError`, and the estimator traces the whole stage
-instead.
+Nothing is trusted unchecked: :meth:`SymbolicTrace.check` compares the symbolic trace with a
+real trace of k + 2 layers at a longer length, event by event outside the reduction scratch,
+and its work. Any mismatch raises :class:`SymbolicError`, and the estimator traces the whole
+stage instead.
 
 The device peak is then a closed form: the live bytes after each event are A + B·s (sizes are
 exact rationals in s, N fixed), so the allocated peak at any length is a maximum of lines, and
 the longest length whose allocated peak (plus the memory outside the allocator) fits the device
-bounds what any allocator model can fit (:meth:`SymbolicTrace.peak_bound`).
+bounds what any allocator model can fit (:func:`live_lines`;
+memo_ext.estimate.layout.StageModel.peak_bounds).
 
 Hand-written: no library expands a recorded allocation sequence over a model's depth.
 """

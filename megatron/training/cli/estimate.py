@@ -6,19 +6,19 @@
         --tp 4 --cp 2 --max-seq-length
     python tools/estimate.py --model 7b --gpus 8 --gpu a800 --recommend --max-seq-length
 
-One rank of the layout is traced on fake tensors at two sequence lengths (tools/trace.py, about
-15-25 s each for 7B, cached under ~/.cache/megatron-memo/traces); with pipeline parallelism, one
-rank of the first stage (with 1F1B's micro-batches in flight) and one of the last (output layer
-and loss), and the worst of them is the prediction. Every request size is linear
-in the sequence length, so the trace at any length follows, and is replayed (persistent state
-once, then three iterations) through the allocator model on the GPU's memory. The work the
-trace counted (GEMM and attention FLOPs, bytes moved, collectives, PCIe copies) goes through the
-cost model (memo_ext/estimate/cost.py) for the step time and MFU.
+One rank per traced pipeline stage (the first, with 1F1B's micro-batches in flight, and the
+last, with the output layer and loss) is traced on fake tensors, cut to 5 layers, at 128K and
+256K tokens, plus the stage's persistent state; the symbolic trace built from them gives the
+stage at any length and depth and is checked against a real trace before it is used
+(memo_ext/estimate/symbolic.py; traces cached under ~/.cache/megatron-memo/traces). The trace at
+a length is replayed (persistent state once, then three iterations) through the allocator model
+on the GPU's memory; the work it counted (GEMM and attention FLOPs, bytes moved, collectives,
+PCIe copies) goes through the cost model (memo_ext/estimate/cost.py) for the step time and MFU.
 
 Prints the predicted peak (reserved by the allocator plus the memory outside it: CUDA context,
 NCCL), the live bytes by category at the peak, FITS or OOM (device or host), the step time with
-its breakdown and the MFU. ``--max-seq-length`` searches the longest sequence that fits in steps
-of 128K (16K below 128K) and ends with ``max sequence length: <tokens> tokens, predicted MFU
+its breakdown and the MFU. ``--max-seq-length`` solves the longest sequence that fits in steps
+of 128K (16K below 128K) from closed-form peak bounds and a replay or two and ends with ``max sequence length: <tokens> tokens, predicted MFU
 <pct>%``. ``--recommend`` searches (TP, CP, PP, DP, micro-batch, policy, alpha) for ``--gpus``
 GPUs and prints the best layouts as a table.
 
