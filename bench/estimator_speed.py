@@ -148,6 +148,7 @@ def answers(models: list[str], jobs: int, benches: list[str]) -> tuple[list[str]
         candidate_layouts,
         default_cache_dir,
     )
+    from memo_ext.estimate.search import dominating
 
     hardware = load_hardware("a800")
     cache = TraceCache(default_cache_dir(), workers=jobs)
@@ -228,6 +229,17 @@ def answers(models: list[str], jobs: int, benches: list[str]) -> tuple[list[str]
                 mine, theirs = calibration.longest(fast), calibration.longest(slow)
                 row("cost_calibration", name, f"{system} longest", seq_label(mine),
                     seq_label(theirs), abs(mine - theirs) <= calibration.SEARCH_STEP)
+            # The recommender's dominance rule (memo_ext.estimate.search): a variant fits no
+            # longer than the variant it dominates, on the exhaustive answers.
+            longest = {m.layout: m.longest(calibration.SEARCH_STEP, calibration.SEARCH_MAX)
+                       for m in slow_all}
+            for layout in layouts:
+                frugal = dominating(layout, layouts)
+                if frugal is not None:
+                    row("dominance", name, f"{layout.describe()} <= {frugal.describe()}",
+                        f"{seq_label(longest[layout])} (dominated, exhaustive)",
+                        f"{seq_label(longest[frugal])} (dominating, exhaustive)",
+                        longest[layout] <= longest[frugal])
     return lines, differ
 
 
@@ -285,7 +297,9 @@ def main() -> int:
             "two lengths, checked at 512K tokens) and the solver, and by tracing every probe whole "
             "at its length and bisecting. Longest sequences agree when within the search "
             "step (128K); the other rows when layout, verdict and MFU (to 0.01 point) are the "
-            f"same. **{differ} rows differ.**", "", *table])
+            "same. The dominance rows check the recommender's rule that a variant keeping more "
+            "(no recompute against full recompute, MEMO alpha 1 against alpha 0) fits no longer "
+            f"a sequence, on the exhaustive answers. **{differ} rows differ.**", "", *table])
     return 1 if differ else 0
 
 

@@ -17,8 +17,8 @@ no embedding) and the last stage alone carries the output layer and the loss.
 :func:`candidate_layouts` enumerates (TP, CP, PP, DP, policy, alpha, micro-batch) for a number
 of GPUs and drops, before any tracing, what cannot run: shapes that do not divide, and layouts
 whose parameters, gradients and optimizer state alone exceed the device (bytes per parameter
-below). :func:`build_models` traces every candidate in parallel; :func:`rank_at` and
-:func:`rank_longest` rank them.
+below). :func:`build_models` traces candidates in parallel; memo_ext.estimate.search ranks
+them.
 """
 
 from __future__ import annotations
@@ -681,20 +681,33 @@ def build_layout_model(model_argv: list[str], layout: Layout, hardware: dict, *,
     return model.trusted(cache)
 
 
+class Progress:
+    """``[done/total]`` lines over a search's layouts, from several threads (layouts a search
+    decides not to trace count as done too)."""
+
+    def __init__(self, total: int, log: Callable[[str], None]) -> None:
+        self.total, self.done, self.log = total, 0, log
+        self._lock = threading.Lock()
+
+    def __call__(self, line: str) -> None:
+        with self._lock:
+            self.done += 1
+            self.log(f"[{self.done}/{self.total}] {line}")
+
+
 def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *,
                  global_batch: int, cache: TraceCache, jobs: int = 2,
                  host_memory_gb_per_node: Optional[float] = None,
                  log: Callable[[str], None] = lambda line: None,
                  num_layers: Optional[int] = None, exhaustive: bool = False,
-                 trust: bool = True
+                 trust: bool = True, progress: Optional[Progress] = None
                  ) -> tuple[list[LayoutModel], list[tuple[Layout, str]]]:
     """A LayoutModel per layout, ``jobs`` at a time, trusted (:func:`build_layout_model`)
-    unless ``trust`` is False: then a symbolic one is checked only when it is used
-    (:func:`rank_longest`, :func:`rank_at`: a search checks the layouts it answers with);
-    layouts whose tracing fails are returned with the reason. ``log`` hears each layout as it
-    is done, with its place among them."""
-    log_lock = threading.Lock()  # one line at a time from the worker threads
-    done = []
+    unless ``trust`` is False: then a symbolic one is checked only when it is used (a search
+    checks the layouts it answers with: memo_ext.estimate.search); layouts whose tracing fails
+    are returned with the reason. ``progress`` (default: a :class:`Progress` over ``layouts``
+    into ``log``) hears each layout as it is done."""
+    progress = progress or Progress(len(layouts), log)
 
     def build(layout: Layout):
         try:
@@ -715,9 +728,7 @@ def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *
                 f": {refused}" if refused else "")
         except (EstimateError, CostModelError) as exc:
             result, line = (None, (layout, str(exc))), f"not predicted: {layout.describe()}"
-        with log_lock:
-            done.append(layout)
-            log(f"[{len(done)}/{len(layouts)}] {line}")
+        progress(line)
         return result
 
     # Twice as many builders as tracers: a builder's own work between its traces (reading,
@@ -726,86 +737,3 @@ def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *
         results = list(pool.map(build, layouts))
     return ([m for m, _ in results if m is not None],
             [failure for _, failure in results if failure is not None])
-
-
-def rank_at(models: list, seq: int) -> list:
-    """Every layout's prediction at ``seq`` tokens, fitting ones first, by MFU. ``models``:
-    LayoutModels and SPPOLayoutModels (memo_ext.estimate.sppo_layouts)."""
-    predictions = [m.predict(seq - seq % m.multiple) for m in models]
-    return sorted(predictions, key=lambda p: (not p.fits, -p.mfu))
-
-
-def bound_longest(model, step: int, maximum: int, fine_step: Optional[int] = None) -> float:
-    """The longest length ``model`` could fit by its allocated-peak bounds (no replay);
-    infinite for models without bounds (SPPO's analytic ones)."""
-    if not hasattr(model, "bound_fits") or any(s.traced is not None for s in model.stages):
-        return float("inf")
-    for grid in ([*range(step, maximum + 1, step)],
-                 [*range(fine_step, step, fine_step)] if fine_step else []):
-        rounded = [seq - seq % model.multiple for seq in grid]
-        passing = [seq for seq, ok in zip(rounded, model.bound_fits(rounded)) if ok and seq]
-        if passing:
-            return max(passing)
-    return 0
-
-
-class SearchChecks:
-    """The checks of a search (:meth:`LayoutModel.trusted`), ``jobs`` at a time: rank_longest
-    asks for them in the order of the layouts' bounds, ahead of the solving, so the traces they
-    need run while the first layouts are solved. (Starting them during the tracing, for the
-    layouts whose bounds lead so far, checked three times as many layouts for 7B on 8 GPUs:
-    the early leaders are rarely the final ones.)"""
-
-    def __init__(self, cache: TraceCache, jobs: int) -> None:
-        self.cache = cache
-        self._pool = ThreadPoolExecutor(max_workers=max(1, jobs))
-        self._futures: dict[int, Future] = {}
-
-    def future(self, model: "LayoutModel") -> Future:
-        if id(model) not in self._futures:
-            self._futures[id(model)] = self._pool.submit(model.trusted, self.cache)
-        return self._futures[id(model)]
-
-    def close(self) -> None:
-        self._pool.shutdown(cancel_futures=True)
-
-
-def rank_longest(models: list, step: int, maximum: int, fine_step: Optional[int] = None,
-                 top: Optional[int] = None,
-                 log: Callable[[str], None] = lambda line: None,
-                 checks: Optional[SearchChecks] = None) -> list:
-    """Every layout at its own longest fitting sequence, longest first, then by MFU. Layouts
-    are solved in order of their bounds (:func:`bound_longest`), and with ``top``, one whose
-    bound is shorter than the ``top`` longest answers so far is not solved (it cannot enter
-    the table). With ``checks``, each layout solved is trusted first
-    (:meth:`LayoutModel.trusted`, run ahead of the solving, in the order of the bounds).
-    ``log`` hears each answer and the best so far as soon as they are known."""
-    def name(model) -> str:
-        return model.layout.describe() if hasattr(model, "layout") else \
-            f"TP={model.tp} PP={model.pp} SPPO"
-
-    bounds = [bound_longest(m, step, maximum, fine_step) for m in models]
-    order = sorted(zip(bounds, models), key=lambda item: -item[0])
-    trusted = [checks.future(m) if checks is not None and hasattr(m, "trusted") else None
-               for _, m in order]
-    predictions = []
-    for (bound, model), future in zip(order, trusted):
-        ranked = sorted(predictions, key=lambda p: (-p.seq, -p.mfu))
-        if top and len(ranked) >= top and bound < ranked[top - 1].seq:
-            log(f"not solved: {name(model)}: its bound, {bound:.0f} tokens, is below the table")
-            if future is not None:
-                future.cancel()
-            continue
-        if future is not None:
-            model, refused = future.result()
-            if refused:
-                log(f"{name(model)}: {refused}")
-        longest = model.longest(step, maximum, fine_step)
-        if longest:
-            predictions.append(model.predict(longest - longest % model.multiple))
-            best = max(predictions, key=lambda p: (p.seq, p.mfu))
-            log(f"{name(model)}: {longest} tokens; best so far {best.describe()} at "
-                f"{best.seq} tokens, MFU {best.mfu:.1%}")
-        else:
-            log(f"{name(model)}: nothing fits")
-    return sorted(predictions, key=lambda p: (-p.seq, -p.mfu))

@@ -1,4 +1,4 @@
-"""memo_ext.estimate.symbolic and the solver of memo_ext.estimate.layout: a stage's trace at any
+"""memo_ext.estimate.symbolic and the solver (memo_ext.estimate.layout, .search): a stage's trace at any
 length and depth from a TRACED_LAYERS-layer trace at two lengths (plus the deeper stage's
 persistent state) equals the real trace of the deeper stage event by event; the longest length
 solved from the allocated-peak bounds equals the bisection's; the bounds are below every replay;
@@ -24,11 +24,10 @@ from memo_ext.estimate.layout import (
     Layout,
     LayoutModel,
     TraceCache,
-    bound_longest,
     build_layout_model,
-    rank_longest,
 )
 from memo_ext.estimate.memory import estimate_at
+from memo_ext.estimate.search import bound_longest, rank_longest
 from memo_ext.estimate.symbolic import (
     COPIED_LAYER,
     TRACED_LAYERS,

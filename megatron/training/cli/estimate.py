@@ -242,16 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     from memo_ext.estimate.layout import (
         CHECK_SEQ,
         FIT_SEQS,
-        SearchChecks,
         Layout,
+        Progress,
         TraceCache,
         build_layout_model,
         build_models,
         candidate_layouts,
         default_cache_dir,
-        rank_at,
-        rank_longest,
     )
+    from memo_ext.estimate.search import LongestRanking, SearchChecks, rank_at, search_longest
     from memo_ext.estimate.symbolic import TRACED_LAYERS
 
     started = time.perf_counter()
@@ -308,23 +307,32 @@ def main(argv: list[str] | None = None) -> int:
                   f"layouts to trace ({len(dropped)} ruled out before tracing)"
                   + (f", {len(sppo_models)} SPPO layouts from its analytic model "
                      f"({len(sppo_dropped)} ruled out)" if "sppo" in policies else ""))
-            checks = SearchChecks(cache, opts.jobs)
-            with cache:
+            progress = Progress(len(layouts), lambda line: say(f"  {line}"))
+
+            def build(wanted: list) -> list:
                 models, failed = build_models(
-                    shape_argv, layouts, hardware, global_batch=opts.global_batch_size,
+                    shape_argv, wanted, hardware, global_batch=opts.global_batch_size,
                     cache=cache, jobs=opts.jobs, host_memory_gb_per_node=opts.host_memory_gb,
-                    log=lambda line: say(f"  {line}"), num_layers=shape["num_layers"],
-                    exhaustive=opts.exhaustive, trust=not opts.max_seq_length)
+                    num_layers=shape["num_layers"], exhaustive=opts.exhaustive,
+                    trust=not opts.max_seq_length, progress=progress)
                 for layout, reason in failed:
                     say(f"  not predicted: {layout.describe()}: {reason}")
-                models += sppo_models
+                return models
+
+            with cache:
                 if opts.max_seq_length:
-                    ranked = rank_longest(models, SEARCH_STEP, opts.search_max, FINE_STEP,
-                                          top=opts.top, log=lambda line: say(f"  {line}"),
-                                          checks=checks)
+                    checks = SearchChecks(cache, opts.jobs)
+                    try:
+                        ranking = LongestRanking(SEARCH_STEP, opts.search_max, FINE_STEP,
+                                                 top=opts.top, log=lambda line: say(f"  {line}"),
+                                                 checks=checks)
+                        ranked = search_longest(layouts, build, ranking, untraced=sppo_models,
+                                                log=progress)
+                    finally:
+                        checks.close()
                 else:
+                    models = build(layouts) + sppo_models
                     ranked = [p for p in rank_at(models, opts.seq_length) if p.fits]
-                checks.close()
             seconds = time.perf_counter() - started
             for line in table(ranked, opts.top):
                 say(line)

@@ -1,0 +1,220 @@
+"""The recommender's search over layouts: each layout at its longest fitting length, ranked.
+
+Three things keep a search short (docs/estimate.md, "The recommender"):
+
+- **Bounds before replays.** A layout's allocated-peak bounds (LayoutModel.bound_fits, closed
+  form over the whole grid) give the longest length it could fit without any replay. Layouts
+  are solved in the order of their bounds, and with a table of ``top`` rows, a layout whose
+  bound is shorter than the table's last row is not solved: it cannot enter the table.
+- **Dominance before traces.** Of two variants of one parallel layout, the one that recomputes
+  fewer layers (no recompute < block recompute of k layers < full recompute) or offloads a
+  larger fraction alpha with MEMO keeps a superset of the other's activations on the device
+  and on the host (MEMO's device peak grows by up to 2 x alpha x its alpha-split tensors, its
+  host bytes with alpha), so it fits no longer a sequence. :func:`search_longest`
+  traces the dominating variants first and a dominated one only when its dominating variant's
+  answer (or bound) reaches the table; otherwise it cannot enter it.
+- **Checks ahead of the solving.** A layout answered from symbolic traces is checked against a
+  real trace before it is trusted (LayoutModel.trusted); :class:`SearchChecks` runs the checks
+  of the next layouts in bound order while the current one is solved, and only for layouts
+  that can still enter the table.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+from memo_ext.estimate.layout import Layout, LayoutModel, TraceCache
+
+
+def rank_at(models: list, seq: int) -> list:
+    """Every layout's prediction at ``seq`` tokens, fitting ones first, by MFU. ``models``:
+    LayoutModels and SPPOLayoutModels (memo_ext.estimate.sppo_layouts)."""
+    predictions = [m.predict(seq - seq % m.multiple) for m in models]
+    return sorted(predictions, key=lambda p: (not p.fits, -p.mfu))
+
+
+def bound_longest(model, step: int, maximum: int, fine_step: Optional[int] = None) -> float:
+    """The longest length ``model`` could fit by its allocated-peak bounds (no replay);
+    infinite for models without bounds (SPPO's analytic ones, exhaustive layouts)."""
+    if not hasattr(model, "bound_fits") or any(s.traced is not None for s in model.stages):
+        return math.inf
+    for grid in ([*range(step, maximum + 1, step)],
+                 [*range(fine_step, step, fine_step)] if fine_step else []):
+        rounded = [seq - seq % model.multiple for seq in grid]
+        passing = [seq for seq, ok in zip(rounded, model.bound_fits(rounded)) if ok and seq]
+        if passing:
+            return max(passing)
+    return 0
+
+
+def _recomputed_layers(layout: Layout) -> Optional[int]:
+    """Layers per stage recomputed by a Megatron policy (None: not a Megatron policy)."""
+    return {"megatron-none": 0, "megatron": math.inf}.get(
+        layout.policy, layout.recompute_layers if layout.policy == "megatron-block" else None)
+
+
+def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
+    """The variant of ``layout`` among ``layouts`` (same TP, CP, PP, DP and micro-batch) that
+    keeps the least more than ``layout`` spares: the next Megatron policy that recomputes more
+    layers, or MEMO at the next smaller alpha. None when there is none (a family's most frugal
+    variant, MEMO against Megatron: neither keeps a subset of the other's)."""
+    def same_shape(other: Layout) -> bool:
+        return (other.tp, other.cp, other.pp, other.dp, other.micro_batch) == \
+            (layout.tp, layout.cp, layout.pp, layout.dp, layout.micro_batch)
+
+    candidates = [other for other in layouts if same_shape(other) and other != layout]
+    if layout.policy == "memo":
+        frugal = [o for o in candidates if o.policy == "memo" and o.alpha < layout.alpha]
+        return max(frugal, key=lambda o: o.alpha, default=None)
+    recomputed = _recomputed_layers(layout)
+    if recomputed is None:
+        return None
+    frugal = [o for o in candidates
+              if _recomputed_layers(o) is not None and _recomputed_layers(o) > recomputed]
+    return min(frugal, key=_recomputed_layers, default=None)
+
+
+class SearchChecks:
+    """The checks of a search (:meth:`LayoutModel.trusted`), ``jobs`` at a time, each run
+    once; :class:`LongestRanking` asks for those of the next layouts in bound order while it
+    solves the current one. (Starting them during the tracing, for the layouts whose bounds
+    lead so far, checked three times as many layouts for 7B on 8 GPUs: the early leaders are
+    rarely the final ones.)"""
+
+    def __init__(self, cache: TraceCache, jobs: int) -> None:
+        self.cache = cache
+        self.jobs = max(1, jobs)
+        self._pool = ThreadPoolExecutor(max_workers=self.jobs)
+        self._futures: dict[int, Future] = {}
+
+    def future(self, model: LayoutModel) -> Future:
+        if id(model) not in self._futures:
+            self._futures[id(model)] = self._pool.submit(model.trusted, self.cache)
+        return self._futures[id(model)]
+
+    def cancel(self, model: LayoutModel) -> None:
+        """Drop ``model``'s check if it has not started (it is no longer needed)."""
+        future = self._futures.get(id(model))
+        if future is not None:
+            future.cancel()
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+
+class LongestRanking:
+    """Layouts at their own longest fitting sequences, added a batch at a time
+    (:meth:`add`); :meth:`ranked` is longest first, then by MFU. With ``top``, a layout whose
+    bound is shorter than the table's last row so far is not solved. With ``checks``, each
+    layout solved is trusted first. ``upper`` holds, per traced layout added, the longest length it
+    can fit: its answer, or its bound when it was not solved (what :func:`search_longest`
+    prunes the variants it dominates with). ``log`` hears each answer and the best so far as
+    soon as they are known."""
+
+    def __init__(self, step: int, maximum: int, fine_step: Optional[int] = None,
+                 top: Optional[int] = None, log: Callable[[str], None] = lambda line: None,
+                 checks: Optional[SearchChecks] = None) -> None:
+        self.step, self.maximum, self.fine_step = step, maximum, fine_step
+        self.top, self.log, self.checks = top, log, checks
+        self.predictions: list = []
+        self.upper: dict = {}
+
+    def threshold(self) -> float:
+        """The length a layout must reach to enter the table (0 until ``top`` rows exist)."""
+        if not self.top or len(self.predictions) < self.top:
+            return 0
+        return self.ranked()[self.top - 1].seq
+
+    def ranked(self) -> list:
+        return sorted(self.predictions, key=lambda p: (-p.seq, -p.mfu))
+
+    def add(self, models: list) -> "LongestRanking":
+        bounds = [bound_longest(m, self.step, self.maximum, self.fine_step) for m in models]
+        order = sorted(zip(bounds, models), key=lambda item: -item[0])
+        for index, (bound, model) in enumerate(order):
+            if bound < self.threshold():
+                self.log(f"not solved: {_name(model)}: its bound, {bound:.0f} tokens, is "
+                         "below the table")
+                self._remember(model, bound)
+                if self.checks is not None:
+                    self.checks.cancel(model)
+                continue
+            if self.checks is not None and hasattr(model, "trusted"):
+                model = self._trusted(model, order[index:])
+            longest = model.longest(self.step, self.maximum, self.fine_step)
+            self._remember(model, longest)
+            if not longest:
+                self.log(f"{_name(model)}: nothing fits")
+                continue
+            self.predictions.append(model.predict(longest - longest % model.multiple))
+            best = self.ranked()[0]
+            self.log(f"{_name(model)}: {longest} tokens; best so far {best.describe()} at "
+                     f"{best.seq} tokens, MFU {best.mfu:.1%}")
+        return self
+
+    def _remember(self, model, upper: float) -> None:
+        if hasattr(model, "layout"):  # a traced layout (SPPO's analytic ones dominate none)
+            self.upper[model.layout] = upper
+
+    def _trusted(self, model: LayoutModel, ahead: list) -> LayoutModel:
+        """``model`` once its check passed, starting the checks of the next layouts that can
+        still enter the table (``ahead``: this one and those after it, in bound order)."""
+        threshold = self.threshold()
+        for bound, later in ahead[:self.checks.jobs]:
+            if bound >= threshold and hasattr(later, "trusted"):
+                self.checks.future(later)
+        model, refused = self.checks.future(model).result()
+        if refused:
+            self.log(f"{_name(model)}: {refused}")
+        return model
+
+
+def _name(model) -> str:
+    return model.layout.describe() if hasattr(model, "layout") else \
+        f"TP={model.tp} PP={model.pp} SPPO"
+
+
+
+
+def rank_longest(models: list, step: int, maximum: int, fine_step: Optional[int] = None,
+                 top: Optional[int] = None, log: Callable[[str], None] = lambda line: None,
+                 checks: Optional[SearchChecks] = None) -> list:
+    """``models`` at their longest fitting sequences, ranked (:class:`LongestRanking`)."""
+    return LongestRanking(step, maximum, fine_step, top, log, checks).add(models).ranked()
+
+
+def search_longest(layouts: list[Layout], build: Callable[[list[Layout]], list],
+                   ranking: LongestRanking, untraced: list = (),
+                   log: Callable[[str], None] = lambda line: None) -> list:
+    """``layouts`` (and the ``untraced`` models, e.g. SPPO's analytic ones) ranked at their
+    longest fitting sequences, tracing a layout only when it can enter the table: in rounds,
+    each layout after the variant that dominates it (:func:`dominating`), and not at all when
+    that variant's answer, or its bound, is already below the table. ``build(layouts)``
+    returns their models (layouts it could not predict are left out). Returns the ranking's
+    table."""
+    partner = {layout: dominating(layout, layouts) for layout in layouts}
+    ranking.add(list(untraced))
+    waiting = list(layouts)
+    while waiting:
+        ready = [layout for layout in waiting
+                 if partner[layout] is None or partner[layout] in ranking.upper]
+        waiting = [layout for layout in waiting if layout not in ready]
+        traced = []
+        for layout in ready:
+            frugal = partner[layout]
+            if frugal is not None and ranking.upper[frugal] < ranking.threshold():
+                ranking.upper[layout] = ranking.upper[frugal]
+                log(f"not traced: {layout.describe()}: it keeps more than "
+                    f"{frugal.describe()}, which fits {ranking.upper[frugal]:.0f} tokens at "
+                    "most, below the table")
+            else:
+                traced.append(layout)
+        models = build(traced)
+        built = {model.layout for model in models}
+        for layout in traced:  # not predicted: nothing it dominates can be pruned by it
+            if layout not in built:
+                ranking.upper[layout] = math.inf
+        ranking.add(models)
+    return ranking.ranked()

@@ -1,0 +1,155 @@
+"""memo_ext.estimate.search: which variant dominates which, and that a search traces, checks
+and solves only the layouts that can still enter its table. The layout models here are stand-ins
+with given answers and bounds (the solver itself is tested on traced models in
+test_symbolic.py); what is tested is the search's bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memo_ext.estimate.layout import Layout, Progress
+from memo_ext.estimate.search import (
+    LongestRanking,
+    SearchChecks,
+    dominating,
+    search_longest,
+)
+
+STEP, MAXIMUM = 65536, 2 << 20
+
+
+@dataclass
+class Answer:
+    layout: object
+    seq: int
+    mfu: float
+
+    def describe(self) -> str:
+        return getattr(self.layout, "describe", lambda: "untraced")()
+
+
+@dataclass
+class StandIn:
+    """A layout model answering ``answer`` with allocated-peak bound ``bound`` (tokens)."""
+
+    layout: Layout
+    answer: int
+    bound: int
+    mfu: float = 0.5
+    checked: list = field(default_factory=list)
+    multiple = 1
+    stages = ()
+
+    def bound_fits(self, seqs):
+        return [seq <= self.bound for seq in seqs]
+
+    def longest(self, step, maximum, fine_step=None):
+        return self.answer
+
+    def predict(self, seq):
+        return Answer(self.layout, seq, self.mfu)
+
+    def trusted(self, cache):
+        self.checked.append(self.layout)
+        return self, None
+
+
+@dataclass
+class Untraced:
+    """An SPPO-like model: no layout, no bound."""
+
+    answer: int
+    mfu: float = 0.3
+    multiple = 1
+    tp = pp = 1
+
+    def longest(self, step, maximum, fine_step=None):
+        return self.answer
+
+    def predict(self, seq):
+        return Answer(None, seq, self.mfu)
+
+
+def _variants(tp=1, cp=1, dp=8):
+    return {name: Layout(tp, cp, 1, dp, policy, alpha, 1, k) for name, policy, alpha, k in [
+        ("none", "megatron-none", None, None), ("block2", "megatron-block", None, 2),
+        ("block4", "megatron-block", None, 4), ("full", "megatron", None, None),
+        ("memo0", "memo", 0.0, None), ("memo.5", "memo", 0.5, None), ("memo1", "memo", 1.0, None)]}
+
+
+def test_dominating_pairs_variants_of_one_shape():
+    """Each variant's partner is the next more frugal one of its family and shape."""
+    mine, other = _variants(), _variants(dp=4, cp=2)
+    layouts = [*mine.values(), *other.values()]
+    partners = {name: dominating(layout, layouts) for name, layout in mine.items()}
+    assert partners == {"none": mine["block2"], "block2": mine["block4"],
+                        "block4": mine["full"], "full": None, "memo0": None,
+                        "memo.5": mine["memo0"], "memo1": mine["memo.5"]}
+    # without block recompute, no recompute's partner is full recompute; MEMO never pairs
+    # with Megatron
+    plain = [mine["none"], mine["full"], mine["memo1"]]
+    assert dominating(mine["none"], plain) == mine["full"]
+    assert dominating(mine["memo1"], plain) is None
+
+
+def test_search_traces_a_dominated_variant_only_if_it_can_enter_the_table():
+    a, b = _variants(tp=2, dp=4), _variants(tp=4, dp=2)
+    layouts = [a["full"], a["none"], b["full"], b["none"]]
+    models = {a["full"]: StandIn(a["full"], 589824, 655360),
+              a["none"]: StandIn(a["none"], 65536, 131072),
+              b["full"]: StandIn(b["full"], 196608, 262144),
+              b["none"]: StandIn(b["none"], 65536, 65536)}
+    built, heard, counted = [], [], []
+
+    def build(wanted):
+        built.append(list(wanted))
+        return [models[layout] for layout in wanted]
+
+    ranking = LongestRanking(STEP, MAXIMUM, top=2, log=heard.append)
+    ranked = search_longest(layouts, build, ranking, untraced=[Untraced(1 << 20)],
+                            log=Progress(len(layouts), counted.append))
+    # round 1 the frugal variants; b's full recompute is bounded below the table (1M, 576K),
+    # so b's no recompute is never traced; a's no recompute is traced and bounded out
+    assert built == [[a["full"], b["full"]], [a["none"]]]
+    assert [(p.seq, p.layout) for p in ranked] == [(1 << 20, None), (589824, a["full"])]
+    assert counted == [f"[1/4] not traced: {b['none'].describe()}: it keeps more than "
+                       f"{b['full'].describe()}, which fits 262144 tokens at most, below the "
+                       "table"]
+    assert f"not solved: {b['full'].describe()}: its bound, 262144 tokens, is below the " \
+           "table" in heard
+    assert ranking.upper == {a["full"]: 589824, b["full"]: 262144, a["none"]: 131072,
+                             b["none"]: 262144}
+    # without a table size every layout is traced and solved
+    built.clear()
+    ranked = search_longest(layouts, build, LongestRanking(STEP, MAXIMUM))
+    assert sorted(len(batch) for batch in built) == [2, 2]
+    assert len(ranked) == 5 - 1  # the untraced model was not given
+
+
+def test_a_layout_that_fails_to_build_leaves_its_dominated_variants_traced():
+    a = _variants()
+    built = []
+
+    def build(wanted):
+        built.append(list(wanted))
+        return [StandIn(layout, 65536, 65536) for layout in wanted if layout != a["full"]]
+
+    search_longest([a["full"], a["none"]], build,
+                   LongestRanking(STEP, MAXIMUM, top=1), untraced=[Untraced(1 << 20)])
+    assert built == [[a["full"]], [a["none"]]]
+
+
+def test_checks_run_only_for_layouts_that_can_enter_the_table():
+    """A check is started for at most ``jobs`` layouts ahead, and never for one bounded below
+    the table when its turn to be started comes."""
+    layouts = [Layout(tp, 8 // tp, 1, 1, "megatron") for tp in (1, 2, 4, 8)]
+    checked = []
+    models = [StandIn(layout, answer, bound, checked=checked) for layout, answer, bound in
+              zip(layouts, (917504, 393216, 327680, 262144), (983040, 458752, 393216, 327680))]
+    checks = SearchChecks(cache=None, jobs=1)
+    try:
+        ranked = LongestRanking(STEP, MAXIMUM, top=1, checks=checks).add(models).ranked()
+    finally:
+        checks.close()
+    assert [p.layout for p in ranked] == [layouts[0]]
+    assert checked == [layouts[0]]
