@@ -293,7 +293,7 @@ def main() -> int:
             f"--benches {','.join(benches)}`, "
             f"{time.perf_counter() - started:.0f} s (traces from the cache where present): the "
             "rows of the benches named (bench/megatron_baseline.py, bench/cost_calibration.py; "
-            "with hardware.json's efficiencies), answered from symbolic traces (5 layers at "
+            "with hardware.json's efficiencies), answered from symbolic traces (3 or 5 layers at "
             "two lengths, checked at 512K tokens) and the solver, and by tracing every probe whole "
             "at its length and bisecting. Longest sequences agree when within the search "
             "step (128K); the other rows when layout, verdict and MFU (to 0.01 point) are the "

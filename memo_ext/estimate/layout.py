@@ -52,7 +52,13 @@ from memo_ext.estimate.memory import (
     estimate_at,
     max_sequence_length,
 )
-from memo_ext.estimate.symbolic import TRACED_LAYERS, SymbolicError, SymbolicTrace, live_lines
+from memo_ext.estimate.symbolic import (
+    COPIED_LAYER,
+    TRACED_LAYERS,
+    SymbolicError,
+    SymbolicTrace,
+    live_lines,
+)
 from memo_ext.planner.trace import POOL_DEVICE, POOL_EXTERNAL, POOL_HOST, Trace, read_trace
 
 #: The two lengths every layout is traced at (multiples of TP x CP x 2 for any TP, CP <= 64).
@@ -76,6 +82,16 @@ POLICY_NAMES = {"megatron": "Megatron full recompute", "megatron-none": "Megatro
                 "megatron-block": "Megatron block recompute", "memo": "MEMO offload"}
 #: Block recompute's layers per stage the recommender tries, as fractions of a stage's layers.
 BLOCK_RECOMPUTE_FRACTIONS = (0.25, 0.5, 0.75)
+
+#: (layers traced, layer copied) of a policy's symbolic traces (memo_ext.estimate.symbolic).
+#: Megatron's layers differ only at the two ends of a section: three layers, the middle one
+#: copied, match 7-layer traces event by event (TP, CP and PP stages alike). MEMO's need five:
+#: with three or four layers the check against a 7-layer trace fails (its warm-up leaves
+#: per-layer buffers that a shorter trace does not repeat). Block recompute has none: its first
+#: K layers of a stage recompute and the others do not, so no one layer stands for the rest,
+#: and it is traced whole.
+SYMBOLIC_LAYERS = {"megatron": (3, 1), "megatron-none": (3, 1),
+                   "memo": (TRACED_LAYERS, COPIED_LAYER)}
 
 #: Persistent bytes per parameter of a bf16 run with megatron's defaults: bf16 weights (2) and
 #: fp32 gradient buffer (4) on every rank of the model-parallel shard; fp32 main weights, Adam
@@ -448,9 +464,10 @@ class LayoutModel:
         cap and smaller below it, so predict below FIT_SEQS[0] from traces at or around the
         length asked for.
 
-        ``symbolic`` (and a stage deeper than TRACED_LAYERS + 2 layers; ``num_layers`` is the
-        model's): each stage is traced with TRACED_LAYERS layers at the two lengths plus its own
-        persistent state (memo_ext.estimate.symbolic), else whole at the two lengths. A
+        ``symbolic`` (a policy of SYMBOLIC_LAYERS, and a stage deeper than its traced layers
+        + 2; ``num_layers`` is the model's): each stage is traced with the policy's few layers
+        at the two lengths plus its own persistent state (memo_ext.estimate.symbolic), else
+        whole at the two lengths. A
         symbolic stage is not trusted before :meth:`check`. ``exhaustive``: no line at all,
         the whole stage traced at every length asked (the reference the others are compared
         with; slow)."""
@@ -463,8 +480,9 @@ class LayoutModel:
             if exhaustive:
                 stages.append(StageModel(stage, None, checked=True, traced=(cache, argv)))
                 continue
-            if symbolic and stage_layers is not None and stage_layers > TRACED_LAYERS + 2:
-                few = [*argv, "--num-layers", str(TRACED_LAYERS * layout.pp)]
+            traced, copied = SYMBOLIC_LAYERS.get(layout.policy, (None, None))
+            if symbolic and traced and stage_layers is not None and stage_layers > traced + 2:
+                few = [*argv, "--num-layers", str(traced * layout.pp)]
                 first, second = (cache.trace(few, seq) for seq in fit_seqs)
                 # The persistent state does not depend on the policy (weights, gradients and
                 # optimizer state are the model's): one trace serves every policy of a layout.
@@ -472,7 +490,7 @@ class LayoutModel:
                                micro_batch=layout.micro_batch)
                 state = cache.trace([*plain.trace_argv(model_argv, stage), *gpu_argv(hardware),
                                      "--persistent-only"], fit_seqs[0])
-                trace = SymbolicTrace.from_traces(first, second)
+                trace = SymbolicTrace.from_traces(first, second, copied)
                 stages.append(StageModel(
                     stage, WorkLine.from_headers(*trace.work_headers(stage_layers, state)),
                     symbolic=trace, state=state, layers=stage_layers))
@@ -492,13 +510,13 @@ class LayoutModel:
         return all(stage.checked for stage in self.stages)
 
     def check(self, cache: TraceCache) -> None:
-        """Compare each symbolic stage with a real trace of TRACED_LAYERS + 2 layers at
+        """Compare each symbolic stage with a real trace of two layers more than traced at
         CHECK_SEQ tokens (SymbolicTrace.check); raises SymbolicError on a mismatch."""
         for model in self.stages:
             if model.checked:
                 continue
             argv = self.layout.trace_argv(self.model_argv, model.stage) + gpu_argv(self.hardware)
-            deeper = [*argv, "--num-layers", str((TRACED_LAYERS + 2) * self.layout.pp)]
+            deeper = [*argv, "--num-layers", str((model.symbolic.layers + 2) * self.layout.pp)]
             model.symbolic.check(cache.trace(deeper, CHECK_SEQ - CHECK_SEQ % self.multiple))
             model.checked = True
 

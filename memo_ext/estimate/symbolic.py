@@ -6,7 +6,7 @@ of them. For a fixed layout the allocation sequence of an iteration does not cha
 length (:class:`memo_ext.estimate.memory.LinearTrace`: every size is linear in it), and the
 layers repeat: each section of the iteration (forward or backward of a micro-batch) is a
 prefix, one block of events per layer, and a tail. So a stage of N layers is traced with
-``k = TRACED_LAYERS`` layers at two lengths (the line in the length), and its persistent state
+a few (k) layers at two lengths (the line in the length), and its persistent state
 (weights, gradient buffers, optimizer state, which grow with the depth) is traced alone at its
 own depth (``persistent_only``; no iteration run); its trace at any (length, N) is that state
 followed by the k-layer iteration with a middle layer's blocks repeated N - k times.
@@ -55,10 +55,11 @@ from memo_ext.estimate.memory import (
 from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
 from memo_ext.planner.trace import OPTIMIZER_STEP, Trace
 
-#: Layers per stage a symbolic trace is made from; the copied layer. Five layers leave the
-#: copied layer 2 with a neighbour block on each side in both directions (the first and last
-#: layers of a section are not blocks: the embedding's output, the final norm and the loss
-#: touch them).
+#: Layers per stage a symbolic trace is made from by default; the copied layer. Five layers
+#: leave the copied layer 2 with two neighbour blocks on each side in both directions (the
+#: first and last layers of a section are not blocks: the embedding's output, the final norm
+#: and the loss touch them); MEMO needs that, Megatron's policies do with three
+#: (memo_ext.estimate.layout.SYMBOLIC_LAYERS).
 TRACED_LAYERS = 5
 COPIED_LAYER = 2
 

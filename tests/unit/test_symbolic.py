@@ -1,6 +1,7 @@
-"""memo_ext.estimate.symbolic and the solver (memo_ext.estimate.layout, .search): a stage's trace at any
-length and depth from a TRACED_LAYERS-layer trace at two lengths (plus the deeper stage's
-persistent state) equals the real trace of the deeper stage event by event; the longest length
+"""memo_ext.estimate.symbolic and the solver (memo_ext.estimate.layout, .search): a stage's
+trace at any length and depth, from a trace of the policy's few layers (SYMBOLIC_LAYERS) at two
+lengths plus the deeper stage's persistent state, equals the real trace of the deeper stage
+event by event; the longest length
 solved from the allocated-peak bounds equals the bisection's; the bounds are below every replay;
 memo-estimate --json.
 
@@ -21,6 +22,7 @@ import pytest
 from memo_ext.estimate import load_hardware
 from memo_ext.estimate.layout import (
     REPLAY_ITERATIONS,
+    SYMBOLIC_LAYERS,
     Layout,
     LayoutModel,
     TraceCache,
@@ -29,8 +31,6 @@ from memo_ext.estimate.layout import (
 from memo_ext.estimate.memory import estimate_at
 from memo_ext.estimate.search import bound_longest, rank_longest
 from memo_ext.estimate.symbolic import (
-    COPIED_LAYER,
-    TRACED_LAYERS,
     SymbolicError,
     SymbolicTrace,
     expand_events,
@@ -87,7 +87,7 @@ class Case:
 
     name: str
     pp: int
-    fitted: tuple[Trace, Trace]                # TRACED_LAYERS layers at FIT
+    fitted: tuple[Trace, Trace]                # SYMBOLIC_LAYERS' layers at FIT
     symbolic: SymbolicTrace
     reals: dict[int, Trace]                    # seq -> the real trace at POINTS' depth
     state: Trace                               # persistent-only trace at POINTS[-1]
@@ -102,9 +102,12 @@ def cases(tool):
     def case(name: str) -> Case:
         if name not in done:
             flags, pp = LAYOUTS[name]
-            fitted = tuple(tool.record(_opts(tool, flags, TRACED_LAYERS * pp, seq))[0]
+            # the layers and copied layer the estimator traces this policy with
+            traced, copied = SYMBOLIC_LAYERS["memo" if "--memo-offload" in flags
+                                             else "megatron-none"]
+            fitted = tuple(tool.record(_opts(tool, flags, traced * pp, seq))[0]
                            for seq in FIT)
-            symbolic = SymbolicTrace.from_traces(*fitted)
+            symbolic = SymbolicTrace.from_traces(*fitted, copied)
             reals = {seq: tool.record(_opts(tool, flags, layers * pp, seq))[0]
                      for seq, layers in POINTS}
             seq, layers = POINTS[-1]
@@ -196,14 +199,15 @@ def test_symbolic_trace_equals_the_deeper_stages_real_trace_event_by_event(cases
 
 @pytest.mark.parametrize("name", LAYOUT_PARAMS)
 def test_symbolic_trace_at_its_own_points_is_the_traced_one(cases, name):
-    """At the fitted lengths with TRACED_LAYERS layers, nothing is expanded: the longer fitted
+    """At the fitted lengths with the layers traced, nothing is expanded: the longer fitted
     trace back exactly (scratch included), the shorter outside the scratch."""
     case = cases(name)
     shorter, longer = case.fitted
-    mine = case.symbolic.at(FIT[1], TRACED_LAYERS, longer)
+    traced = case.symbolic.layers
+    mine = case.symbolic.at(FIT[1], traced, longer)
     assert _rows(mine.events) == _rows(longer.events)
     assert [e["bytes"] for e in mine.events] == [e["bytes"] for e in longer.events]
-    mine = case.symbolic.at(FIT[0], TRACED_LAYERS, shorter)
+    mine = case.symbolic.at(FIT[0], traced, shorter)
     scratch = _scratch_ids(shorter.events)
     assert _rows(mine.events) == _rows(shorter.events)
     assert [e["bytes"] for e, r in zip(mine.events, shorter.events) if r["id"] not in scratch] \
@@ -211,7 +215,7 @@ def test_symbolic_trace_at_its_own_points_is_the_traced_one(cases, name):
     case.symbolic.check(shorter)
     case.symbolic.check(longer)
     assert case.symbolic.stage == longer.header["layout"]["pp_rank"]
-    assert case.symbolic.layers == TRACED_LAYERS
+    assert traced == longer.header["model"]["num_layers"] // case.pp
 
 
 @pytest.mark.parametrize("name", LAYOUT_PARAMS)
@@ -303,10 +307,10 @@ def test_refusals_of_unmarked_traces_and_bad_expansions(cases):
     with pytest.raises(SymbolicError, match="do not mark their persistent state"):
         SymbolicTrace.from_traces(Trace(header=header, events=shorter.events), longer)
     events = longer.events[longer.header["persistent_events"]:]
-    with pytest.raises(SymbolicError, match="cannot shrink a 5-layer trace to 4 layers"):
-        expand_events(events, TRACED_LAYERS, TRACED_LAYERS - 1)
-    with pytest.raises(SymbolicError, match="layer 4 of 5 is not a middle layer"):
-        expand_events(events, TRACED_LAYERS, 7, copied=TRACED_LAYERS - 1)
+    with pytest.raises(SymbolicError, match="cannot shrink a 3-layer trace to 2 layers"):
+        expand_events(events, 3, 2, copied=1)
+    with pytest.raises(SymbolicError, match="layer 2 of 3 is not a middle layer"):
+        expand_events(events, 3, 7, copied=2)
     # a persistent state that frees something is not one
     real = cases("tp2").reals[POINTS[0][0]]
     bad = Trace(header={**real.header, "persistent_events": len(real.events)},
@@ -318,25 +322,28 @@ def test_refusals_of_unmarked_traces_and_bad_expansions(cases):
 def test_expansion_copies_the_middle_layer(cases):
     """expand_events alone: to the same depth it renumbers the ids and nothing else; each layer
     added is one more copy of the copied layer's blocks."""
-    longer = cases("tp2").fitted[1]
+    case = cases("tp2")
+    longer = case.fitted[1]
+    traced, copied = case.symbolic.layers, case.symbolic.copied
     events = longer.events[longer.header["persistent_events"]:]
-    same = expand_events(events, TRACED_LAYERS, TRACED_LAYERS)
+    same = expand_events(events, traced, traced, copied)
     assert [row for row, _ in same] == list(range(len(events)))
     assert _rows([e for _, e in same]) == _rows(events)
-    deeper = expand_events(events, TRACED_LAYERS, TRACED_LAYERS + 3)
-    per_layer = sum(1 for e in events if e["layer"] == COPIED_LAYER)
+    deeper = expand_events(events, traced, traced + 3, copied)
+    per_layer = sum(1 for e in events if e["layer"] == copied)
     assert len(deeper) == len(events) + 3 * (len(expand_events(
-        events, TRACED_LAYERS, TRACED_LAYERS + 1)) - len(events))
+        events, traced, traced + 1, copied)) - len(events))
     assert per_layer and len(deeper) > len(events)
     layers = {e["layer"] for _, e in deeper if e["layer"] is not None}
-    assert layers == set(range(TRACED_LAYERS + 3))
+    assert layers == set(range(traced + 3))
     ids = [e["id"] for _, e in deeper if e["action"] == "alloc"]
     assert ids == list(range(len(ids)))
 
 
 # ------------------------------------------------------------------ the layout model's solver
 
-#: The layout model's shape: 8 layers (more than TRACED_LAYERS + 2, so the stage is symbolic).
+#: The layout model's shape: 8 layers (more than the traced layers + 2, so the stage is
+#: symbolic for every policy).
 MODEL = ["--num-layers", "8", *SHAPE]
 STEP, MAXIMUM, FINE = 131072, 8 * 1048576, 16384  # memo-estimate's search
 
@@ -369,6 +376,21 @@ def layout_models(cache):
         assert model.checked
         models[policy] = model
     return models
+
+
+def test_block_recompute_is_traced_whole(cache, layout_models):
+    """Block recompute's first K layers recompute and the rest keep their activations: no one
+    layer stands for the others, so its stage is traced whole (a copied layer would make it
+    full recompute's or no recompute's)."""
+    block = build_layout_model(MODEL, Layout(2, 1, 1, 1, "megatron-block", recompute_layers=4),
+                               load_hardware("a800"), cache=cache, global_batch=16,
+                               num_layers=8)[0]
+    (stage,) = block.stages
+    assert stage.symbolic is None and stage.line is not None
+    peaks = {name: model.predict(65536).memory.peak_allocated_bytes for name, model in
+             (("full", layout_models["megatron"]), ("block", block),
+              ("none", layout_models["megatron-none"]))}
+    assert peaks["full"] < peaks["block"] < peaks["none"], peaks
 
 
 def test_solver_answer_equals_the_bisections(cache, layout_models):
@@ -481,4 +503,5 @@ def test_estimate_cli_json(tmp_path, cache, layout_models):
     assert row["layout"] == "TP=2 CP=1 PP=1 DP=1 mbs=1 Megatron no recompute"
     assert 0 < row["peak_device_gib"] <= 80 and row["step_s"] > 0 and 0 < row["mfu"] < 1
     assert f"max sequence length: {expected} tokens" in done.stderr
-    assert "of 5 layers, checked at" in done.stderr
+    traced = SYMBOLIC_LAYERS["megatron-none"][0]
+    assert f"of {traced} layers, checked at" in done.stderr

@@ -251,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
         default_cache_dir,
     )
     from memo_ext.estimate.search import LongestRanking, SearchChecks, rank_at, search_longest
-    from memo_ext.estimate.symbolic import TRACED_LAYERS
 
     started = time.perf_counter()
     # With --json, stdout carries the answer alone; progress goes to stderr.
@@ -386,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         how = ("traced whole at every length probed" if opts.exhaustive else
                f"traces at {FIT_SEQS[0]} and {FIT_SEQS[1]} tokens"
                + ("" if refused or all(m.symbolic is None for m in model.stages) else
-                  f" of {TRACED_LAYERS} layers, checked at {CHECK_SEQ} tokens"))
+                  f" of {model.stages[0].symbolic.layers} layers, checked at {CHECK_SEQ} "
+                  "tokens"))
         say(f"estimate: {opts.model} on {opts.gpu} ({device / GiB:.2f} GiB per GPU), "
             f"{gpus} GPUs: {layout.describe()}, {model.allocator} allocator model, "
             f"rank{'s' if len(model.stages) > 1 else ''} "
