@@ -25,6 +25,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,18 +65,34 @@ def _run(root: Path, flags: str, cache: Path, timeout_s: float) -> tuple[float, 
     """(seconds, the answer line) of one estimate run from checkout ``root``."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     started = time.perf_counter()
+    # A session of its own: a run stopped at the time limit takes its tracer processes with it
+    # (they would otherwise trace on, beside the next run being timed).
+    run = subprocess.Popen([sys.executable, str(root / "tools" / "estimate.py"), *flags.split(),
+                            "--cache-dir", str(cache)], cwd=root, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, str(root / "tools" / "estimate.py"),
-                               *flags.split(), "--cache-dir", str(cache)], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
+        stdout, stderr = run.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.communicate()
         return time.perf_counter() - started, f"stopped after {timeout_s:.0f} s"
+    finally:
+        _end_session(run.pid)
     seconds = time.perf_counter() - started
-    found = _ANSWER.search(done.stdout)
-    if done.returncode != 0 or found is None:
-        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+    found = _ANSWER.search(stdout)
+    if run.returncode != 0 or found is None:
+        last = (stderr.strip().splitlines() or ["?"])[-1]
         return seconds, f"failed: {last}"
     return seconds, f"{seq_label(int(found.group(1)))}, MFU {found.group(2)}"
+
+
+def _end_session(session: int) -> None:
+    """Kill what is left of a run's session (a process it started and did not wait for)."""
+    try:
+        os.killpg(session, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _old_checkout(commit: str, workdir: Path) -> Path:
