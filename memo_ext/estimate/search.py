@@ -108,10 +108,10 @@ class LongestRanking:
     """Layouts at their own longest fitting sequences, added a batch at a time
     (:meth:`add`); :meth:`ranked` is longest first, then by MFU. With ``top``, a layout whose
     bound is shorter than the table's last row so far is not solved. With ``checks``, each
-    layout solved is trusted first. ``upper`` holds, per traced layout added, the longest length it
-    can fit: its answer, or its bound when it was not solved (what :func:`search_longest`
-    prunes the variants it dominates with). ``log`` hears each answer and the best so far as
-    soon as they are known."""
+    layout solved is trusted first. ``upper`` holds, per traced layout added, the longest
+    length it can fit: its answer, or its bound when it was not solved (what
+    :func:`search_longest` prunes the variants it dominates with). ``log`` hears each answer
+    and the best so far as soon as they are known."""
 
     def __init__(self, step: int, maximum: int, fine_step: Optional[int] = None,
                  top: Optional[int] = None, log: Callable[[str], None] = lambda line: None,
@@ -174,8 +174,6 @@ class LongestRanking:
 def _name(model) -> str:
     return model.layout.describe() if hasattr(model, "layout") else \
         f"TP={model.tp} PP={model.pp} SPPO"
-
-
 
 
 def rank_longest(models: list, step: int, maximum: int, fine_step: Optional[int] = None,
