@@ -309,3 +309,26 @@ def test_megatron_without_context_parallelism_reaches_the_papers_640k(tmp_path):
     assert abs(longest[("7b", "TP=8 CP=1 PP=1 DP=1", "without CP")] - 640) <= 128
     assert abs(longest[("13b", "TP=8 CP=1 PP=2 DP=1", "without CP")] - 640) <= 128
     assert longest[("13b", "TP=4 CP=4 PP=1 DP=1", "with CP")] >= 896
+
+
+def test_json_answer_keeps_stdout_to_itself():
+    """With --json, whatever else writes to file descriptor 1 while the estimate runs (HiGHS
+    prints its banner from C when the arena planner's MIP first runs) goes to stderr; the
+    answer alone goes to stdout, which is back afterwards."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    code = ("import os\n"
+            "from megatron.training.cli.estimate import _answer_stream\n"
+            "with _answer_stream(True) as answer:\n"
+            "    os.write(1, b'banner from C\\n')\n"
+            "    print('progress')\n"
+            "    print('{\"answer\": 1}', file=answer)\n"
+            "print('after')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == '{"answer": 1}\nafter\n'
+    assert "banner from C" in done.stderr and "progress" in done.stderr

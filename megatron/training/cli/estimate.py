@@ -30,7 +30,9 @@ without recompute, ``memo`` MEMO's offload at ``--memo-alpha``. Everything print
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -235,8 +237,33 @@ def answer_json(opts, predictions, seconds: float) -> dict:
             "predicted": True, "seconds": round(seconds, 1)}
 
 
+@contextlib.contextmanager
+def _answer_stream(json_answer: bool):
+    """The stream the answer goes to. With --json, stdout carries the JSON object alone: while
+    the estimate runs, file descriptor 1 points at stderr, so that nothing else writing to it
+    (HiGHS prints a banner from C when the arena planner's MIP first runs) can corrupt it."""
+    if not json_answer:
+        yield sys.stdout
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with os.fdopen(os.dup(saved), "w", encoding="utf-8") as answer:
+            yield answer
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
+    with _answer_stream(opts.json) as answer:
+        return _estimate(opts, answer)
+
+
+def _estimate(opts: argparse.Namespace, answer) -> int:
     from memo_ext.estimate import EstimateError, load_hardware
     from memo_ext.estimate.cost import CostModelError
     from memo_ext.estimate.layout import (
@@ -337,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(line)
             say(f"estimated in {seconds:.1f} s")
             if opts.json:
-                print(json.dumps(answer_json(opts, ranked[:opts.top], seconds)))
+                print(json.dumps(answer_json(opts, ranked[:opts.top], seconds)), file=answer)
             if not ranked:
                 say("no layout fits" + ("" if opts.max_seq_length
                                         else f" at {opts.seq_length} tokens"))
@@ -398,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             for text in describe(prediction, device):
                 say(text)
             if opts.json:
-                print(json.dumps(answer_json(opts, [prediction],
-                                             time.perf_counter() - started)))
+                print(json.dumps(answer_json(opts, [prediction], time.perf_counter() - started)),
+                      file=answer)
             return 0
         longest = model.longest(SEARCH_STEP, opts.search_max, FINE_STEP)
         mfu = "n/a (nothing fits)"
@@ -420,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"estimated in {seconds:.1f} s")
         say(f"max sequence length: {longest} tokens, predicted MFU {mfu}")
         if opts.json:
-            print(json.dumps(answer_json(opts, predictions, seconds)))
+            print(json.dumps(answer_json(opts, predictions, seconds)), file=answer)
         return 0
     except (UsageError, EstimateError, CostModelError) as exc:
         return _fail(str(exc))
