@@ -281,6 +281,8 @@ def main() -> int:
     parser.add_argument("--benches", default="megatron_baseline,cost_calibration",
                         help="answers: whose rows (comma-separated)")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--answers-file", default="estimator_answers.md",
+                        help="answers: the results file under bench/results")
     opts = parser.parse_args()
     commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
@@ -303,11 +305,13 @@ def main() -> int:
         started = time.perf_counter()
         benches = [b.strip() for b in opts.benches.split(",") if b.strip()]
         table, differ = answers([m.strip() for m in opts.models.split(",")], opts.jobs, benches)
-        _write(RESULTS / "estimator_answers.md", [
+        _write(RESULTS / opts.answers_file, [
             "# The estimator's answers: symbolic traces and the solver against the exhaustive "
             "reference", "", machine, "",
             f"`python bench/estimator_speed.py --part answers --models {opts.models} "
-            f"--benches {','.join(benches)}`, "
+            f"--benches {','.join(benches)}"
+            + ("" if opts.answers_file == "estimator_answers.md" else
+               f" --answers-file {opts.answers_file}") + "`, "
             f"{time.perf_counter() - started:.0f} s (traces from the cache where present): the "
             "rows of the benches named (bench/megatron_baseline.py, bench/cost_calibration.py; "
             "with hardware.json's efficiencies), answered from symbolic traces (3 or 5 layers at "
