@@ -7,8 +7,8 @@
     python tools/estimate.py --model 7b --gpus 8 --gpu a800 --recommend --max-seq-length
 
 One rank per traced pipeline stage (the first, with 1F1B's micro-batches in flight, and the
-last, with the output layer and loss) is traced on fake tensors, cut to 5 layers, at 128K and
-256K tokens, plus the stage's persistent state; the symbolic trace built from them gives the
+last, with the output layer and loss) is traced on fake tensors, cut to a few layers (3 for
+Megatron's policies, 5 for MEMO; block recompute whole), at 128K and 256K tokens, plus the stage's persistent state; the symbolic trace built from them gives the
 stage at any length and depth and is checked against a real trace before it is used
 (memo_ext/estimate/symbolic.py; traces cached under ~/.cache/megatron-memo/traces). The trace at
 a length is replayed (persistent state once, then three iterations) through the allocator model
