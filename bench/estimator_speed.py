@@ -20,7 +20,6 @@ estimator_answers.md (answers). Every figure is predicted
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -162,7 +161,6 @@ def answers(models: list[str], jobs: int, benches: list[str]) -> tuple[list[str]
         Layout,
         TraceCache,
         build_models,
-        candidate_layouts,
         default_cache_dir,
     )
     from memo_ext.estimate.search import dominating
@@ -218,14 +216,8 @@ def answers(models: list[str], jobs: int, benches: list[str]) -> tuple[list[str]
                     row("megatron_baseline", name, f"{family} at {seq_label(seq)}", at(mine),
                         at(theirs), _same(mine, theirs))
         for name in models if "cost_calibration" in benches else []:
-            gpus = {"7b": 8, "13b": 16}[name]
-            layouts, _ = candidate_layouts(calibration.SHAPES[name], gpus, hardware,
-                                           policies=["megatron", "megatron-none", "memo"],
-                                           alphas=[0.0, 1.0], micro_batches=[1],
-                                           global_batch=calibration.GLOBAL_BATCH,
-                                           pipeline_sizes=[1])
-            if name == "13b":
-                layouts = [layout for layout in layouts if layout.tp in (2, 4, 8)]
+            gpus = calibration.GPUS[name]
+            layouts = calibration.paper_layouts(name, hardware)
             fast_all, slow_all = built(name, layouts, False), built(name, layouts, True)
             # Every exhaustive probe traced ``jobs`` at a time (predictions are memoised, so
             # the rows below then read them).
@@ -239,8 +231,8 @@ def answers(models: list[str], jobs: int, benches: list[str]) -> tuple[list[str]
                 fast = [m for m in fast_all if m.layout.policy in policies]
                 slow = [m for m in slow_all if m.layout.policy in policies]
                 for seq in calibration.PAPER[(name, gpus)]:
-                    _, mine = calibration.best(fast, seq, None)
-                    _, theirs = calibration.best(slow, seq, None)
+                    _, mine = calibration.best(fast, seq)
+                    _, theirs = calibration.best(slow, seq)
                     row("cost_calibration", name, f"{system} at {seq_label(seq)}", at(mine),
                         at(theirs), _same(mine, theirs))
                 mine, theirs = calibration.longest(fast), calibration.longest(slow)

@@ -40,19 +40,6 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ATTN_MASK_TYPES = ("causal", "no_mask")
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "chunked")
 
-# Per-GPU dense bf16 peaks (TFLOP/s) used for MFU when --peak-tflops is not given. Matched
-# against torch.cuda.get_device_name(); dense, not sparsity-doubled, figures.
-GPU_PEAK_TFLOPS = {
-    "A100": 312.0,
-    "A800": 312.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "H200": 989.0,
-    "H20": 148.0,
-    "L40S": 362.0,
-    "B200": 2250.0,
-}
-
 
 class ArgumentValidationError(ValueError):
     """A flag combination that cannot run. The message names the flag and the fix."""
@@ -293,8 +280,10 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
         "--peak-tflops",
         type=float,
         default=None,
-        help="Per-device peak TFLOP/s for MFU. Default: the detected GPU's dense bf16 peak; "
-        "on CPU, a fp32 GEMM throughput measured at startup.",
+        help="Per-device peak TFLOP/s for MFU. Default: the dense bf16 peak (bf16_tflops) of "
+        "the memo_ext/estimate/hardware.json profile whose device_names match "
+        "torch.cuda.get_device_name() (A100, A800, H100 SXM, H200 SXM; another GPU needs this "
+        "flag); on CPU, a fp32 GEMM throughput measured at startup.",
     )
 
 

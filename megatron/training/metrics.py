@@ -1,10 +1,8 @@
 """Throughput, MFU and memory figures for the training log.
 
-Model FLOPs follow the MEMO paper's accounting (per sample of s tokens):
-    6 * s * P  +  6 * n * h * s^2
-P = parameters, n = layers, h = hidden size. The first term is the dense GEMMs (forward 2sP,
-backward 4sP), the second causal attention's score and context GEMMs. Recomputation is not
-counted (model FLOPs, not hardware FLOPs).
+Model FLOPs (6·s·P + 6·n·h·s² per sample of s tokens) and P come from
+memo_ext.estimate.flops, the estimator's own definition, so the log's MFU and the estimator's
+predicted MFU count the same FLOPs.
 """
 
 from __future__ import annotations
@@ -21,35 +19,9 @@ import torch
 import torch.distributed as dist
 
 from memo_ext.device_memory import device_memory, reset_peak
-
-from megatron.training.arguments import GPU_PEAK_TFLOPS
+from memo_ext.estimate.memory import profile_for_device
 
 _BYTES_PER_MIB = 1024**2
-
-
-def count_parameters(args: argparse.Namespace, padded_vocab_size: int) -> int:
-    """Total parameters of the GPT model described by ``args`` (all ranks together)."""
-    h, ffn, n = args.hidden_size, args.ffn_hidden_size, args.num_layers
-    kv_projection = args.kv_channels * args.num_query_groups
-    q_projection = args.kv_channels * args.num_attention_heads
-    bias = 1 if args.add_bias_linear else 0
-    norm_params = h if args.normalization == "RMSNorm" else 2 * h
-    attention = h * (q_projection + 2 * kv_projection) + q_projection * h
-    attention += bias * (q_projection + 2 * kv_projection + h)
-    fc1_out = 2 * ffn if args.swiglu else ffn
-    mlp = h * fc1_out + ffn * h + bias * (fc1_out + h)
-    layer = attention + mlp + 2 * norm_params
-    embeddings = padded_vocab_size * h
-    if args.position_embedding_type == "learned_absolute":
-        embeddings += args.max_position_embeddings * h
-    output_layer = padded_vocab_size * h if args.untie_embeddings_and_output_weights else 0
-    return n * layer + embeddings + output_layer + norm_params
-
-
-def model_flops_per_sample(args: argparse.Namespace, num_parameters: int) -> float:
-    """6sP + 6nhs^2 FLOPs for one sample of ``args.seq_length`` tokens."""
-    s = args.seq_length
-    return 6.0 * s * num_parameters + 6.0 * args.num_layers * args.hidden_size * s * s
 
 
 def measure_cpu_gemm_tflops(size: int = 1024, repeats: int = 4) -> float:
@@ -71,10 +43,12 @@ def peak_tflops_per_device(args: argparse.Namespace) -> tuple[float, str]:
         return args.peak_tflops, "--peak-tflops"
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        for key, tflops in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops, f"{name} dense bf16 peak"
-        raise ValueError(f"unknown GPU {name!r}: pass --peak-tflops for MFU")
+        profile = profile_for_device(name)
+        if profile is None:
+            raise ValueError(f"unknown GPU {name!r} (no device_names pattern of "
+                             "memo_ext/estimate/hardware.json matches it): pass --peak-tflops")
+        return (float(profile["bf16_tflops"]),
+                f"{name}: dense bf16 peak of hardware.json's {profile['name']} profile")
     return measure_cpu_gemm_tflops(), "measured CPU fp32 GEMM"
 
 

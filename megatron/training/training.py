@@ -25,6 +25,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from memo_ext.estimate.flops import gpt_shape, model_flops_per_sequence, parameter_count
+
 from megatron.training import checkpointing, metrics
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.data import build_data_iterator, build_datasets
@@ -319,7 +321,9 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
         config.grad_scale_func = optimizer.scale_loss
 
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
-    num_parameters = metrics.count_parameters(args, args.padded_vocab_size)
+    # The estimator's P and FLOPs (memo_ext.estimate.flops), from the unpadded vocabulary.
+    shape = gpt_shape(args, tokenizer.vocab_size)
+    num_parameters = parameter_count(shape)
     peak_tflops, peak_source = metrics.peak_tflops_per_device(args)
 
     # Loaded last, so that no setup step can advance the restored random generators.
@@ -329,11 +333,12 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     train_iterator = build_data_iterator(train_ds, state.consumed_train_samples, args)
     valid_iterator = build_data_iterator(valid_ds, state.consumed_valid_samples, args, cyclic=True)
 
-    flops_per_iteration = metrics.model_flops_per_sample(args, num_parameters) * args.global_batch_size
+    flops_per_iteration = model_flops_per_sequence(shape, args.seq_length) * args.global_batch_size
     print_rank_0(
-        f"> model: {num_parameters / 1e6:.2f} M parameters | layout TP={args.tensor_model_parallel_size} "
-        f"PP={args.pipeline_model_parallel_size} CP={args.context_parallel_size} "
-        f"DP={args.data_parallel_size} SP={args.sequence_parallel} | micro-batches per step: "
+        f"> model: {num_parameters / 1e6:.2f} M parameters in per-token GEMMs (MFU's P) | layout "
+        f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+        f"CP={args.context_parallel_size} DP={args.data_parallel_size} SP={args.sequence_parallel}"
+        " | micro-batches per step: "
         f"{args.num_microbatches} | MFU peak {peak_tflops:.3f} TFLOP/s per device ({peak_source})"
     )
     logger = TrainingLogger(args, flops_per_iteration, peak_tflops)

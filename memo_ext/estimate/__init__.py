@@ -6,7 +6,8 @@ Entry points: :func:`linear_trace` (two traces of a rank, any sequence length fr
 :func:`load_hardware` (GPU profiles in hardware.json). The time side is
 :mod:`memo_ext.estimate.cost`, whole layouts (every traced pipeline stage, memory and time) and
 the recommender's search :mod:`memo_ext.estimate.layout`, SPPO's rows
-:mod:`memo_ext.estimate.sppo_layouts`. ``tools/estimate.py`` is the command.
+:mod:`memo_ext.estimate.sppo_layouts`, MFU's model FLOPs (the trainer's log uses them too)
+:mod:`memo_ext.estimate.flops`. ``tools/estimate.py`` is the command.
 """
 
 from memo_ext.estimate.memory import (

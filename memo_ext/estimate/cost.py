@@ -8,15 +8,19 @@ measurement (no GPU is involved). Per micro-batch on the traced rank:
   FLOPs / (peak · e_attention) + bytes moved by the other ops / (HBM bandwidth · e_memory);
 * tensor/context-parallel collectives the trace saw, by the ring algorithm's bytes on the wire
   ((g-1)/g of the buffer for all-gather and reduce-scatter, twice that for all-reduce) over
-  NVLink when the group sits in one node, InfiniBand otherwise, times e_collective. Not
-  overlapped with compute: megatron-core without Transformer Engine's comm overlap runs them on
-  the compute stream;
+  NVLink when the group sits in one node, InfiniBand otherwise, times e_collective; a profile
+  that measured its collectives (``collective_ops``: the cpu profile's gloo) gives each op its
+  own bandwidth and a latency per call. Not overlapped with compute: megatron-core without
+  Transformer Engine's comm overlap runs them on the compute stream;
 * the context-parallel ring's point-to-point K/V (and dK/dV) transfers (memo_ext.attention):
   posted before each step's tiles compute, so only their excess over the phase's compute is
   exposed; a send and its matching receive are the same bytes on a full-duplex link, counted
   once;
 * MEMO's offload (forward) and prefetch (backward) over PCIe at e_pcie of the link, overlapped
-  with that phase's compute: only the excess is exposed (memo.md's LP keeps it hidden);
+  with that phase's compute: only the excess is exposed (memo.md's LP keeps it hidden). A
+  profile's ``host_copy_overlap`` (default 1: a GPU's copy engines run beside its SMs) is the
+  fraction of a copy's time that can hide at all; the rest is exposed whatever the compute
+  (on a CPU the copy thread takes cores from compute);
 * pipeline: (micro-batches + PP - 1) micro-batch times (1F1B's fill and drain) plus the stage
   boundary's point-to-point sends;
 * per iteration: data-parallel gradient reduce-scatter and parameter all-gather (distributed
@@ -25,7 +29,8 @@ measurement (no GPU is involved). Per micro-batch on the traced rank:
   again), which the allocator model counts.
 
 MFU follows memo.md's definition: (6·s·P + 6·n·h·s²) FLOPs per sequence over (GPUs · step time ·
-peak), so recomputation is not credited.
+peak), so recomputation is not credited; P and the FLOPs are memo_ext.estimate.flops', the
+trainer's log's too.
 
 Work at any sequence length comes from the work at two traced lengths: attention FLOPs are
 quadratic in the length, everything else linear (exact, as the allocation sizes are).
@@ -33,14 +38,16 @@ quadratic in the length, everything else linear (exact, as the allocation sizes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import MISSING, dataclass, fields
 from fractions import Fraction
 
+from memo_ext.estimate.flops import model_flops_per_sequence
 from memo_ext.planner.work import PHASE_FIELDS
 
 GB = 10**9
 
-def _wire_fraction(op: str, group_size: int) -> float:
+def wire_fraction(op: str, group_size: int) -> float:
     """Fraction of the buffer each rank sends over its link (ring algorithms)."""
     if op in ("all_gather", "reduce_scatter"):
         return (group_size - 1) / group_size
@@ -56,25 +63,31 @@ class CostModelError(ValueError):
 @dataclass(frozen=True)
 class Efficiency:
     """Fractions of a GPU's peak the kernels reach, and the cost of one allocator
-    reorganisation (seconds). Defaults and provenance: ``efficiency`` in hardware.json."""
+    reorganisation (seconds). ``gemm`` and the attention pair depend on the model's shapes
+    and come from kernel tables (memo_ext.estimate.kernels.at_model_shapes); the others are
+    the profile's ``efficiency`` table (hardware.json, provenance in its comment)."""
 
-    gemm: float
-    attention: float
     memory: float
     collective: float
     pcie: float
     reorganisation_s: float
+    gemm: float = math.nan
+    attention_forward: float = math.nan
+    attention_backward: float = math.nan
 
     @classmethod
     def from_profile(cls, profile: dict) -> "Efficiency":
+        """The profile's shape-independent factors; the kernel ones are NaN until
+        kernels.at_model_shapes sets them (a prediction without them is NaN, never a guess)."""
         values = profile.get("efficiency")
+        names = [f.name for f in fields(cls) if f.default is MISSING]
         if not isinstance(values, dict):
             raise CostModelError("the GPU profile has no 'efficiency' table; add one "
-                                 "(keys: " + ", ".join(f.name for f in fields(cls)) + ")")
-        missing = [f.name for f in fields(cls) if f.name not in values]
+                                 "(keys: " + ", ".join(names) + ")")
+        missing = [name for name in names if name not in values]
         if missing:
             raise CostModelError(f"the GPU profile's 'efficiency' lacks {', '.join(missing)}")
-        return cls(**{f.name: float(values[f.name]) for f in fields(cls)})
+        return cls(**{name: float(values[name]) for name in names})
 
 
 # ----------------------------------------------------------------------------- work at any s
@@ -141,26 +154,6 @@ class WorkLine:
         return {"phases": phases, "collectives": collectives}
 
 
-# ----------------------------------------------------------------------------- the model
-
-def parameter_count(model: dict) -> int:
-    """Parameters of the GPT (embedding tied to the output layer, megatron's default; biases
-    and norms left out): the P of memo.md's MFU formula."""
-    hidden, ffn, layers = model["hidden_size"], model["ffn_hidden_size"], model["num_layers"]
-    heads = model["num_attention_heads"]
-    head_dim = model.get("kv_channels") or hidden // heads
-    groups = model.get("num_query_groups") or heads
-    attention = hidden * heads * head_dim * 2 + hidden * groups * head_dim * 2
-    mlp = (3 if model.get("swiglu") else 2) * hidden * ffn
-    return layers * (attention + mlp) + model["vocab_size"] * hidden
-
-
-def model_flops_per_sequence(model: dict, seq: int) -> float:
-    """memo.md's MFU numerator: 6·s·P + 6·n·h·s² (causal attention, forward and backward)."""
-    return 6.0 * seq * parameter_count(model) + 6.0 * model["num_layers"] * \
-        model["hidden_size"] * seq * seq
-
-
 @dataclass
 class StepTime:
     """One iteration's predicted time on the traced rank (seconds) and MFU (fraction)."""
@@ -198,6 +191,21 @@ def _link_bytes_per_s(ranks, hardware: dict) -> float:
     return float(hardware["nvlink_gbps" if len(nodes) == 1 else "ib_gbps"]) * GB
 
 
+def _collective_s(op: str, ranks, nbytes: int, calls: int, hardware: dict,
+                  efficiency: "Efficiency") -> float:
+    """Seconds of ``calls`` calls of ``op`` moving ``nbytes`` in all over the group ``ranks``:
+    the ring's bytes on the wire over the link, plus the op's latency per call where the
+    profile measured the op (``collective_ops``); a group of one rank moves nothing."""
+    if len(ranks) < 2:
+        return 0.0
+    wire = wire_fraction(op, len(ranks)) * nbytes
+    measured = hardware.get("collective_ops", {}).get(op)
+    if measured is None:
+        return wire / (_link_bytes_per_s(ranks, hardware) * efficiency.collective)
+    return calls * float(measured["latency_s"]) \
+        + wire / (float(measured["gbps"]) * GB * efficiency.collective)
+
+
 def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficiency, *,
                  global_batch: int, persistent: dict, reorganisations_per_iteration: float = 0.0
                  ) -> StepTime:
@@ -219,9 +227,10 @@ def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficienc
     hbm = float(hardware["hbm_gbps"]) * GB
     pcie = float(hardware["pcie_gbps"]) * GB * efficiency.pcie
 
-    def compute_s(totals: dict) -> float:
+    def compute_s(totals: dict, attention_efficiency: float = 1.0) -> float:
+        attention = totals.get("attention_flops", 0)
         return (totals.get("gemm_flops", 0) / (peak * efficiency.gemm)
-                + totals.get("attention_flops", 0) / (peak * efficiency.attention)
+                + (attention and attention / (peak * attention_efficiency))
                 + totals.get("memory_bytes", 0) / (hbm * efficiency.memory))
 
     collectives = dict.fromkeys(("forward", "recompute", "backward", "optimizer"), 0.0)
@@ -229,26 +238,34 @@ def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficienc
     for record in work["collectives"]:
         if record["op"] == "recv":  # the matching send's bytes
             continue
-        wire = _wire_fraction(record["op"], len(record["ranks"])) * record["bytes"]
-        seconds = wire / (_link_bytes_per_s(record["ranks"], hardware) * efficiency.collective)
+        seconds = _collective_s(record["op"], record["ranks"], record["bytes"], record["calls"],
+                                hardware, efficiency)
         exposed = ring if record["op"] == "send" else collectives
         exposed[record["phase"]] = exposed.get(record["phase"], 0.0) + seconds
     phases = work["phases"]
     per_mb = {}
+    attention_efficiency = {"forward": efficiency.attention_forward,  # recompute: forward
+                            "recompute": efficiency.attention_forward,  # kernels again
+                            "backward": efficiency.attention_backward}
     for phase in ("forward", "recompute", "backward"):
-        compute = compute_s(phases.get(phase, {}))
+        compute = compute_s(phases.get(phase, {}), attention_efficiency[phase])
         per_mb[phase] = (max(compute, ring[phase]) + collectives[phase]) / traced_microbatches
     forward, backward = phases.get("forward", {}), phases.get("backward", {})
-    offload_exposed = (max(0.0, forward.get("d2h_bytes", 0) / pcie - per_mb["forward"])
-                       + max(0.0, backward.get("h2d_bytes", 0) / pcie
-                             - per_mb["backward"] - per_mb["recompute"])) / traced_microbatches
+    overlap = float(hardware.get("host_copy_overlap", 1.0))
+
+    def exposed_copy_s(nbytes: int, compute: float) -> float:
+        return (1 - overlap) * nbytes / pcie + max(0.0, overlap * nbytes / pcie - compute)
+
+    offload_exposed = (exposed_copy_s(forward.get("d2h_bytes", 0), per_mb["forward"])
+                       + exposed_copy_s(backward.get("h2d_bytes", 0),
+                                        per_mb["backward"] + per_mb["recompute"])
+                       ) / traced_microbatches
     element = 2 if "16" in model.get("params_dtype", "") else 4
     pipeline = 0.0
     if pp > 1:  # one activation out forward, one gradient back, per micro-batch
         boundary = seq // cp // (tp if layout.get("sequence_parallel") else 1) * micro_batch \
             * model["hidden_size"] * element
-        pipeline = 2 * boundary / _link_bytes_per_s((0, tp * cp), hardware) \
-            / efficiency.collective
+        pipeline = 2 * _collective_s("send", (0, tp * cp), boundary, 1, hardware, efficiency)
     microbatch_s = sum(per_mb.values()) + offload_exposed + pipeline
     bubble = (pp - 1) * microbatch_s
     data_parallel = 0.0
@@ -283,5 +300,5 @@ def persistent_bytes(trace) -> dict:
     return totals
 
 
-__all__ = ["CostModelError", "Efficiency", "StepTime", "WorkLine", "model_flops_per_sequence",
-           "parameter_count", "persistent_bytes", "predict_step"]
+__all__ = ["CostModelError", "Efficiency", "StepTime", "WorkLine", "persistent_bytes",
+           "predict_step"]

@@ -16,8 +16,8 @@ no embedding) and the last stage alone carries the output layer and the loss.
 
 :func:`candidate_layouts` enumerates (TP, CP, PP, DP, policy, alpha, micro-batch) for a number
 of GPUs and drops, before any tracing, what cannot run: shapes that do not divide, and layouts
-whose parameters, gradients and optimizer state alone exceed the device (bytes per parameter
-below). :func:`build_models` traces candidates in parallel; memo_ext.estimate.search ranks
+whose parameters, gradients and optimizer state alone exceed the device (bytes per parameter:
+memo_ext.estimate.rank_constants). :func:`build_models` traces candidates in parallel; memo_ext.estimate.search ranks
 them.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,13 +43,17 @@ from memo_ext.estimate.cost import (
     persistent_bytes,
     predict_step,
 )
+from memo_ext.estimate.kernels import at_model_shapes
 from memo_ext.estimate.memory import (
-    TRACE_MODULE,
     EstimateError,
     LinearTrace,
     MemoryEstimate,
     estimate_at,
     max_sequence_length,
+)
+from memo_ext.estimate.rank_constants import (  # shared with SPPO's rows
+    OPTIMIZER_BYTES_PER_PARAM,
+    WEIGHT_AND_GRAD_BYTES_PER_PARAM,
 )
 from memo_ext.estimate.symbolic import (
     COPIED_LAYER,
@@ -59,6 +62,7 @@ from memo_ext.estimate.symbolic import (
     SymbolicTrace,
     live_lines,
 )
+from memo_ext.estimate.trace_key import tracer_digest
 from memo_ext.planner.trace import POOL_DEVICE, POOL_EXTERNAL, POOL_HOST, Trace, read_trace
 
 #: The two lengths every layout is traced at (multiples of TP x CP x 2 for any TP, CP <= 64).
@@ -93,21 +97,6 @@ BLOCK_RECOMPUTE_FRACTIONS = (0.25, 0.5, 0.75)
 SYMBOLIC_LAYERS = {"megatron": (3, 1), "megatron-none": (3, 1),
                    "memo": (TRACED_LAYERS, COPIED_LAYER)}
 
-#: Persistent bytes per parameter of a bf16 run with megatron's defaults: bf16 weights (2) and
-#: fp32 gradient buffer (4) on every rank of the model-parallel shard; fp32 main weights, Adam
-#: m and v (12) sharded over DP x CP by the distributed optimizer.
-WEIGHT_AND_GRAD_BYTES_PER_PARAM = 6
-OPTIMIZER_BYTES_PER_PARAM = 12
-
-#: Modules whose change changes a trace: their files, wherever they are installed, are part of
-#: every cache key.
-TRACER_SOURCES = (TRACE_MODULE, "memo_ext.planner.trace", "memo_ext.planner.work",
-                  "memo_ext.planner.cuda_rules", "memo_ext.planner.cuda_reduce",
-                  "memo_ext.offload.manager", "memo_ext.offload.layer",
-                  "megatron.training.layer_specs", "pretrain_gpt",
-                  "memo_ext.loss.chunked", "memo_ext.loss.model")
-
-
 def model_layers(model_argv: list[str]) -> Optional[int]:
     """The model's layers from the tracer's model flags (``--num-layers N``, else a
     ``--model`` preset); None when they name neither."""
@@ -122,32 +111,23 @@ def model_layers(model_argv: list[str]) -> Optional[int]:
     return layers
 
 
+#: The tracer flags of the CPU trainer (a profile with ``"device_type": "cpu"``,
+#: memo_ext.estimate.cpu_profile): the CPU program's own allocations (no CUDA kernel rules),
+#: fp32 and megatron's plain optimizer, which is what pretrain_gpt.py runs without CUDA.
+CPU_TRACE_FLAGS = ["--no-cuda-semantics", "--no-bf16", "--no-distributed-optimizer"]
+
+
 def gpu_argv(hardware: dict) -> list[str]:
-    """The tracer flags naming the GPU whose kernels' workspaces a trace records."""
+    """The tracer flags naming the GPU whose kernels' workspaces a trace records (they follow
+    the layout's flags, so a CPU profile's --no-bf16 wins)."""
+    if hardware.get("device_type") == "cpu":
+        return list(CPU_TRACE_FLAGS)
     if "name" not in hardware:
         return []
     argv = ["--gpu", hardware["name"]]
     if hardware.get("hardware_file"):
         argv += ["--hardware-file", hardware["hardware_file"]]
     return argv
-
-
-def module_file(name: str) -> Optional[Path]:
-    """The file module ``name`` loads from (its ``__file__``), found as the import system finds
-    it but without running it or its packages (memo_ext does not import megatron.training);
-    None when it is not installed."""
-    spec, search_path = None, None
-    parts = name.split(".")
-    for depth in range(1, len(parts) + 1):
-        for finder in sys.meta_path:
-            spec = finder.find_spec(".".join(parts[:depth]), search_path) \
-                if hasattr(finder, "find_spec") else None
-            if spec is not None:
-                break
-        else:
-            return None
-        search_path = spec.submodule_search_locations
-    return Path(spec.origin) if spec.has_location else None
 
 
 @dataclass(frozen=True)
@@ -220,11 +200,9 @@ class TraceCache:
         self._pool = None
         self._pool_lock = threading.Lock()
         self._pending: dict[str, Future] = {}
-        digest = hashlib.sha256()
-        for module in TRACER_SOURCES:
-            path = module_file(module)
-            digest.update(path.read_bytes() if path is not None else module.encode())
-        self._sources_digest = digest.hexdigest()
+        # Every project module the tracer imports, wherever installed, and the versions of
+        # Python, torch and megatron-core (memo_ext.estimate.trace_key).
+        self._sources_digest = tracer_digest()
 
     def __enter__(self) -> "TraceCache":
         return self
@@ -533,9 +511,9 @@ class LayoutModel:
                 host_memory_gb_per_node=self.host_capacity_bytes / 1e9, symbolic=False)
             return whole, f"symbolic trace refused ({exc}); traced whole"
 
-    def predict(self, seq: int, efficiency: Optional[Efficiency] = None) -> Prediction:
-        """Memory and time at ``seq`` tokens; ``efficiency`` overrides the profile's (the
-        memory side, which does not depend on it, is memoised per length)."""
+    def predict(self, seq: int) -> Prediction:
+        """Memory and time at ``seq`` tokens (the memory side is memoised per length). The
+        kernels' efficiencies are read at the stage's shapes (memo_ext.estimate.kernels)."""
         per_stage = []
         for model in self.stages:
             key = (model.stage.index, seq)
@@ -546,8 +524,10 @@ class LayoutModel:
                 self._cache[key] = (trace.header, persistent_bytes(trace),
                                     model.work_at(seq, trace), memory)
             header, persistent, work, memory = self._cache[key]
+            efficiency = at_model_shapes(self.efficiency, self.hardware, header["model"],
+                                         header["layout"])
             step = predict_step(
-                work, header, self.hardware, efficiency or self.efficiency,
+                work, header, self.hardware, efficiency,
                 global_batch=self.global_batch, persistent=persistent,
                 reorganisations_per_iteration=memory.reorganisations / REPLAY_ITERATIONS)
             per_stage.append(StagePrediction(model.stage, memory, step))
@@ -633,7 +613,7 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
     ``model``: num_layers, hidden_size, num_attention_heads, num_query_groups (optional),
     parameters. TP stays within a node (megatron's advice: its collectives sit on the critical
     path)."""
-    from memo_ext.estimate.cost import parameter_count
+    from memo_ext.estimate.flops import parameter_count
 
     per_node = int(hardware["gpus_per_node"])
     device = int(hardware["device_memory_bytes"])

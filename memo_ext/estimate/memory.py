@@ -20,6 +20,7 @@ size; AMP (Cheng et al., SoCC'23) extrapolates peaks the same way, but from one 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,17 @@ def load_hardware(name: str, extra_file: Optional[Path] = None) -> dict:
                             "or add it with --hardware-file")
     return {"name": key, "hardware_file": None if extra_file is None else str(extra_file),
             "efficiency": efficiency, **profiles[key]}
+
+
+def profile_for_device(device_name: str) -> Optional[dict]:
+    """The hardware.json profile (as :func:`load_hardware` gives it) of the first profile one of
+    whose ``device_names`` patterns is found in ``device_name`` (torch.cuda.get_device_name()),
+    or None when none is."""
+    for key, profile in json.loads(HARDWARE_FILE.read_text()).items():
+        patterns = profile.get("device_names", ()) if isinstance(profile, dict) else ()
+        if any(re.search(pattern, device_name) for pattern in patterns):
+            return load_hardware(key)
+    return None
 
 
 def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:

@@ -5,8 +5,10 @@ policies.
 
 SPPO is not traced: tools/trace.py records megatron's 1F1B iteration, not SPPO's subsequence
 schedule. Its rows are the solver's memory terms and step time, on the same GPU profile and
-efficiency table as the traced rows, so they are comparable in MFU and in device memory per
-rank, with the solver's analytic approximations (docs/sppo.md) in place of a replayed trace.
+efficiency table as the traced rows and with their bytes per parameter, workspaces and memory
+outside the allocator (memo_ext.estimate.rank_constants), so they are comparable in MFU and in
+device memory per rank, with the solver's analytic approximations (docs/sppo.md) in place of a
+replayed trace.
 
 One :class:`SPPOLayoutModel` per (TP, PP): its prediction at a length is the fastest fitting
 subsequence count N (with and without multiplexed sequence partitioning when PP > 1), or the

@@ -33,7 +33,10 @@ from torch.utils.flop_counter import flop_registry
 from memo_ext.attention.kernels import TILE_BACKWARD_OP, TILE_FORWARD_OP
 
 #: Ops that allocate without reading or writing data (or touch no data at all).
+#: ``_unsafe_view`` is a view that autograd does not track (matmul of a 3-D input folds and
+#: unfolds its batch with it): it moves nothing, though ``is_view`` says no.
 _NO_TRAFFIC = frozenset({
+    "aten._unsafe_view.default",
     "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
     "aten.new_empty.default", "aten.new_empty_strided.default", "aten._local_scalar_dense.default",
     "prim.device.default", "aten.lift_fresh.default", "aten.detach.default",

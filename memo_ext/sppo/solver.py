@@ -11,11 +11,12 @@ sequence per DP replica per step, bf16.
 
 Memory per GPU (bytes), the terms of :class:`Memory`:
 
-- ``model_states``: 16 bytes per parameter of the stage (bf16 parameter 2 + bf16 gradient 2 +
-  fp32 master 4 + two fp32 Adam moments 8; Megatron's mixed-precision optimizer), the stage
-  holding ``P/p`` parameters (embedding/output spread evenly: a simplification), sharded over
-  ``t``. Without ``distributed_optimizer`` (Megatron's default, assumed) nothing is sharded
-  over DP; with it the 12 optimizer bytes are divided by DP.
+- ``model_states``: the traced rows' bytes per parameter of the stage
+  (memo_ext.estimate.rank_constants: bf16 weights and fp32 gradients, 6, and fp32 main weights
+  and two Adam moments, 12), the stage holding ``P/p`` parameters (embedding/output spread
+  evenly: a simplification), sharded over ``t``. Without ``distributed_optimizer`` (Megatron's
+  default, assumed) nothing is sharded over DP; with it the 12 optimizer bytes are divided by
+  DP.
 - ``kv_cache``: K and V of the whole sequence stay on device for the whole pass (sppo.md
   "Subsequences and causal attention"): ``layers_per_stage · 2 · S · kv_width · 2 bytes / t``.
 - ``activations``: the offloadable activations of subsequence ``i`` are
@@ -26,19 +27,22 @@ Memory per GPU (bytes), the terms of :class:`Memory`:
   KV cache up to the end of ``i``, counted at the same ``i`` as the activation peak.
 - ``staging``: one subsequence's offloaded share being prefetched back, ``max_j alpha_j A_j``.
 - ``logits``: fp32 logits of the longest subsequence on the last stage, ``s_max · V · 4 / t``.
-- ``reserved``: :data:`RESERVED_BYTES` (CUDA context, NCCL and cuBLAS workspaces).
+- ``workspaces``: the cuBLAS workspaces of the two GEMM threads on the profile's GPU, and
+  ``reserved``: the CUDA context and NCCL buffers of the layout's communicators, outside the
+  allocator; both as a trace of the layout records them (memo_ext.estimate.rank_constants).
 
 Host memory per node: every GPU of the node keeps ``sum_j alpha_j A_j`` on the host. When
 that exceeds the node's host memory the alphas are scaled down together until it fits (the
 device then keeps the rest).
 
 Step time (seconds): per layer and subsequence, forward compute is the linear FLOPs at
-``peak · efficiency.gemm`` plus the causal attention FLOPs at ``peak · efficiency.attention``
-(FLOPs from :meth:`LayerFlops.of_range`, divided by ``t``; both efficiencies fall for short
-subsequences, :data:`GEMM_HALF_ROWS`, :data:`ATTENTION_TILE_ROWS`), plus
-:data:`LAUNCH_OVERHEAD_S`;
-the backward is :data:`LINEAR_BACKWARD_RATIO` times the linear part and
-:data:`ATTENTION_BACKWARD_RATIO` times the attention part (SPPO recomputes nothing). Sequence
+``peak · efficiency.gemm`` plus the causal attention FLOPs at ``peak ·
+efficiency.attention_forward`` (FLOPs from :meth:`LayerFlops.of_range`, divided by ``t``;
+both efficiencies read from the GPU's kernel tables at the subsequence's length,
+memo_ext.estimate.kernels, so short subsequences pay for small kernels), plus
+:data:`LAUNCH_OVERHEAD_S`; the backward is :data:`LINEAR_BACKWARD_RATIO` times the linear part
+and :data:`ATTENTION_BACKWARD_RATIO` times the attention FLOPs at
+``efficiency.attention_backward`` (SPPO recomputes nothing). Sequence
 parallelism adds 4 collectives per
 layer forward (all-gather before attention and MLP, reduce-scatter after each) and 4 in
 backward, each of ``s_i · h · 2`` bytes over NVLink (ring: (t-1)/t of it on the wire), not
@@ -62,7 +66,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from memo_ext.estimate.cost import Efficiency, model_flops_per_sequence, parameter_count
+from memo_ext.estimate.cost import Efficiency
+from memo_ext.estimate.flops import model_flops_per_sequence, parameter_count
+from memo_ext.estimate.kernels import at_model_shapes
+from memo_ext.estimate.rank_constants import (  # the traced rows' (rows ranked together)
+    OPTIMIZER_BYTES_PER_PARAM,
+    WEIGHT_AND_GRAD_BYTES_PER_PARAM,
+    outside_allocator_bytes,
+    workspace_bytes,
+)
 from memo_ext.sppo.multiplex import forward_slot, pipeline_bubble_ratio, plan_multiplexing
 from memo_ext.sppo.offload import solve_alphas
 from memo_ext.sppo.partition import LayerFlops, flops_boundaries
@@ -72,16 +84,11 @@ GB = 10**9
 
 #: Offloadable activation bytes per token per hidden unit per layer (sppo.md, from the paper).
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 36
-#: bf16 parameters, gradients (2 + 2) and fp32 master weights and two Adam moments (4 + 4 + 4).
-MODEL_STATE_BYTES_PER_PARAM = 16
-#: The fp32 part of MODEL_STATE_BYTES_PER_PARAM a distributed optimizer shards over DP.
-OPTIMIZER_BYTES_PER_PARAM = 12
 BF16_BYTES = 2
 FP32_BYTES = 4
 #: Backward over forward time: a GEMM's backward computes the input and the weight gradients
 #: (2x); flash attention's recomputes the scores (five GEMMs against the forward's two, 2.5x).
-#: The traced cost model counts the same (memo_ext/planner/work.py), and the efficiencies both
-#: use were fitted on those counts.
+#: The traced cost model counts the same (memo_ext/planner/work.py).
 LINEAR_BACKWARD_RATIO = 2.0
 ATTENTION_BACKWARD_RATIO = 2.5
 #: Fixed cost per layer per subsequence forward (backward counted twice, like its FLOPs):
@@ -89,21 +96,6 @@ ATTENTION_BACKWARD_RATIO = 2.5
 #: scheduler. It is what makes very short subsequences lose, mirroring the paper's finding
 #: that 2K-16K tokens per subsequence work best.
 LAUNCH_OVERHEAD_S = 50e-6
-#: GEMM rows (tokens of the subsequence: under sequence parallelism the linear layers see the
-#: all-gathered ``s_i`` rows, the weights split by ``t``) at which a GEMM reaches half the
-#: calibrated ``efficiency.gemm``: efficiency * rows / (rows + GEMM_HALF_ROWS). Calibrated at
-#: MEMO's 16K+ rows (factor ~1); at a few hundred rows an A100 bf16 GEMM is well below peak.
-GEMM_HALF_ROWS = 256
-#: Flash attention parallelises over 128-query tiles x heads; with fewer tiles than SMs part
-#: of the GPU idles. Attention efficiency is scaled by min(1, s_i * heads_per_rank /
-#: (ATTENTION_TILE_ROWS * SMs)). Short subsequences on few heads per rank lose here: with the
-#: launch overhead this is what gives the paper's 2K-16K tokens per subsequence sweet spot.
-ATTENTION_TILE_ROWS = 128
-#: SMs when a profile has no ``sm_count`` (A100's 108).
-DEFAULT_SM_COUNT = 108
-#: Device memory no tensor can use: CUDA context, NCCL buffers, cuBLAS workspace (~2 GiB is
-#: what an idle Megatron rank shows in nvidia-smi).
-RESERVED_BYTES = 2 * GiB
 #: Shortest subsequence tried, tokens (far below the paper's 2K sweet spot; the overhead
 #: term decides, this only bounds the search).
 MIN_SUBSEQUENCE_TOKENS = 256
@@ -127,19 +119,21 @@ class Memory:
     dkv_accumulators: float
     staging: float
     logits: float
+    workspaces: float
+    reserved: float  # outside the allocator
     msp_weights: float = 0.0
-    reserved: float = RESERVED_BYTES
 
     @property
     def total(self) -> float:
         return (self.model_states + self.kv_cache + self.activations + self.dkv_accumulators
-                + self.staging + self.logits + self.msp_weights + self.reserved)
+                + self.staging + self.logits + self.workspaces + self.reserved
+                + self.msp_weights)
 
     def terms(self) -> dict:
         terms = {"model states": self.model_states, "KV cache": self.kv_cache,
                  "activations": self.activations, "dK/dV accumulators": self.dkv_accumulators,
                  "offload staging": self.staging, "logits": self.logits,
-                 "reserved": self.reserved}
+                 "cuBLAS workspaces": self.workspaces, "CUDA context, NCCL": self.reserved}
         if self.msp_weights:
             terms["MSP weights"] = self.msp_weights
         return terms
@@ -254,16 +248,18 @@ def evaluate(problem: Problem, tp: int, pp: int, subsequences: int) -> Candidate
     tp_wire = (tp - 1) / tp
     p2p_link = ib if tp * pp > problem.gpus_per_node else nvlink
     tp_s = p2p_s = 0.0
-    heads_per_rank = model["num_attention_heads"] // tp
-    wave_rows = ATTENTION_TILE_ROWS * int(hardware.get("sm_count", DEFAULT_SM_COUNT))
     for (a, b), s in zip(zip(bounds, bounds[1:]), lengths):
-        gemm = efficiency.gemm * s / (s + GEMM_HALF_ROWS)
-        attention_eff = efficiency.attention * min(1.0, s * heads_per_rank / wave_rows)
-        linear = flops.linear * s / tp / (peak * gemm)
-        attention = (flops.of_range(a, b) - flops.linear * s) / tp / (peak * attention_eff)
+        # The kernels' efficiencies at the subsequence's own length: short subsequences run
+        # small GEMMs and short attention calls, which the kernel tables price.
+        kernels = at_model_shapes(efficiency, hardware, {**model, "seq_length": s},
+                                  {"tp": tp, "cp": 1, "pp": pp})
+        linear = flops.linear * s / tp / (peak * kernels.gemm)
+        attention_flops = (flops.of_range(a, b) - flops.linear * s) / tp
+        attention = attention_flops / (peak * kernels.attention_forward)
         layer_forward = linear + attention + LAUNCH_OVERHEAD_S
         layer_backward = (LINEAR_BACKWARD_RATIO * (linear + LAUNCH_OVERHEAD_S)
-                          + ATTENTION_BACKWARD_RATIO * attention)
+                          + ATTENTION_BACKWARD_RATIO * attention_flops
+                          / (peak * kernels.attention_backward))
         collectives = 8 * tp_wire * s * hidden * BF16_BYTES / nvlink if tp > 1 else 0.0
         p2p = 2 * s * hidden * BF16_BYTES / tp / p2p_link if pp > 1 else 0.0
         forward.append(per_stage * layer_forward)
@@ -296,14 +292,15 @@ def evaluate(problem: Problem, tp: int, pp: int, subsequences: int) -> Candidate
             activation_peak, dkv_at_peak = a + kept, kv_per_token * bounds[i + 1]
         kept += (1 - alphas[i]) * a
     stage_params = parameter_count(model) / pp / tp
-    state_bytes = MODEL_STATE_BYTES_PER_PARAM
-    if problem.distributed_optimizer:
-        state_bytes -= OPTIMIZER_BYTES_PER_PARAM * (1 - 1 / dp)
+    optimizer_shards = dp if problem.distributed_optimizer else 1
+    state_bytes = WEIGHT_AND_GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM / optimizer_shards
     memory = Memory(model_states=stage_params * state_bytes,
                     kv_cache=kv_per_token * seq,
                     activations=activation_peak, dkv_accumulators=dkv_at_peak,
                     staging=max(al * a for al, a in zip(alphas, activation)),
                     logits=max(lengths) * model["vocab_size"] * FP32_BYTES / tp,
+                    workspaces=workspace_bytes(hardware),
+                    reserved=outside_allocator_bytes(tp, 1, pp, dp),
                     msp_weights=stage_params * BF16_BYTES if problem.msp and pp > 1 else 0.0)
 
     # --- step

@@ -15,11 +15,11 @@ from memo_ext.estimate.cost import (
     CostModelError,
     Efficiency,
     WorkLine,
-    model_flops_per_sequence,
-    parameter_count,
     persistent_bytes,
     predict_step,
 )
+from memo_ext.estimate.flops import model_flops_per_sequence, parameter_count
+from memo_ext.estimate.kernels import at_model_shapes, kernel_rows
 from memo_ext.estimate.layout import Layout, TraceCache, candidate_layouts
 from memo_ext.attention import ZigzagLayout
 from tests.conftest import run_estimate_cli
@@ -93,8 +93,14 @@ def test_work_line_refuses_traces_without_work(traces):
         WorkLine.from_headers(bare, traces[2048].header)
 
 
+def _efficiency(trace, hardware, **changes):
+    return dataclasses.replace(at_model_shapes(Efficiency.from_profile(hardware), hardware,
+                                               trace.header["model"], trace.header["layout"]),
+                               **changes)
+
+
 def _step(trace, hardware, **changes):
-    efficiency = dataclasses.replace(Efficiency.from_profile(hardware), **changes)
+    efficiency = _efficiency(trace, hardware, **changes)
     return predict_step(trace.header["work"], trace.header, hardware, efficiency,
                         global_batch=8, persistent=persistent_bytes(trace))
 
@@ -105,19 +111,26 @@ def test_step_time_follows_the_hardware_and_efficiencies(traces):
     base = _step(trace, a800)
     assert base.step_s > 0 and 0 < base.mfu < 1
     assert base.microbatches == 8  # DP 1, micro-batch 1
-    faster = _step(trace, {**a800, "bf16_tflops": 2 * a800["bf16_tflops"]})
+    rows = kernel_rows(a800)
+    faster_kernels = {kind: [{**row, "tflops": 2 * row["tflops"]} for row in rows[kind]]
+                      for kind in rows}
+    faster = _step(trace, {**a800, "kernels": faster_kernels})
     assert faster.forward_s < base.forward_s
+    # The peak only scales MFU: kernel time comes from the kernels' measured throughput.
+    higher_peak = _step(trace, {**a800, "bf16_tflops": 2 * a800["bf16_tflops"]})
+    assert higher_peak.step_s == pytest.approx(base.step_s)
+    assert higher_peak.mfu == pytest.approx(base.mfu / 2)
     slower_links = _step(trace, a800, collective=a800["efficiency"]["collective"] / 2)
     assert slower_links.collectives_s == pytest.approx(2 * base.collectives_s)
     reorganising = predict_step(trace.header["work"], trace.header, a800,
-                                Efficiency.from_profile(a800), global_batch=8,
+                                _efficiency(trace, a800), global_batch=8,
                                 persistent=persistent_bytes(trace),
                                 reorganisations_per_iteration=3)
     assert reorganising.step_s == pytest.approx(
         base.step_s + 3 * a800["efficiency"]["reorganisation_s"])
     two_replicas = {**trace.header, "layout": {**trace.header["layout"], "dp": 2}}
     with pytest.raises(CostModelError, match="--global-batch-size 7"):
-        predict_step(trace.header["work"], two_replicas, a800, Efficiency.from_profile(a800),
+        predict_step(trace.header["work"], two_replicas, a800, _efficiency(trace, a800),
                      global_batch=7, persistent=persistent_bytes(trace))
 
 

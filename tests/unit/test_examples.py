@@ -23,8 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from memo_ext.estimate.flops import gpt_shape, parameter_count
+from memo_ext.estimate.models import model_shape
+
 from megatron.training.arguments import parse_args
-from megatron.training.metrics import count_parameters
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"
@@ -40,7 +42,6 @@ TABLE_2 = {
 }
 GPUS_PER_NODE = 8
 GPT2_VOCAB = 50257
-GPT2_VOCAB_PADDED_TP8 = 51200  # next multiple of 128 x TP=8
 ARRAYS = ("MODEL_ARGS", "PARALLEL_ARGS", "TRAINING_ARGS")
 SHELL_SCRIPTS = sorted([*EXAMPLES.rglob("*.sh"), *EXAMPLES.rglob("*.sbatch")])
 
@@ -114,8 +115,10 @@ def test_config_matches_table_2_and_validates_on_its_nodes(model):
     assert args.position_embedding_type == "rope"
     assert args.normalization == "LayerNorm" and not args.swiglu
     assert args.untie_embeddings_and_output_weights
-    parameters = count_parameters(args, GPT2_VOCAB_PADDED_TP8)
-    assert 0.95 * billions < parameters / 1e9 < 1.1 * billions
+    parameters = parameter_count(gpt_shape(args, GPT2_VOCAB))
+    assert parameters == parameter_count(model_shape(model))  # the estimator's preset
+    # MFU's P leaves out the input embedding (a lookup): 7B's is 6.65 billion
+    assert 0.9 * billions < parameters / 1e9 < 1.1 * billions
     # Long-context layout: TP=8 + SP inside a node, every GPU model-parallel (no DP replicas).
     assert args.tensor_model_parallel_size == GPUS_PER_NODE and args.sequence_parallel
     assert (args.tensor_model_parallel_size * args.pipeline_model_parallel_size

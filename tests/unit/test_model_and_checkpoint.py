@@ -1,5 +1,5 @@
 """In-process (world of one, gloo) checks of the pieces behind the trainer: the parameter
-count used for MFU, the SDPA/CP attention shim against megatron.core's own attention, the
+count used for MFU (memo_ext.estimate.flops) against the built model, the SDPA/CP attention shim against megatron.core's own attention, the
 resumable sampler, and checkpoint atomicity when a save dies half way."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.training import metrics
+from memo_ext.estimate.flops import gpt_shape, model_flops_per_sequence, parameter_count
+
 from megatron.training.arguments import core_transformer_config_from_args, parse_args
 from megatron.training.data import MicroBatchSampler
 from tests.conftest import TINY_GPT_ARGS
@@ -45,20 +46,30 @@ def build_args(extra: list[str]):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_parameter_count_matches_built_model(megatron_world, variant):
+def test_mfu_parameter_count_is_the_built_models_per_token_gemm_weights(megatron_world, variant):
+    """P counts every 2-D weight of a layer's GEMMs and the output layer once, with the
+    tokenizer's vocabulary rows (not the padding); embeddings (lookups), biases and norms out."""
     import pretrain_gpt
 
     args = build_args(VARIANTS[variant])
     model = pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
-    assert metrics.count_parameters(args, args.padded_vocab_size) == sum(
-        p.numel() for p in model.parameters()
-    )
+    output_layer = ("output_layer.weight" if args.untie_embeddings_and_output_weights
+                    else "embedding.word_embeddings.weight")
+    gemm_weights = 0
+    for name, parameter in model.named_parameters():
+        if name == output_layer:
+            assert parameter.shape == (args.padded_vocab_size, args.hidden_size)
+            gemm_weights += args.vocab_size * args.hidden_size
+        elif parameter.dim() == 2 and not name.startswith("embedding."):
+            gemm_weights += parameter.numel()
+    assert parameter_count(gpt_shape(args, args.vocab_size)) == gemm_weights
 
 
 def test_model_flops_formula():
     args = build_args([])
-    flops = metrics.model_flops_per_sample(args, num_parameters=1000)
-    assert flops == 6 * 64 * 1000 + 6 * 4 * 64 * 64**2
+    shape = gpt_shape(args, args.vocab_size)
+    assert model_flops_per_sequence(shape, 64) == \
+        6 * 64 * parameter_count(shape) + 6 * 4 * 64 * 64**2
 
 
 @pytest.mark.parametrize("mask_type", ["causal", "no_mask"])

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from memo_ext.estimate.memory import load_hardware
+from memo_ext.estimate.cost import persistent_bytes
+from memo_ext.estimate.flops import parameter_count
+from memo_ext.estimate.memory import external_bytes, load_hardware
 from memo_ext.estimate.models import model_shape
+from memo_ext.estimate.rank_constants import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    WEIGHT_AND_GRAD_BYTES_PER_PARAM,
+)
+from memo_ext.planner.trace import MiB, read_trace
 from memo_ext.sppo.solver import GiB, Problem, evaluate, not_fit_message, solve
 
 TINY = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
@@ -25,13 +32,16 @@ def test_memory_terms_match_a_hand_computation():
     # Parameters: 4 layers x (attention 4*64*64 + MLP 2*64*256) + embedding 1000*64.
     params = 4 * (4 * 64 * 64 + 2 * 64 * 256) + 1000 * 64
     per_stage = 4 // pp
-    assert one.memory.model_states == pytest.approx(16 * params / (pp * tp))
+    # bf16 weights, fp32 gradients (6); fp32 main weights and Adam moments (12), not sharded
+    assert one.memory.model_states == pytest.approx((6 + 12) * params / (pp * tp))
     kv = per_stage * 2 * seq * 64 * 2 / tp
     assert one.memory.kv_cache == pytest.approx(kv)
     assert one.memory.dkv_accumulators == pytest.approx(kv)  # all of K/V precedes the end
     assert one.memory.activations == pytest.approx(per_stage * 36 * seq * 64 / tp)
     assert one.memory.staging == 0 and one.alphas == [0.0]
     assert one.memory.logits == pytest.approx(seq * 1000 * 4 / tp)
+    assert one.memory.workspaces == 2 * (8 * MiB + 128 * 1024)  # sm80: main and autograd
+    assert one.memory.reserved == (512 + 2 * 128) * MiB  # context, NCCL of TP and PP
 
     two = evaluate(Problem(TINY, gpus=4, hardware=A100, seq=seq), tp, pp, 2)
     a = [per_stage * 36 * s * 64 / tp for s in two.lengths]
@@ -96,7 +106,8 @@ def test_msp_trades_bubble_for_weight_traffic_and_memory():
     plain = evaluate(Problem(model, gpus=32, hardware=A100, seq=1 << 20), 4, 8, 16)
     msp = evaluate(Problem(model, gpus=32, hardware=A100, seq=1 << 20, msp=True), 4, 8, 16)
     assert msp.time_terms["bubble"] < plain.time_terms["bubble"] / 2
-    stage_bf16 = plain.memory.model_states / 16 * 2  # a stage's bf16 weights, sharded over TP
+    per_param = WEIGHT_AND_GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM
+    stage_bf16 = plain.memory.model_states / per_param * 2  # a stage's bf16 weights over TP
     assert msp.memory.msp_weights == pytest.approx(stage_bf16)
     # 7 warm-up forward slots with helpers (p=8): each broadcasts, and its backward broadcasts
     # again and reduces the gradients, over InfiniBand (t*p = 32 GPUs > 8 per node).
@@ -113,3 +124,33 @@ def test_cli_plans_with_msp(capsys):
                         "896K", "--msp"]) == 0
     out = capsys.readouterr().out
     assert "SPPO plan with MSP, predicted" in out and "MSP weight traffic" in out
+
+
+def test_sppo_rows_hold_what_a_trace_of_the_same_layout_records(tmp_path):
+    """tools/estimate.py --recommend ranks SPPO's rows beside traced ones: the model states per
+    parameter, the cuBLAS workspaces and the memory outside the allocator must be what a trace
+    of the same layout (TP 2, DP 2, distributed optimizer) records, and what the traced
+    candidates' filter (memo_ext.estimate.layout) assumes."""
+    from megatron.training.cli import trace
+
+    output = tmp_path / "trace.jsonl.gz"
+    assert trace.main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                       "--seq-length", "256", "--vocab-size", "600", "--tp", "2", "--dp", "2",
+                       "--bf16", "--gpu", "a100-80gb", "--quiet", "-o", str(output)]) == 0
+    traced = read_trace(output)
+    persistent = persistent_bytes(traced)
+    params = persistent["parameter"] / 2  # the rank's bf16 weights
+    assert (persistent["parameter"] + persistent["gradient"]) / params == \
+        WEIGHT_AND_GRAD_BYTES_PER_PARAM
+    assert persistent["optimizer"] * 2 / params == pytest.approx(OPTIMIZER_BYTES_PER_PARAM,
+                                                                  rel=1e-3)  # over DP 2
+
+    model = traced.header["model"]
+    sppo = evaluate(Problem(model, gpus=4, hardware=A100, seq=256, distributed_optimizer=True),
+                    2, 1, 1).memory
+    assert sppo.model_states / (parameter_count(model) / 2) == pytest.approx(
+        sum(persistent.values()) / params, rel=1e-3)
+    assert sppo.reserved == external_bytes(traced)
+    assert sppo.workspaces == sum(
+        e["bytes"] for e in traced.events
+        if e["action"] == "alloc" and (e["module"] or "").startswith("cuBLAS workspace"))

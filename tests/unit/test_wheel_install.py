@@ -108,7 +108,7 @@ def test_the_installed_modules_come_from_the_wheel(installed):
         import importlib.metadata, json, sys
         import megatron.core, megatron.training.cli.trace, memo_ext, memo_ext._C, pretrain_gpt
         from memo_ext.alloc import stitching_cuda
-        from memo_ext.estimate.layout import TRACER_SOURCES, module_file
+        from memo_ext.estimate.trace_key import tracer_files
         print(json.dumps({
             "files": {m.__name__: m.__file__ for m in (
                 memo_ext, memo_ext._C, megatron.training.cli.trace, pretrain_gpt)},
@@ -117,7 +117,7 @@ def test_the_installed_modules_come_from_the_wheel(installed):
                       importlib.metadata.distributions(name="megatron-memo")],
             "finders": [type(f).__module__ for f in sys.meta_path],
             "path": sys.path,
-            "tracer_sources": [str(module_file(m)) for m in TRACER_SOURCES],
+            "tracer_sources": [str(p) for p in tracer_files().values()],
             "stitching": [str(p) for p in (stitching_cuda.SOURCE, *stitching_cuda.HEADERS)],
             "stitching_build_dir": str(stitching_cuda.DEFAULT_BUILD_DIR)}))
         """))
@@ -131,6 +131,7 @@ def test_the_installed_modules_come_from_the_wheel(installed):
     # "" (the working directory) and relative entries are the child's, in ``work``.
     assert not any((installed.work / p).resolve() == REPO_ROOT for p in report["path"])
     # The trace cache key hashes the installed tracer's files, not the checkout's.
+    assert len(report["tracer_sources"]) > 50, report  # the tracer's import graph
     assert all(Path(p).resolve().is_relative_to(ours) for p in report["tracer_sources"]), report
     assert all(Path(p).is_file() and Path(p).resolve().is_relative_to(ours)
                for p in report["stitching"]), report["stitching"]

@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "micro-batches in flight on a stage).")
 
     training = parser.add_argument_group("training")
-    training.add_argument("--bf16", action="store_true", help="bf16 parameters and activations.")
+    training.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
+                          help="bf16 parameters and activations (--no-bf16, later on the line, "
+                               "undoes it: the cpu profile's fp32 trainer).")
     training.add_argument("--fp16", action="store_true")
     training.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     training.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
@@ -489,6 +491,8 @@ def trace_header(opts, args, coordinates: dict, constants) -> dict:
     """Plain-data description of what was traced (the trace file's first line)."""
     from megatron.core import package_info
 
+    from memo_ext.estimate.flops import gpt_shape
+
     return {
         "mode": "live" if opts.live else "fake",
         "layout": {"tp": opts.tp, "cp": opts.cp, "pp": opts.pp, "dp": opts.dp,
@@ -496,13 +500,11 @@ def trace_header(opts, args, coordinates: dict, constants) -> dict:
                    "sequence_parallel": bool(args.sequence_parallel),
                    "micro_batch_size": args.micro_batch_size,
                    "microbatches_in_flight": opts.microbatches_in_flight},
-        "model": {"name": opts.model, "num_layers": args.num_layers,
-                  "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
-                  "num_attention_heads": args.num_attention_heads,
-                  "num_query_groups": args.num_query_groups, "kv_channels": args.kv_channels,
-                  "vocab_size": args.vocab_size, "padded_vocab_size": args.padded_vocab_size,
+        # The shape fields as the trainer's MFU reads them (one function for both).
+        "model": {"name": opts.model, **gpt_shape(args, args.vocab_size),
+                  "padded_vocab_size": args.padded_vocab_size,
                   "seq_length": args.seq_length, "params_dtype": str(args.params_dtype),
-                  "normalization": args.normalization, "swiglu": bool(args.swiglu),
+                  "normalization": args.normalization,
                   "position_embedding_type": args.position_embedding_type,
                   "add_bias_linear": bool(args.add_bias_linear)},
         "options": {"recompute_granularity": args.recompute_granularity,
