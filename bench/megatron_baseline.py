@@ -125,7 +125,7 @@ def main() -> int:
     lines = ["# Megatron-LM in the MEMO paper: with or without context parallelism?", "",
              f"`python bench/megatron_baseline.py`, {time.perf_counter() - started:.0f} s on "
              "this 2-core CPU machine (traces from the cache where present). Ours: predicted "
-             "(allocator models and the cost model, hardware.json's efficiencies); the paper's: "
+             "(allocator models and the cost model, the kernel tables' efficiencies); the paper's: "
              "measured on A800-80GB, 16 sequences per iteration.", "",
              "## Longest sequence", "", *longest_lines, "",
              "## MFU", "", *mfu_lines, ""]
