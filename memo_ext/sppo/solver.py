@@ -93,11 +93,11 @@ LINEAR_BACKWARD_RATIO = 2.0
 ATTENTION_BACKWARD_RATIO = 2.5
 #: Fixed cost per layer per subsequence forward (backward counted twice, like its FLOPs):
 #: ~15 kernel launches of ~3 us each plus the host-side bookkeeping of the subsequence
-#: scheduler. It is what makes very short subsequences lose, mirroring the paper's finding
-#: that 2K-16K tokens per subsequence work best.
+#: scheduler. Small beside the kernels: what makes short subsequences lose is the attention
+#: kernels' lower throughput at short lengths (the kernel tables).
 LAUNCH_OVERHEAD_S = 50e-6
-#: Shortest subsequence tried, tokens (far below the paper's 2K sweet spot; the overhead
-#: term decides, this only bounds the search).
+#: Shortest subsequence tried, tokens (far below the paper's 2K sweet spot; the kernel tables
+#: decide, this only bounds the search).
 MIN_SUBSEQUENCE_TOKENS = 256
 #: Most subsequences tried.
 MAX_SUBSEQUENCES = 1024
