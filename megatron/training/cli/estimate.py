@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from memo_ext.estimate.cpu_profile import CPU_PROFILE
 from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS
 from memo_ext.estimate.models import MODELS, ModelError, model_shape
 from memo_ext.estimate.sppo_layouts import (
@@ -65,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True,
                         help="7b, 13b, 30b, 65b (examples/configs) or a JSON file with "
                              + ", ".join(MODEL_FILE_KEYS) + " (and swiglu: true/false)")
-    parser.add_argument("--gpu", required=True, help="a profile of memo_ext/estimate/hardware.json")
+    parser.add_argument("--gpu", required=True,
+                        help="a profile of memo_ext/estimate/hardware.json, or cpu: this "
+                             "machine running the CPU trainer (fp32, one process per rank), "
+                             "micro-benchmarked at startup for the one layout and --seq-length "
+                             "asked (memo_ext/estimate/cpu_profile.py; traced whole)")
     parser.add_argument("--hardware-file", type=Path, default=None,
                         help="extra GPU profiles (JSON, the keys of hardware.json)")
     parser.add_argument("--gpus", type=int, default=None,
@@ -288,8 +293,12 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
 
     try:
         shape_argv, shape = model_argv(opts.model)
-        hardware = load_hardware(opts.gpu, opts.hardware_file)
-        device = int(hardware["device_memory_bytes"])
+        cpu = opts.gpu.lower() == CPU_PROFILE
+        if cpu:
+            check_cpu_question(opts, shape)
+        # --gpu cpu is measured once the layout is known (below).
+        hardware = None if cpu else load_hardware(opts.gpu, opts.hardware_file)
+        device = None if cpu else int(hardware["device_memory_bytes"])
         cache = TraceCache(None if opts.no_cache else (opts.cache_dir or default_cache_dir()),
                            workers=opts.jobs)
         if opts.recompute_num_layers is not None and opts.policy != "megatron-block":
@@ -404,12 +413,15 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             recompute_layers = opts.recompute_num_layers
         layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
                         opts.micro_batch_size, recompute_layers)
+        if cpu:
+            hardware = cpu_hardware(layout, shape, opts.seq_length, say)
+            device = int(hardware["device_memory_bytes"])
         with cache:
             model, refused = build_layout_model(
-                shape_argv, layout, hardware, cache=cache, exhaustive=opts.exhaustive,
+                shape_argv, layout, hardware, cache=cache, exhaustive=opts.exhaustive or cpu,
                 global_batch=opts.global_batch_size, allocator=opts.allocator,
                 host_memory_gb_per_node=opts.host_memory_gb, num_layers=shape["num_layers"])
-        how = ("traced whole at every length probed" if opts.exhaustive else
+        how = ("traced whole at every length probed" if opts.exhaustive or cpu else
                f"traces at {FIT_SEQS[0]} and {FIT_SEQS[1]} tokens"
                + ("" if refused or all(m.symbolic is None for m in model.stages) else
                   f" of {model.stages[0].symbolic.layers} layers, checked at {CHECK_SEQ} "
@@ -451,6 +463,42 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         return 0
     except (UsageError, EstimateError, CostModelError) as exc:
         return _fail(str(exc))
+
+
+def check_cpu_question(opts: argparse.Namespace, shape: dict) -> None:
+    """--gpu cpu answers one fixed layout at one length (its kernels are measured there);
+    anything else is refused in one line."""
+    if opts.recommend or (opts.gpus and all(v is None for v in (opts.tp, opts.cp, opts.pp))):
+        raise UsageError("--gpu cpu measures this machine for one layout: give --tp/--cp/--pp "
+                         "instead of a layout search")
+    if opts.seq_length is None:
+        raise UsageError("--gpu cpu predicts one --seq-length (its kernels are measured at "
+                         "that length); give --seq-length instead of --max-seq-length")
+    if opts.policy == "sppo":
+        raise UsageError("--gpu cpu --policy sppo: SPPO's analytic model has no CPU profile; "
+                         "use megatron, megatron-none, megatron-block, megatron-selective or "
+                         "memo")
+    if opts.hardware_file is not None:
+        raise UsageError("--hardware-file does not apply to --gpu cpu (its profile is "
+                         "measured); drop it")
+    if not shape.get("ffn_hidden_size"):
+        raise UsageError(f"--model {opts.model}: --gpu cpu measures the MLP's GEMMs; give "
+                         "ffn_hidden_size in the model file")
+
+
+def cpu_hardware(layout, shape: dict, seq: int, say) -> dict:
+    """The cpu profile micro-benchmarked for ``layout`` at ``seq`` tokens (one process per
+    rank, the cores shared out), or a UsageError naming what cannot be measured."""
+    from memo_ext.estimate.cpu_profile import CpuProfileError, measure_cpu_profile
+
+    say(f"measuring this machine for {layout.gpus} rank(s) (the cpu profile)")
+    try:
+        return measure_cpu_profile(
+            {**shape, "seq_length": seq},
+            {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp,
+             "micro_batch_size": layout.micro_batch}, ranks=layout.gpus, log=say)
+    except CpuProfileError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _fixed_sppo_layout(opts, shape: dict, hardware: dict, gpus: int, started: float) -> int:
