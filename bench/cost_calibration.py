@@ -214,34 +214,40 @@ def _model_argv(shape: dict) -> list[str]:
     if shape.get("num_query_groups"):
         argv += ["--num-query-groups", str(shape["num_query_groups"])]
     if shape.get("swiglu"):
-        argv += ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear"]
+        argv.append("--swiglu")
     return argv
 
 
-def source_flops_per_iteration(run: dict) -> float:
-    """FLOPs per iteration as the run's source counts them (its ``reported.definition_id``),
-    so that its reported throughput gives back its measured iteration time."""
+def _megatron_2021_flops(run: dict) -> float:
+    """Narayanan et al. 2021, eq. (3): 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration, the
+    recomputed forward included."""
     shape, seq, batch = run["model"], run["seq_length"], run["global_batch"]
     layers, hidden, vocab = shape["num_layers"], shape["hidden_size"], shape["vocab_size"]
-    definition = run["reported"]["definition_id"]
-    if definition == "megatron-2021":  # Narayanan et al. 2021, eq. (3): recompute included
-        return 96 * batch * seq * layers * hidden ** 2 * (
-            1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
-    if definition == "ours":
-        return batch * model_flops_per_sequence(shape, seq)
-    raise ValueError(f"bench/published_runs.json: unknown definition_id {definition!r}")
+    return 96 * batch * seq * layers * hidden ** 2 * (
+        1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
-def published_rows(hardware_of, cache, jobs: int) -> list[dict]:
+#: FLOPs per iteration as a source counts them (``reported.definition_id``): what turns its
+#: reported TFLOP/s per GPU back into its measured iteration time. A run counted otherwise is
+#: skipped.
+SOURCE_FLOPS = {"megatron-2021": _megatron_2021_flops}
+TFLOPS_METRICS = ("hardware_tflops_per_gpu", "model_tflops_per_gpu")
+
+
+def published_rows(hardware_of, cache) -> list[dict]:
     """Each published run predicted at its own layout; measured MFU in our definition (the
     source's throughput turned back into its iteration time by its own FLOPs count)."""
     runs = json.loads(PUBLISHED_RUNS.read_text())["runs"]
     rows = []
     for run in runs:
         policy = RECOMPUTE_POLICIES.get(run["recompute"])
-        if policy is None or run["dtype"] not in ("bf16", "fp16"):
+        reported = run["reported"]
+        source_flops = SOURCE_FLOPS.get(reported.get("definition_id"))
+        if policy is None or run["dtype"] not in ("bf16", "fp16") or source_flops is None \
+                or reported["metric"] not in TFLOPS_METRICS:
             print(f"  skipped {run['source']} {run['where']}: recompute {run['recompute']}, "
-                  f"{run['dtype']} (not modelled)")
+                  f"{run['dtype']}, FLOPs counted as {reported.get('definition_id')} "
+                  "(not modelled)")
             continue
         hardware = hardware_of(run["gpu"])
         peak = float(hardware["bf16_tflops"]) * 1e12
@@ -253,14 +259,8 @@ def published_rows(hardware_of, cache, jobs: int) -> list[dict]:
                                   global_batch=run["global_batch"], cache=cache, fit_seqs=fit,
                                   num_layers=run["model"]["num_layers"])
         prediction = model.predict(seq)
-        reported = run["reported"]
         gpus = run["gpus"]
-        if reported["metric"] == "tokens_per_s_per_gpu":
-            step = run["global_batch"] * seq / (reported["value"] * gpus)
-        else:
-            rate = (reported["value"] / 100 * peak if reported["metric"] == "mfu_percent"
-                    else reported["value"] * 1e12)
-            step = source_flops_per_iteration(run) / (rate * gpus)
+        step = source_flops(run) / (reported["value"] * 1e12 * gpus)
         ours = run["global_batch"] * model_flops_per_sequence(run["model"], seq)
         rows.append({"source": run["source"], "what": f"{run['system']} "
                      f"{run['model']['name']}", "seq": seq, "gpus": gpus,
@@ -336,7 +336,7 @@ def main() -> int:
         systems = memo_paper_models(opts.models.split(","), a800, cache, opts.jobs)
         rows = memo_paper_rows(systems)
         if not opts.no_published:
-            rows += published_rows(load_hardware, cache, opts.jobs)
+            rows += published_rows(load_hardware, cache)
     constant = statistics.fmean(r["measured"] for r in rows if r["role"] == "constant's fit")
     lines = ["# Cost model evidence: kernel tables in, end-to-end runs out", "",
              f"`python bench/cost_calibration.py --models {opts.models}"

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from memo_ext.estimate.cpu_profile import cores, measure_cpu_profile, threads_per_rank  # noqa: E402
+from memo_ext.estimate.cpu_profile import (  # noqa: E402
+    cores,
+    free_port,
+    measure_cpu_profile,
+    threads_per_rank,
+)
 from memo_ext.estimate.kernels import at_model_shapes  # noqa: E402
 from memo_ext.estimate.layout import (  # noqa: E402
     Layout,
@@ -145,9 +149,7 @@ def trainer_command(trace_argv: list[str], ranks: int, metrics: Path) -> list[st
             skip = True
         else:
             argv.append(flag)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     return [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks),
             "--master-addr", "127.0.0.1", "--master-port", str(port),
             str(REPO_ROOT / "pretrain_gpt.py"), *argv,

@@ -28,6 +28,8 @@ from typing import Any
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
 from megatron.training.arguments import TOKENIZER_TYPES
+# Megatron's vocabulary padding rule lives beside the model shapes, which the estimator shares.
+from memo_ext.estimate.models import padded_vocab_size  # noqa: F401 (re-exported)
 
 EOD_TOKEN = "<|endoftext|>"
 """Text of the end-of-document token (the name GPT-2 uses)."""
@@ -291,25 +293,3 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_path: str)
             os.unlink(temp_path)
         raise
     return BPETokenizer(output_path)
-
-
-def padded_vocab_size(
-    vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int
-) -> int:
-    """Round ``vocab_size`` up to a multiple of divisible_by * TP (Megatron's padding rule).
-
-    The embedding table is split row-wise across tensor-parallel ranks, and each shard should keep
-    a GEMM-friendly size, hence the product.
-    """
-    if vocab_size < 1:
-        raise ValueError(f"vocab size must be positive, got {vocab_size}")
-    if make_vocab_size_divisible_by < 1:
-        raise ValueError(
-            f"--make-vocab-size-divisible-by must be positive, got {make_vocab_size_divisible_by}"
-        )
-    if tensor_model_parallel_size < 1:
-        raise ValueError(
-            f"--tensor-model-parallel-size must be positive, got {tensor_model_parallel_size}"
-        )
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple

@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from memo_ext.estimate.models import padded_vocab_size
+
 CPU_PROFILE = "cpu"
 #: Side of the square fp32 GEMM whose rate is the reference peak.
 PEAK_GEMM_SIZE = 2048
@@ -75,13 +77,6 @@ def threads_per_rank(ranks: int) -> int:
     return max(1, cores() // ranks)
 
 
-def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """megatron's padding rule (megatron.training.tokenizer.padded_vocab_size, default
-    --make-vocab-size-divisible-by): memo_ext does not import the trainer."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
-
 def measure_cpu_profile(model: dict, layout: dict, *, ranks: int,
                         threads: Optional[int] = None, repeats: int = 3,
                         log: Callable[[str], None] = lambda line: None) -> dict:
@@ -102,8 +97,9 @@ def measure_cpu_profile(model: dict, layout: dict, *, ranks: int,
     if model["seq_length"] % (2 * cp if cp > 1 else 1):
         raise CpuProfileError(f"--seq-length {model['seq_length']}: context parallelism {cp} "
                               f"needs a multiple of {2 * cp}")
+    # 128: the trainer's default --make-vocab-size-divisible-by.
     model = {**model, "padded_vocab_size": model.get("padded_vocab_size")
-             or padded_vocab(model["vocab_size"], tp)}
+             or padded_vocab_size(model["vocab_size"], 128, tp)}
     spec = {"model": model, "layout": {"micro_batch_size": 1, "pp": 1, **layout},
             "threads": threads, "repeats": repeats}
     started = time.perf_counter()
@@ -143,7 +139,7 @@ def _profile(measured: dict, ranks: int, threads: int) -> dict:
 
 # ----------------------------------------------------------------------------- the workers
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -155,7 +151,7 @@ def _run_workers(spec: dict, ranks: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="memo_cpu_profile_") as workdir:
         spec_path, out_path = Path(workdir) / "spec.json", Path(workdir) / "measured.json"
         spec_path.write_text(json.dumps(spec))
-        port = _free_port()
+        port = free_port()
         children = []
         for rank in range(ranks):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks),

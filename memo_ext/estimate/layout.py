@@ -17,8 +17,8 @@ no embedding) and the last stage alone carries the output layer and the loss.
 :func:`candidate_layouts` enumerates (TP, CP, PP, DP, policy, alpha, micro-batch) for a number
 of GPUs and drops, before any tracing, what cannot run: shapes that do not divide, and layouts
 whose parameters, gradients and optimizer state alone exceed the device (bytes per parameter:
-memo_ext.estimate.rank_constants). :func:`build_models` traces candidates in parallel; memo_ext.estimate.search ranks
-them.
+memo_ext.estimate.rank_constants). :func:`build_models` traces candidates in parallel;
+memo_ext.estimate.search ranks them.
 """
 
 from __future__ import annotations

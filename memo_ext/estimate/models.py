@@ -41,3 +41,26 @@ def model_shape(name: str) -> dict:
         raise ModelError(f"--model {name}: the file lacks {', '.join(missing)}")
     shape.setdefault("ffn_hidden_size", 4 * shape["hidden_size"])
     return shape
+
+
+def padded_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int
+) -> int:
+    """Round ``vocab_size`` up to a multiple of divisible_by * TP (Megatron's padding rule; the
+    trainer's tokenizer module and the estimator's CPU profile both use this one).
+
+    The embedding table is split row-wise across tensor-parallel ranks, and each shard should keep
+    a GEMM-friendly size, hence the product.
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab size must be positive, got {vocab_size}")
+    if make_vocab_size_divisible_by < 1:
+        raise ValueError(
+            f"--make-vocab-size-divisible-by must be positive, got {make_vocab_size_divisible_by}"
+        )
+    if tensor_model_parallel_size < 1:
+        raise ValueError(
+            f"--tensor-model-parallel-size must be positive, got {tensor_model_parallel_size}"
+        )
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple

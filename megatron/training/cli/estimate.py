@@ -476,8 +476,7 @@ def check_cpu_question(opts: argparse.Namespace, shape: dict) -> None:
                          "that length); give --seq-length instead of --max-seq-length")
     if opts.policy == "sppo":
         raise UsageError("--gpu cpu --policy sppo: SPPO's analytic model has no CPU profile; "
-                         "use megatron, megatron-none, megatron-block, megatron-selective or "
-                         "memo")
+                         "use megatron, megatron-none, megatron-block or memo")
     if opts.hardware_file is not None:
         raise UsageError("--hardware-file does not apply to --gpu cpu (its profile is "
                          "measured); drop it")
