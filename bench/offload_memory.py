@@ -293,7 +293,8 @@ class Bench:
 
         from megatron.training.arguments import core_transformer_config_from_args
         from memo_ext.config import OffloadConfig
-        from memo_ext.offload import AUTO_ALPHA_MEASURING_ITERATIONS, ActivationShape, MemoOffload
+        from memo_ext.offload import (AUTO_ALPHA_MEASURING_ITERATIONS, ActivationShape,
+                                      MemoOffload, position_wise_share_of)
         import pretrain_gpt
 
         sizes = self.sizes
@@ -316,7 +317,8 @@ class Bench:
                                    bandwidth_bytes_per_s=LP_BANDWIDTH_BYTES_PER_S,
                                    host_allocation_scope=tracker.host_allocations,
                                    log=alpha_lines.append,
-                                   device_headroom=tracker.headroom_bytes)
+                                   device_headroom=tracker.headroom_bytes,
+                                   position_wise_share=position_wise_share_of(args))
             torch.manual_seed(0)
             tensor_parallel.model_parallel_cuda_manual_seed(0)
             model = pretrain_gpt.model_provider(config, args, memo=memo)

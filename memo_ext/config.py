@@ -186,6 +186,21 @@ class OffloadConfig:
         None, flag="--memo-pcie-gbps", metavar="GB/S",
         help="Device->host copy bandwidth per rank, in GB/s (1e9 bytes/s). Default: measured "
              "at startup with all ranks of the node copying at once.")
+    checkpoint_layers: str = memo_field(
+        "auto", flag="--memo-checkpoint-layers", metavar="{auto,N}",
+        help="Layers per pipeline stage offloaded as checkpoints: only the layer input goes to "
+             "host memory and the whole layer, attention included, is recomputed before its "
+             "backward (half or less of MEMO's host bytes per layer, for the attention's "
+             "recomputation). 'auto' takes the fewest such layers that let the host budget hold "
+             "(0 when MEMO's own offload fits) and, with --memo-alpha auto, trades them against "
+             "alpha for the least recomputation; N fixes the count (spread evenly over the "
+             "stage's offloaded layers).")
+    offload_fp8: bool = memo_field(
+        False, flag="--memo-offload-fp8",
+        help="Lossy: store the tensors offloaded whole (layer inputs, attention outputs) in "
+             "host memory as fp8 e4m3 with one fp32 scale per block of 128 values, about half "
+             "the host bytes of bf16. Backward then recomputes from rounded inputs, so gradients "
+             "are no longer exact; see docs/memo_offload_modes.md for the measured loss gap.")
 
     @property
     def fixed_alpha(self) -> float | None:
@@ -200,6 +215,19 @@ class OffloadConfig:
         except (TypeError, ValueError):
             raise MemoConfigError(f"--memo-alpha {self.alpha!r} is not a number; use auto "
                                   "or a value in [0, 1]") from None
+
+    @property
+    def fixed_checkpoint_layers(self) -> int | None:
+        """``--memo-checkpoint-layers`` as a count, or None for ``auto`` (the solver's choice).
+
+        Raises MemoConfigError if it is neither ``auto`` nor a non-negative integer."""
+        text = str(self.checkpoint_layers).strip().lower()
+        if text == "auto":
+            return None
+        if not text.isdigit():
+            raise MemoConfigError(f"--memo-checkpoint-layers {self.checkpoint_layers!r} is not "
+                                  "a count; use auto or a whole number of layers >= 0")
+        return int(text)
 
     @property
     def host_memory_bytes(self) -> int | None:
@@ -244,10 +272,13 @@ class OffloadConfig:
             raise MemoConfigError(f"--memo-pcie-gbps {_fmt(self.pcie_gbps)} must be a positive "
                                   "number of GB/s; give the device->host bandwidth per rank or "
                                   "drop the flag to measure it at startup")
+        checkpoint_layers = self.fixed_checkpoint_layers  # raises for a non-count
         if not self.offload:
             given = {"alpha": alpha is not None, "host_memory_gb": self.host_memory_gb is not None,
                      "device_memory_gb": self.device_memory_gb is not None,
-                     "pcie_gbps": self.pcie_gbps is not None}
+                     "pcie_gbps": self.pcie_gbps is not None,
+                     "checkpoint_layers": checkpoint_layers is not None,
+                     "offload_fp8": self.offload_fp8}
             for name, value_given in given.items():
                 value = getattr(self, name)
                 if value_given:

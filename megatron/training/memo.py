@@ -17,7 +17,7 @@ from memo_ext.config import (BYTES_PER_MIB, METPConfig, MemoConfigError, Offload
                              config_from_args)
 from memo_ext.device import CopyEngine, cuda_memory_headroom, measure_offload_bandwidth
 from memo_ext.device_memory import current_allocator
-from memo_ext.offload import ActivationShape, MemoOffload
+from memo_ext.offload import ActivationShape, MemoOffload, position_wise_share_of
 from memo_ext.offload.alpha import default_host_memory_bytes, microbatches_in_flight
 from memo_ext.telemetry import MemoryTelemetry
 
@@ -112,14 +112,7 @@ def build_memo_offload(args: argparse.Namespace, log,
     bandwidth_source = ("--memo-pcie-gbps" if config.pcie_bytes_per_s is not None
                         else "measured, all ranks copying at once")
     host_memory = _host_memory_budget(config.host_memory_bytes)
-    shape = ActivationShape(
-        sequence_tokens=args.seq_length // args.context_parallel_size,
-        micro_batch_size=args.micro_batch_size,
-        hidden_size=args.hidden_size,
-        tensor_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        element_bytes=torch.tensor([], dtype=args.params_dtype).element_size(),
-    )
+    shape = ActivationShape.of_trainer(args)
     in_flight = microbatches_in_flight(
         parallel_state.get_pipeline_model_parallel_rank(),
         args.pipeline_model_parallel_size,
@@ -130,11 +123,12 @@ def build_memo_offload(args: argparse.Namespace, log,
         microbatches_in_flight=in_flight, shape=shape, host_memory_bytes=host_memory,
         bandwidth_bytes_per_s=bandwidth, log=log, agree_on_alpha=_all_ranks_minimum,
         device_headroom=_device_headroom(device, telemetry),
+        position_wise_share=position_wise_share_of(args),
         **({} if telemetry is None else {"host_allocation_scope": telemetry.tracker.host_allocations}),
     )
     log(f"> MEMO offload: alpha {config.alpha} | D2H bandwidth {bandwidth / BYTES_PER_GB:.2f} GB/s "
         f"per rank ({bandwidth_source}) | host memory {host_memory / BYTES_PER_GB:.2f} GB per rank "
-        f"| {in_flight} micro-batch(es) in flight on this stage")
+        f"| {in_flight} micro-batch(es) in flight on this stage | {memo.describe_modes()}")
     return memo
 
 

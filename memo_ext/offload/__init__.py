@@ -23,14 +23,24 @@ from memo_ext.offload.alpha import (
     AlphaDecision,
     AlphaInputs,
     format_alpha_log,
-    host_memory_shortfall,
     offloaded_layers,
     solve_alpha,
 )
+from memo_ext.offload import fp8
 from memo_ext.offload.layer import LAYERS_KEPT_ON_DEVICE, MemoTransformerLayer
-from memo_ext.offload.manager import OffloadManager
+from memo_ext.offload.manager import BUFFER_ALIGNMENT_BYTES, OffloadManager
+from memo_ext.offload.modes import (
+    LayerModes,
+    checkpoint_layer_indices,
+    fewest_checkpoint_layers,
+    host_bytes_needed,
+    position_wise_share,
+    solve_layer_modes,
+    with_checkpoint_layers,
+)
 
-__all__ = ["AUTO_ALPHA_MEASURING_ITERATIONS", "ActivationShape", "MemoOffload", "MemoTransformerLayer"]
+__all__ = ["AUTO_ALPHA_MEASURING_ITERATIONS", "ActivationShape", "LayerModes", "MemoOffload",
+           "MemoTransformerLayer"]
 
 BYTES_PER_GB = 1e9
 
@@ -54,23 +64,62 @@ class ActivationShape:
     tensor_parallel_size: int
     sequence_parallel: bool
     element_bytes: int
+    offload_fp8: bool = False  # --memo-offload-fp8: tensors offloaded whole stored as fp8
+    num_attention_heads: int = 0  # 0: leave the attention statistics out of S_attn
+
+    #: Bytes per value of the core attention's log-sum-exp (fp32 whatever the model's dtype).
+    STATISTICS_BYTES = 4
+
+    @classmethod
+    def of_trainer(cls, args) -> "ActivationShape":
+        """The shape of a validated trainer argument namespace (pretrain_gpt.py's flags)."""
+        return cls(sequence_tokens=args.seq_length // args.context_parallel_size,
+                   micro_batch_size=args.micro_batch_size, hidden_size=args.hidden_size,
+                   tensor_parallel_size=args.tensor_model_parallel_size,
+                   sequence_parallel=bool(args.sequence_parallel),
+                   element_bytes=torch.tensor([], dtype=args.params_dtype).element_size(),
+                   offload_fp8=bool(getattr(args, "memo_offload_fp8", False)),
+                   num_attention_heads=args.num_attention_heads)
+
+    def _stored(self, values: int, whole: bool = True, element_bytes: Optional[int] = None) -> int:
+        """Rounding-buffer bytes of a tensor of ``values`` values (aligned as stored)."""
+        nbytes = (fp8.stored_bytes(values) if whole and self.offload_fp8
+                  else values * (element_bytes or self.element_bytes))
+        return -(-nbytes // BUFFER_ALIGNMENT_BYTES) * BUFFER_ALIGNMENT_BYTES
 
     @property
     def input_bytes(self) -> int:
         tokens = self.sequence_tokens // (self.tensor_parallel_size if self.sequence_parallel else 1)
-        return tokens * self.micro_batch_size * self.hidden_size * self.element_bytes
+        return self._stored(tokens * self.micro_batch_size * self.hidden_size)
 
     @property
     def attention_output_bytes(self) -> int:
-        """The out-projection input (offloaded whole) plus the core attention's own saved copy
-        of its output, which our layer cannot share (see README, MEMO section)."""
-        one = (self.sequence_tokens * self.micro_batch_size * self.hidden_size
-               // self.tensor_parallel_size * self.element_bytes)
-        return 2 * one
+        """S_attn: the out-projection input (offloaded whole), the core attention's own saved
+        copy of its output, which our layer cannot share (see README, MEMO section), and its
+        log-sum-exp per head and token (fp32)."""
+        one = self.sequence_tokens * self.micro_batch_size * self.hidden_size \
+            // self.tensor_parallel_size
+        statistics = (self.micro_batch_size * self.num_attention_heads
+                      // self.tensor_parallel_size * self.sequence_tokens)
+        return (self._stored(one) + self._stored(one, whole=False)
+                + (self._stored(statistics, whole=False, element_bytes=self.STATISTICS_BYTES)
+                   if statistics else 0))
+
+
+def position_wise_share_of(args) -> float:
+    """f of memo_ext.offload.modes for a trainer argument namespace: the share of one layer's
+    forward FLOPs over the whole sequence that is not core attention."""
+    from memo_ext.sppo.partition import LayerFlops
+
+    flops = LayerFlops.of_gpt_layer(args.hidden_size, args.ffn_hidden_size,
+                                    args.num_attention_heads, args.num_query_groups,
+                                    args.kv_channels, args.swiglu)
+    return position_wise_share(flops.linear, flops.attention_per_key, args.seq_length)
 
 
 class MemoOffload:
-    """MEMO for one model chunk: layer spec, offload manager, alpha."""
+    """MEMO for one model chunk: layer spec, offload manager, alpha, and which offloaded layers
+    are checkpoint-offloaded (memo_ext.offload.modes)."""
 
     def __init__(self, config: OffloadConfig, engine: CopyEngine, layers_per_stage: int,
                  microbatches_in_flight: int, shape: ActivationShape,
@@ -78,7 +127,8 @@ class MemoOffload:
                  host_allocation_scope: Callable[[], ContextManager[None]] = nullcontext,
                  log: Callable[[str], None] = print,
                  agree_on_alpha: Callable[[float], float] = lambda alpha: alpha,
-                 device_headroom: Optional[Callable[[], Optional[int]]] = None):
+                 device_headroom: Optional[Callable[[], Optional[int]]] = None, *,
+                 position_wise_share: float):
         config.validate()
         if layers_per_stage <= LAYERS_KEPT_ON_DEVICE:
             raise MemoConfigError(
@@ -95,26 +145,41 @@ class MemoOffload:
         self.pinned_rounding = engine.device.type == "cuda"
         self.log = log
         # Ranks measure slightly different layer times; TP/SP collectives in the token-split
-        # forward need every rank to use the same alpha (the trainer passes an all-reduce MIN).
+        # forward need every rank to use the same alpha (the trainer passes an all-reduce MIN),
+        # and the same checkpoint layers (their recomputation runs the layer's collectives).
         self.agree_on_alpha = agree_on_alpha
         # Reads the device bytes left unused at the peak so far (e.g. cuda_memory_headroom);
         # with --memo-alpha auto it is read once, after the alpha-0 measuring iteration, and
         # caps alpha so the larger rounding buffers still fit. None: no device row in the LP.
         self.device_headroom = device_headroom
+        # f of memo_ext.offload.modes: the share of a layer's forward MEMO's alpha part
+        # recomputes (position_wise_share_of(args) for the trainer's model).
+        self.position_wise_share = position_wise_share
         self.decision: Optional[AlphaDecision] = None
-        self._check_host_memory_at_alpha_zero()
+        self.modes: Optional[LayerModes] = None
+        self.checkpoint_layers = self._initial_checkpoint_layers()
         fixed = config.fixed_alpha
         self.manager = OffloadManager(engine, 0.0 if fixed is None else fixed,
-                                      host_allocation_scope)
+                                      host_allocation_scope, compress_whole=shape.offload_fp8)
         self._forward_seconds: list[float] = []
         self._measured_iterations = 0
+
+    @property
+    def offloaded_layer_count(self) -> int:
+        """N: layers of this stage whose activations go to host."""
+        return (offloaded_layers(self.layers_per_stage) if self.microbatches_in_flight == 1
+                else self.layers_per_stage)
+
+    @property
+    def checkpoint_layer_indices(self) -> frozenset[int]:
+        """Stage-layer indices in checkpoint mode (b)."""
+        return checkpoint_layer_indices(self.offloaded_layer_count, self.checkpoint_layers)
 
     def _inputs(self, other_bytes: int, layer_forward_s: float,
                 whole_bytes: Optional[int] = None,
                 device_headroom_bytes: Optional[int] = None) -> AlphaInputs:
         """LP inputs; ``whole_bytes`` (measured bytes offloaded per layer at alpha 0) replaces
-        the analytic S_in + S_attn when known, since it also counts attention statistics and,
-        under CP, the gathered K/V the core attention saves."""
+        the analytic S_in + S_attn when known (the same tensors, as the layer stored them)."""
         attention_output_bytes = self.shape.attention_output_bytes
         if whole_bytes is not None:
             attention_output_bytes = max(0, whole_bytes - self.shape.input_bytes)
@@ -127,20 +192,34 @@ class MemoOffload:
             bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
             layer_forward_s=layer_forward_s,
             host_memory_bytes=self.host_memory_bytes,
-            offloaded_layers=(offloaded_layers(self.layers_per_stage)
-                              if self.microbatches_in_flight == 1 else self.layers_per_stage),
+            offloaded_layers=self.offloaded_layer_count,
             microbatches_in_flight=self.microbatches_in_flight,
             pinned_rounding=self.pinned_rounding,
         )
 
-    def _check_host_memory_at_alpha_zero(self) -> None:
-        missing = host_memory_shortfall(self._inputs(other_bytes=0, layer_forward_s=0.0))
-        if missing:
+    def _initial_checkpoint_layers(self) -> int:
+        """--memo-checkpoint-layers N, or with auto the fewest that let alpha 0's arena (the
+        measuring iterations', or a fixed alpha's before S_oth is known) fit host memory."""
+        inputs = self._inputs(other_bytes=0, layer_forward_s=0.0)
+        layers = inputs.offloaded_layers
+        fixed = self.config.fixed_checkpoint_layers
+        if fixed is not None and fixed > layers:
             raise MemoConfigError(
-                f"--memo-offload: host memory is {missing / BYTES_PER_GB:.2f} GB short even at "
-                f"alpha=0 ({self.host_memory_bytes / BYTES_PER_GB:.2f} GB per rank available); "
-                "raise --memo-host-memory-gb, add nodes, or shorten --seq-length"
-            )
+                f"--memo-checkpoint-layers {fixed} exceeds the {layers} offloaded layers of this "
+                "pipeline stage; give at most that many, or auto")
+        count = fixed if fixed is not None else fewest_checkpoint_layers(
+            inputs, self.shape.input_bytes)
+        needed = host_bytes_needed(inputs, layers if count is None else count,
+                                   self.shape.input_bytes, 0.0)
+        if needed > self.host_memory_bytes:
+            what = (f"with {count} checkpoint layers" if fixed is not None
+                    else f"even with all {layers} offloaded layers checkpointed")
+            raise MemoConfigError(
+                f"--memo-offload: host memory is {(needed - self.host_memory_bytes) / BYTES_PER_GB:.2f} "
+                f"GB short {what} at alpha=0 ({self.host_memory_bytes / BYTES_PER_GB:.2f} GB per rank "
+                "available); raise --memo-host-memory-gb, add nodes, use --memo-offload-fp8, or "
+                "shorten --seq-length")
+        return count
 
     def layer_spec(self, base: ModuleSpec) -> ModuleSpec:
         """``base`` (a megatron.core GPT layer spec) with MEMO's layer class."""
@@ -153,6 +232,13 @@ class MemoOffload:
     @property
     def alpha(self) -> float:
         return self.manager.alpha
+
+    def describe_modes(self) -> str:
+        """The offloaded layers' modes, for the startup log."""
+        count, layers = self.checkpoint_layers, self.offloaded_layer_count
+        indices = ",".join(str(i) for i in sorted(self.checkpoint_layer_indices)) or "none"
+        return (f"{layers - count} of {layers} offloaded layers MEMO, {count} checkpoint-offloaded "
+                f"(stage layers {indices}){' | offload in fp8 (lossy)' if self.shape.offload_fp8 else ''}")
 
     @contextmanager
     def layer_timer(self):
@@ -187,7 +273,15 @@ class MemoOffload:
             # set_alpha pads each buffer by up to one alignment per stored tensor.
             headroom = self.device_headroom() - 2 * self.manager.buffer_padding_bytes
         inputs = self._inputs(other_bytes, layer_forward_s, whole_bytes, headroom)
-        self.decision = solve_alpha(inputs)
+        modes = solve_layer_modes(inputs, self.shape.input_bytes, self.position_wise_share,
+                                  fixed_count=self.config.fixed_checkpoint_layers)
+        # The most checkpoint layers any rank wants (fewer could overflow its host memory),
+        # then alpha solved again for that count and the smallest any rank can take.
+        agreed = int(round(-self.agree_on_alpha(-float(modes.checkpoint_layers))))
+        self.checkpoint_layers = min(agreed, inputs.offloaded_layers)
+        reduced = with_checkpoint_layers(inputs, self.checkpoint_layers, self.shape.input_bytes)
+        self.decision = solve_alpha(reduced)
+        self.modes = modes
         self.manager.set_alpha(self.agree_on_alpha(self.decision.alpha), other_bytes)
-        self.log(f"> MEMO alpha: {format_alpha_log(inputs, self.decision)}; "
-                 f"alpha used by all ranks: {self.alpha:.4f}")
+        self.log(f"> MEMO alpha: {format_alpha_log(reduced, self.decision)}; "
+                 f"alpha used by all ranks: {self.alpha:.4f} | {self.describe_modes()}")

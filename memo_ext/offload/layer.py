@@ -3,6 +3,8 @@ recompute in training forward.
 
 The layer is built from the same submodules as megatron.core's GPT layer spec (norms, QKV and
 output projections, core attention, MLP, bias-dropout-add); only the forward is reorganised.
+A layer the solver puts in checkpoint mode (memo_ext.offload.modes, mode (b)) runs
+megatron-core's forward unchanged inside one drop region instead.
 Every operation before and after core attention is position-wise, so the layer runs them
 separately on the *kept* tokens (their saved activations go to host memory through the
 rounding buffer) and on the *dropped* tokens (a drop region: what it saves is discarded and
@@ -91,9 +93,32 @@ class MemoTransformerLayer(TransformerLayer):
             return super().forward(*args, **kwargs)
         is_first = self.stage_layer_index == 0
         attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        output = self._memo_forward(hidden_states, attention_mask, kwargs.get("rotary_pos_emb"),
-                                    is_first)
+        if self.offloaded and self.stage_layer_index in self.memo.checkpoint_layer_indices:
+            output = self._checkpoint_forward(hidden_states, attention_mask,
+                                              kwargs.get("rotary_pos_emb"), is_first)
+        else:
+            output = self._memo_forward(hidden_states, attention_mask,
+                                        kwargs.get("rotary_pos_emb"), is_first)
         return output, None
+
+    def _whole_layer(self, hidden_states, attention_mask, rotary_pos_emb):
+        # megatron-core's own forward: a checkpoint-offloaded layer recomputes exactly it.
+        return super().forward(hidden_states, attention_mask=attention_mask,
+                               rotary_pos_emb=rotary_pos_emb)[0]
+
+    def _checkpoint_forward(self, hidden_states, attention_mask, rotary_pos_emb, is_first):
+        """Mode (b): only the layer input goes to host; the whole layer, core attention
+        included, is one drop region recomputed from it before the layer's backward."""
+        manager = self.memo.manager
+        record = manager.begin_layer(self.stage_layer_index, is_first, list(self.parameters()),
+                                     to_host=True, checkpoint=True)
+        with self.memo.layer_timer(), manager.hooks(record):
+            manager.register_whole(record, hidden_states)
+            _, output = manager.run_drop_region(
+                record, self._whole_layer, [hidden_states, attention_mask, rotary_pos_emb],
+                small_inputs=[False, True, True], keep_outputs=False)
+        manager.end_layer(record, hidden_states, output)
+        return output
 
     # The two position-wise halves of the layer, run on a subset of tokens.
     def _attention_inputs(self, hidden_states, rotary_pos_emb, token_indices):

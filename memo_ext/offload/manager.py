@@ -36,6 +36,7 @@ from typing import Callable, ContextManager, Optional, Sequence
 import torch
 
 from memo_ext.device import CopyEngine, CopyEvent
+from memo_ext.offload import fp8
 from memo_ext.offload.tokens import TokenSplit
 
 # Offsets inside a rounding buffer are rounded up to this many bytes so that every restored
@@ -115,17 +116,21 @@ class HostSlotPool:
 
 @dataclass
 class _BufferSlice:
-    """A saved tensor copied into its layer's rounding buffer (restored contiguous)."""
+    """A saved tensor copied into its layer's rounding buffer (restored contiguous), in fp8
+    with per-block scales when ``compressed`` (memo_ext.offload.fp8)."""
 
     record: "LayerRecord"
     offset: int
     nbytes: int
     dtype: torch.dtype
     shape: torch.Size
+    compressed: bool = False
 
     def value(self) -> torch.Tensor:
-        buffer = self.record.resident_buffer()
-        return buffer[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+        stored = self.record.resident_buffer()[self.offset : self.offset + self.nbytes]
+        if self.compressed:
+            return fp8.decompress(stored, self.dtype, self.shape)
+        return stored.view(self.dtype).view(self.shape)
 
 
 @dataclass
@@ -220,8 +225,12 @@ class _RngSnapshot:
 class DropRegion:
     """The position-wise part of a layer run on the dropped tokens; recomputed on demand."""
 
-    def __init__(self, function: Callable, inputs: Sequence, input_requires_grad: Sequence[bool]):
+    def __init__(self, function: Callable, inputs: Sequence, input_requires_grad: Sequence[bool],
+                 keep_outputs: bool = True):
         self.function = function
+        # A checkpoint-offloaded layer's region output is the layer output, which its backward
+        # never reads: keeping the recomputed copy would hold one more activation.
+        self.keep_outputs = keep_outputs
         self.inputs = list(inputs)  # _ViewOf descriptions or small device tensors
         self.input_requires_grad = list(input_requires_grad)
         self.rng = _RngSnapshot.take()
@@ -258,7 +267,7 @@ class DropRegion:
         # instead of waiting for Python's cycle collector.
         self.recomputed_saved = [tensor.detach() for tensor in recorded]
         recorded.clear()
-        self.recomputed_outputs = [o.detach() for o in outputs]
+        self.recomputed_outputs = [o.detach() for o in outputs] if self.keep_outputs else []
 
     def saved(self, index: int) -> torch.Tensor:
         """Recomputed saved tensor ``index``, handed over once: autograd unpacks each saved
@@ -306,17 +315,24 @@ class LayerRecord:
     registered: dict = field(default_factory=dict)
     regions: list = field(default_factory=list)
     current_region: Optional[DropRegion] = None
+    checkpoint: bool = False
 
-    def store(self, tensor: torch.Tensor) -> _BufferSlice:
-        """Copy ``tensor`` into this layer's rounding buffer (forward)."""
-        nbytes = tensor.numel() * tensor.element_size()
+    def store(self, tensor: torch.Tensor, compress: bool = False) -> _BufferSlice:
+        """Copy ``tensor`` into this layer's rounding buffer (forward); ``compress``: as fp8
+        with per-block scales (lossy; floating-point tensors only)."""
+        compress = compress and fp8.compressible(tensor)
+        nbytes = (fp8.stored_bytes(tensor.numel()) if compress
+                  else tensor.numel() * tensor.element_size())
         offset = self.used_bytes
         self.buffer.ensure_capacity(offset + _align(nbytes), keep_bytes=offset)
         destination = self.buffer.tensor[offset : offset + nbytes]
-        destination.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        if compress:
+            fp8.compress(tensor, destination)
+        else:
+            destination.view(tensor.dtype).view(tensor.shape).copy_(tensor)
         self.used_bytes = offset + _align(nbytes)
         self.stored_tensors += 1
-        return _BufferSlice(self, offset, nbytes, tensor.dtype, tensor.shape)
+        return _BufferSlice(self, offset, nbytes, tensor.dtype, tensor.shape, compress)
 
     def resident_buffer(self) -> torch.Tensor:
         """The rounding buffer holding this layer's data, prefetching it first if needed."""
@@ -332,16 +348,21 @@ class OffloadManager:
     """Saved-tensor routing, rounding buffers and host slots of one model chunk."""
 
     def __init__(self, engine: CopyEngine, alpha: float,
-                 host_allocation_scope: Callable[[], ContextManager[None]] = contextlib.nullcontext):
+                 host_allocation_scope: Callable[[], ContextManager[None]] = contextlib.nullcontext,
+                 compress_whole: bool = False):
         self.engine = engine
         self.alpha = alpha
+        # --memo-offload-fp8: the tensors offloaded whole are stored as fp8 (lossy).
+        self.compress_whole = compress_whole
         self.buffers = (RoundingBuffer(engine), RoundingBuffer(engine))
         self.host_slots = HostSlotPool(engine, host_allocation_scope)
         self.parameter_storages: set[int] = set()
         self.active: Optional[LayerRecord] = None
         self.last_record: Optional[LayerRecord] = None
-        self.saved_bytes = {"offloaded": 0, "recomputed": 0}
-        self.layer_forwards = 0
+        # "recomputed" counts the alpha layers' dropped bytes (S_oth's measurement),
+        # "checkpointed" what checkpoint-offloaded layers drop.
+        self.saved_bytes = {"offloaded": 0, "recomputed": 0, "checkpointed": 0}
+        self.layer_forwards = 0  # alpha (mode a) layer forwards, S_oth's denominator
         self.largest_layer_bytes = 0
         self.most_stored_tensors = 0
 
@@ -368,15 +389,17 @@ class OffloadManager:
 
     # ---------------------------------------------------------------- forward
     def begin_layer(self, layer: int, is_first_of_chunk: bool,
-                    parameters: Sequence[torch.Tensor], to_host: bool = True) -> LayerRecord:
+                    parameters: Sequence[torch.Tensor], to_host: bool = True,
+                    checkpoint: bool = False) -> LayerRecord:
         """Start a layer's forward: take its rounding buffer (wait for the D2H of the layer
         that used it last) and open a record. ``to_host=False`` (the last two layers with one
-        micro-batch in flight) keeps the layer's data in the buffer until its backward."""
+        micro-batch in flight) keeps the layer's data in the buffer until its backward;
+        ``checkpoint``: the layer is checkpoint-offloaded (its whole body is one drop region)."""
         self.parameter_storages.update(_storage_key(p) for p in parameters)
         buffer = self.buffers[layer % 2]
         self.engine.wait(buffer.last_event)
-        record = LayerRecord(self, layer, buffer, to_host=to_host)
-        self.layer_forwards += 1
+        record = LayerRecord(self, layer, buffer, to_host=to_host, checkpoint=checkpoint)
+        self.layer_forwards += not checkpoint
         record.previous = None if is_first_of_chunk else self.last_record
         buffer.owner = record
         self.active = record
@@ -407,15 +430,17 @@ class OffloadManager:
         )
 
     def run_drop_region(self, record: LayerRecord, function: Callable,
-                        inputs: Sequence[torch.Tensor], small_inputs: Sequence[bool]):
+                        inputs: Sequence[torch.Tensor], small_inputs: Sequence[bool],
+                        keep_outputs: bool = True):
         """``function(*inputs)`` with everything it saves dropped. Inputs flagged small (or
-        None) are kept by reference; the others must be views of registered tensors."""
+        None) are kept by reference; the others must be views of registered tensors.
+        ``keep_outputs=False``: the recomputation keeps only what backward unpacks."""
         descriptions = [
             tensor if small else self._describe_view(record, tensor)
             for tensor, small in zip(inputs, small_inputs)
         ]
         region = DropRegion(function, descriptions,
-                            [t is not None and t.requires_grad for t in inputs])
+                            [t is not None and t.requires_grad for t in inputs], keep_outputs)
         record.regions.append(region)
         record.current_region = region
         try:
@@ -428,8 +453,9 @@ class OffloadManager:
         """Offload ``tensor`` whole now; saved views of it refer to the copy."""
         if not tensor.is_contiguous():
             raise ValueError("MEMO registers only contiguous tensors")
-        record.registered[_storage_key(tensor)] = _WholeTensor(record.store(tensor), tensor)
-        self.saved_bytes["offloaded"] += tensor.numel() * tensor.element_size()
+        stored = record.store(tensor, compress=self.compress_whole)
+        record.registered[_storage_key(tensor)] = _WholeTensor(stored, tensor)
+        self.saved_bytes["offloaded"] += stored.nbytes
 
     def register_merged(self, record: LayerRecord, merged: torch.Tensor, split: TokenSplit,
                         kept: Optional[torch.Tensor], region: Optional[DropRegion],
@@ -460,7 +486,8 @@ class OffloadManager:
             # Parameters and views of this layer's registered tensors come back with the
             # recomputation without costing activation bytes: counting them would inflate S_oth.
             if key not in self.parameter_storages and key not in record.registered:
-                self.saved_bytes["recomputed"] += tensor.numel() * tensor.element_size()
+                bucket = "checkpointed" if record.checkpoint else "recomputed"
+                self.saved_bytes[bucket] += tensor.numel() * tensor.element_size()
             return _RecomputedSaved(region, region.saved_count - 1)
         if key in self.parameter_storages or tensor.numel() == 0:
             return tensor

@@ -29,7 +29,8 @@ def test_memo_gradients_match_on_cuda(cuda_world, alpha):
     reference_model = cpu_test.build_model(args).cuda()
     with CopyEngine(torch.device("cuda", torch.cuda.current_device())) as engine:
         memo = MemoOffload(OffloadConfig(offload=True, alpha=alpha), engine, cpu_test.NUM_LAYERS,
-                           1, cpu_test.SHAPE, cpu_test.HOST_BYTES, cpu_test.BANDWIDTH)
+                           1, cpu_test.SHAPE, cpu_test.HOST_BYTES, cpu_test.BANDWIDTH,
+                           position_wise_share=cpu_test.SHARE)
         assert engine.alloc_host(16).is_pinned()
         memo_model = cpu_test.build_model(args, memo).cuda()
         generator = torch.Generator().manual_seed(1)

@@ -15,8 +15,9 @@ from tests.conftest import TINY_GPT_ARGS
 
 NUM_LAYERS = 6  # 4 offloaded: layers 0 and 2 share a rounding buffer, so prefetch really runs
 SEQ, BATCH, VOCAB = 64, 2, 512
-SHAPE = ActivationShape(SEQ, BATCH, 64, 1, False, 4)
+SHAPE = ActivationShape(SEQ, BATCH, 64, 1, False, 4, num_attention_heads=4)
 HOST_BYTES, BANDWIDTH = 10**10, 1e9
+SHARE = 0.5  # position_wise_share: half of a layer's forward is core attention
 
 
 def model_args(extra):
@@ -56,10 +57,12 @@ def worst_relative_gradient_error(grads, reference):
     )
 
 
-def memo_run(args, alpha: str, copy_delay_s: float = 0.0):
+def memo_run(args, alpha: str, copy_delay_s: float = 0.0, host_bytes: int = HOST_BYTES,
+             shape: ActivationShape = SHAPE, **config):
     with CopyEngine("cpu", copy_delay_s=copy_delay_s) as engine:
-        memo = MemoOffload(OffloadConfig(offload=True, alpha=alpha), engine, NUM_LAYERS, 1, SHAPE,
-                           HOST_BYTES, BANDWIDTH, log=lambda message: None)
+        memo = MemoOffload(OffloadConfig(offload=True, alpha=alpha, **config), engine, NUM_LAYERS,
+                           1, shape, host_bytes, BANDWIDTH, log=lambda message: None,
+                           position_wise_share=SHARE)
         return (*loss_and_grads(build_model(args, memo)), memo)
 
 
@@ -82,6 +85,53 @@ def test_gradients_match_plain_layer(megatron_world, model_name, alpha):
     offloaded, recomputed = memo.manager.saved_bytes["offloaded"], memo.manager.saved_bytes["recomputed"]
     assert offloaded > 0
     assert (recomputed == 0) == (alpha == "1")
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("checkpoint_layers", ["1", "4"])
+def test_checkpoint_layers_keep_gradients_exact(megatron_world, model_name, checkpoint_layers):
+    """Mode (b) (only the layer input on host, the whole layer recomputed), mixed with MEMO's
+    alpha layers or alone, gives the plain layer's gradients; its layers drop every saved
+    tensor and store only their input."""
+    args = model_args(MODELS[model_name])
+    reference_loss, reference = loss_and_grads(build_model(args))
+    _, _, pure = memo_run(args, "0.25")
+    loss, grads, memo = memo_run(args, "0.25", checkpoint_layers=checkpoint_layers)
+    assert loss == pytest.approx(reference_loss, rel=1e-6)
+    assert worst_relative_gradient_error(grads, reference) < 1e-6
+    assert memo.checkpoint_layers == int(checkpoint_layers)
+    assert memo.manager.saved_bytes["checkpointed"] > 0
+    assert memo.manager.saved_bytes["offloaded"] < pure.manager.saved_bytes["offloaded"]
+    assert memo.manager.host_slots.allocated_bytes < pure.manager.host_slots.allocated_bytes
+
+
+def test_auto_checkpoint_layers_take_the_fewest_that_fit_host(megatron_world):
+    """A host budget one slot short of MEMO's alpha-0 arena: auto takes one checkpoint layer,
+    the arena fits, and gradients stay exact."""
+    args = model_args([])
+    _, reference = loss_and_grads(build_model(args))
+    _, _, pure = memo_run(args, "0")
+    full = pure.manager.host_slots.allocated_bytes
+    _, grads, memo = memo_run(args, "0", host_bytes=full - 1)
+    assert memo.checkpoint_layers == 1
+    assert memo.manager.host_slots.allocated_bytes <= full - 1
+    assert worst_relative_gradient_error(grads, reference) < 1e-6
+
+
+def test_offload_fp8_halves_host_bytes_and_is_close_not_exact(megatron_world):
+    """--memo-offload-fp8 stores the whole-offloaded tensors in e4m3 (fp32 model here: a
+    quarter of their bytes plus scales); gradients move, by a few percent at most."""
+    args = model_args([])
+    _, reference = loss_and_grads(build_model(args))
+    _, _, plain = memo_run(args, "0", checkpoint_layers="4")
+    fp8_shape = ActivationShape(SEQ, BATCH, 64, 1, False, 4, offload_fp8=True,
+                                num_attention_heads=4)
+    loss, grads, memo = memo_run(args, "0", checkpoint_layers="4", shape=fp8_shape,
+                                 offload_fp8=True)
+    ratio = memo.manager.host_slots.allocated_bytes / plain.manager.host_slots.allocated_bytes
+    assert 0.25 < ratio < 0.3, ratio
+    error = worst_relative_gradient_error(grads, reference)
+    assert 1e-6 < error < 0.1, error
 
 
 def test_slow_copies_still_exact(megatron_world):
@@ -109,7 +159,8 @@ def test_auto_alpha_is_solved_after_the_measuring_iterations(megatron_world):
     args = model_args([])
     with CopyEngine("cpu") as engine:
         memo = MemoOffload(OffloadConfig(offload=True), engine, NUM_LAYERS, 1, SHAPE, HOST_BYTES,
-                           BANDWIDTH, log=lambda message: None)
+                           BANDWIDTH, log=lambda message: None,
+                           position_wise_share=SHARE)
         model = build_model(args, memo)
         for _ in range(AUTO_ALPHA_MEASURING_ITERATIONS):
             assert memo.alpha == 0.0 and memo.decision is None
@@ -139,7 +190,8 @@ def test_auto_alpha_fits_the_device_headroom_left_at_alpha_zero(megatron_world):
         with CopyEngine("cpu") as engine:
             memo = MemoOffload(OffloadConfig(offload=True, alpha=alpha), engine, NUM_LAYERS, 1,
                                SHAPE, HOST_BYTES, 1e15, tracker.host_allocations,
-                               log=lambda message: None, device_headroom=tracker.headroom_bytes)
+                               log=lambda message: None, device_headroom=tracker.headroom_bytes,
+                               position_wise_share=SHARE)
             model = build_model(args, memo)
             tracker.register_existing(model.parameters())
             peaks = []
@@ -166,13 +218,25 @@ def test_host_memory_too_small_even_at_alpha_zero_is_refused():
     with CopyEngine("cpu") as engine:
         with pytest.raises(MemoConfigError, match="--memo-host-memory-gb") as error:
             MemoOffload(OffloadConfig(offload=True, alpha="0.5", host_memory_gb=1e-6), engine,
-                        NUM_LAYERS, 1, SHAPE, 1000, BANDWIDTH)
+                        NUM_LAYERS, 1, SHAPE, 1000, BANDWIDTH, position_wise_share=SHARE)
     assert "GB short" in str(error.value)
+
+
+def test_host_memory_too_small_even_with_every_layer_checkpointed_is_refused():
+    with CopyEngine("cpu") as engine, pytest.raises(MemoConfigError, match="even with all 4"):
+        MemoOffload(OffloadConfig(offload=True, alpha="0"), engine, NUM_LAYERS, 1, SHAPE,
+                    4 * SHAPE.input_bytes - 1, BANDWIDTH, position_wise_share=SHARE)
+
+
+def test_more_checkpoint_layers_than_offloaded_is_refused():
+    with CopyEngine("cpu") as engine, pytest.raises(MemoConfigError, match="exceeds the 4"):
+        MemoOffload(OffloadConfig(offload=True, checkpoint_layers="5"), engine, NUM_LAYERS, 1,
+                    SHAPE, HOST_BYTES, BANDWIDTH, position_wise_share=SHARE)
 
 
 def test_two_layers_per_stage_is_refused():
     with CopyEngine("cpu") as engine, pytest.raises(MemoConfigError, match="layers per pipeline"):
-        MemoOffload(OffloadConfig(offload=True), engine, 2, 1, SHAPE, HOST_BYTES, BANDWIDTH)
+        MemoOffload(OffloadConfig(offload=True), engine, 2, 1, SHAPE, HOST_BYTES, BANDWIDTH, position_wise_share=SHARE)
 
 
 @pytest.mark.parametrize("chunks,local_tokens,alpha", [(1, 16, 0.25), (2, 8, 0.5), (4, 6, 0.34)])
@@ -196,9 +260,11 @@ def test_unsupported_layer_is_refused(megatron_world):
     args = model_args([])
     with CopyEngine("cpu") as engine:
         memo = MemoOffload(OffloadConfig(offload=True), engine, NUM_LAYERS, 1, SHAPE, HOST_BYTES,
-                           BANDWIDTH, log=lambda message: None)
+                           BANDWIDTH, log=lambda message: None,
+                           position_wise_share=SHARE)
         base = local_layer_spec(args)  # a private copy of megatron.core's spec
         base.submodules.mlp = IdentityOp
         spec = memo.layer_spec(base)
         with pytest.raises(MemoConfigError, match="--memo-offload supports dense GPT layers"):
             build_module(spec, config=core_transformer_config_from_args(args), layer_number=1)
+

@@ -32,7 +32,8 @@ def test_one_flag_per_field_with_help():
     assert group.title == "MEMO offload"
     by_flag = {a.option_strings[0]: a for a in group._group_actions}
     assert set(by_flag) == {"--memo-offload", "--memo-alpha", "--memo-host-memory-gb",
-                            "--memo-device-memory-gb", "--memo-pcie-gbps"}
+                            "--memo-device-memory-gb", "--memo-pcie-gbps",
+                            "--memo-checkpoint-layers", "--memo-offload-fp8"}
     for field in dataclasses.fields(OffloadConfig):
         action = by_flag[field.metadata["flag"]]
         assert action.dest == "memo_" + field.name
@@ -97,6 +98,13 @@ def test_host_memory_flag_rejects_non_numbers_at_parse_time():
         (["--memo-host-memory-gb", "10"], "--memo-host-memory-gb",
          "has no effect without --memo-offload; add --memo-offload or drop it"),
         (["--memo-pcie-gbps", "10"], "--memo-pcie-gbps", "has no effect without --memo-offload"),
+        (["--memo-offload", "--memo-checkpoint-layers", "-1"], "--memo-checkpoint-layers",
+         "use auto or a whole number of layers >= 0"),
+        (["--memo-offload", "--memo-checkpoint-layers", "half"], "--memo-checkpoint-layers",
+         "is not a count"),
+        (["--memo-checkpoint-layers", "4"], "--memo-checkpoint-layers",
+         "has no effect without --memo-offload"),
+        (["--memo-offload-fp8"], "--memo-offload-fp8", "has no effect without --memo-offload"),
     ],
 )
 def test_validate_errors_name_the_flag(argv, flag, fragment):

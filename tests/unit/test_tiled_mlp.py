@@ -251,7 +251,7 @@ def _memo_saved_bytes(args, alpha):
     with CopyEngine("cpu") as engine:
         memo = MemoOffload(OffloadConfig(offload=True, alpha=alpha), engine, 6, 1,
                            ActivationShape(64, 2, 64, 1, False, 4), 10**10, 1e9,
-                           log=lambda message: None)
+                           log=lambda message: None, position_wise_share=0.5)
         model, loss, grads = _loss_and_grads(args, memo)
         return model, loss, grads, dict(memo.manager.saved_bytes)
 

@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--memo-alpha", default=None, metavar="ALPHA",
                           help="Fraction of alpha-split tokens offloaded (a number; 'auto' needs "
                                "measured timings and cannot be traced). Default 0.")
+    training.add_argument("--memo-checkpoint-layers", type=int, default=0, metavar="N",
+                          help="Offloaded layers per stage in checkpoint mode (the trainer's "
+                               "flag; 'auto' reads host memory, which a trace does not model). "
+                               "Default 0.")
+    training.add_argument("--memo-offload-fp8", action="store_true",
+                          help="Offload the tensors MEMO offloads whole in fp8 (the trainer's "
+                               "flag, lossy).")
     training.add_argument("--memo-mlp-tile-size", type=int, default=0, metavar="TOKENS",
                           help="Sequence-tiled MLP with tiles of TOKENS (the trainer's flag; "
                                "docs/tiled_mlp.md). Default 0: off.")
@@ -227,7 +234,10 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
         alpha = "0" if opts.memo_alpha is None else opts.memo_alpha
         argv += ["--memo-offload", "--memo-alpha", alpha,
                  "--memo-host-memory-gb", str(TRACE_HOST_MEMORY_GB),
-                 "--memo-pcie-gbps", str(TRACE_PCIE_GBPS)]
+                 "--memo-pcie-gbps", str(TRACE_PCIE_GBPS),
+                 "--memo-checkpoint-layers", str(opts.memo_checkpoint_layers)]
+        if opts.memo_offload_fp8:
+            argv.append("--memo-offload-fp8")
     if opts.memo_mlp_tile_size:
         argv += ["--memo-mlp-tile-size", str(opts.memo_mlp_tile_size)]
     return argv + shlex.split(opts.trainer_args)
@@ -443,7 +453,7 @@ def build_memo(args, recorder, stack: contextlib.ExitStack, microbatches_in_flig
     engine, and host slots reported to the recorder (pool "host")."""
     from memo_ext.config import OffloadConfig, config_from_args
     from memo_ext.device import CopyEngine
-    from memo_ext.offload import ActivationShape, MemoOffload
+    from memo_ext.offload import ActivationShape, MemoOffload, position_wise_share_of
 
     class SynchronousCopyEngine(CopyEngine):
         """Copies inline on the calling thread. CopyEngine's CPU workers would run ``copy_`` on
@@ -464,16 +474,10 @@ def build_memo(args, recorder, stack: contextlib.ExitStack, microbatches_in_flig
 
     config = config_from_args(OffloadConfig, args)
     engine = stack.enter_context(SynchronousCopyEngine("cpu", copy_delay_s=0.0))
-    shape = ActivationShape(
-        sequence_tokens=args.seq_length // args.context_parallel_size,
-        micro_batch_size=args.micro_batch_size, hidden_size=args.hidden_size,
-        tensor_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        element_bytes=torch.tensor([], dtype=args.params_dtype).element_size())
     return MemoOffload(
         config, engine, layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
-        microbatches_in_flight=microbatches_in_flight, shape=shape,
-        host_memory_bytes=config.host_memory_bytes,
+        microbatches_in_flight=microbatches_in_flight, shape=ActivationShape.of_trainer(args),
+        host_memory_bytes=config.host_memory_bytes, position_wise_share=position_wise_share_of(args),
         bandwidth_bytes_per_s=config.pcie_bytes_per_s,
         host_allocation_scope=recorder.host_allocations,
         log=lambda message: None)
@@ -512,6 +516,9 @@ def trace_header(opts, args, coordinates: dict, constants) -> dict:
                     "recompute_num_layers": args.recompute_num_layers,
                     "memo_offload": bool(opts.memo_offload),
                     "memo_alpha": args.memo_alpha if opts.memo_offload else None,
+                    "memo_checkpoint_layers": (opts.memo_checkpoint_layers if opts.memo_offload
+                                               else None),
+                    "memo_offload_fp8": bool(opts.memo_offload and opts.memo_offload_fp8),
                     "use_distributed_optimizer": bool(args.use_distributed_optimizer),
                     "optimizer": args.optimizer,
                     "grad_buffer_fp32": bool(args.accumulate_allreduce_grads_in_fp32),
