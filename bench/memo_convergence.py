@@ -1,30 +1,50 @@
-"""MEMO convergence run: does ``--memo-offload`` train exactly like the baseline?
+"""MEMO convergence runs: does ``--memo-offload`` train like the baseline, and how far does the
+lossy ``--memo-offload-fp8`` move the loss curve?
 
     python bench/memo_convergence.py                       # 200 iterations, ~10-20 min on 2 cores
     python bench/memo_convergence.py --quick -o /tmp/mc    # smoke test: tiny model, 10 iterations
+    python bench/memo_convergence.py --suite fp8           # offload modes: checkpoint layers, fp8
+    python bench/memo_convergence.py --suite fp8 --quick -o /tmp/mc   # its smoke test (~1 min)
 
 MEMO swaps part of each layer's saved activations to host memory and recomputes the rest before
 the layer's backward. Neither changes the math, so with ``--deterministic-mode`` and no dropout
-every MEMO run should reproduce the baseline's loss curve up to float32 round-off.
+every exact MEMO run should reproduce the baseline's loss curve up to float32 round-off.
 
 On the embedded demo dataset (tools/prepare_demo_data.py), the same small GPT is trained on CPU
 (2 processes under torchrun, TP=2 + sequence parallelism, gloo) once without MEMO (baseline) and
-once per ``--memo-offload --memo-alpha A`` for each A in ``--alphas``, one run after another.
-The model has 6 layers, so MEMO offloads 4 of them (it keeps the last 2 of a stage on device).
+once per variant of the chosen suite, one run after another:
+
+- ``--suite alpha`` (the default): one ``--memo-offload --memo-alpha A`` run for each A in
+  ``--alphas``. The model has 6 layers, so MEMO offloads 4 of them (it keeps the last 2 of a
+  stage on device).
+- ``--suite fp8``: the offload modes. ``exact-ckpt`` (``--memo-offload --memo-alpha 0
+  --memo-checkpoint-layers 2``: 2 of the 4 offloaded layers checkpoint-offloaded, mode (b)) and
+  ``exact-ckpt-a0.25`` (the same at alpha 0.25) must coincide with the baseline like the alpha
+  suite; ``fp8-ckpt`` and ``fp8-ckpt-a0.25`` add ``--memo-offload-fp8`` (lossy) and are compared
+  with the exact run of the same flags: the mean |loss - exact| over the last
+  ``FP8_WINDOW`` iterations, relative to the exact run's mean loss there, must be
+  <= ``FP8_TOLERANCE`` (1%; the reasoning is in the report and in :data:`FP8_TOLERANCE`).
+  ``--runs`` picks a subset of the variants (the baseline always runs); a fp8 variant whose exact
+  counterpart is not run is compared with the baseline, which every exact run equals.
+  ``--quick`` uses a 4-layer model here (2 offloaded layers, 1 checkpoint-offloaded).
 
 Outputs, in ``--output-dir`` (default bench/results):
 
-- ``memo_convergence.png``: top, the loss curves (they should lie on top of each other; each has
-  its own marker and line style); bottom, |loss - baseline| per iteration on a log scale, with
-  exact zeros drawn at a floor and the 1e-5 relative threshold as a dashed line.
-- ``memo_convergence.md``: per run, final loss, max |loss - baseline|, max relative difference,
-  first iteration that differs at all and first that exceeds the threshold, mean iteration time,
-  tokens/s and peak RSS (all measured on this CPU), the exact commands, and a one-line verdict:
-  the curves coincide when every max relative difference is <= 1e-5.
-- ``memo_convergence_runs/<run>/{metrics.jsonl,train.log}``: the raw logs of each run.
+- ``memo_convergence.png`` (alpha suite) / ``memo_offload_fp8.png`` (fp8 suite): top, the loss
+  curves (each has its own marker and line style); bottom, the per-iteration difference to the
+  reference on a log scale (alpha suite: |loss - baseline|, exact zeros drawn at a floor, the
+  1e-5 relative threshold dashed; fp8 suite: |loss - reference| / reference, with the fp8 runs'
+  running mean over the tolerance window in bold and both thresholds dashed).
+- ``memo_convergence.md`` / ``memo_offload_fp8.md``: per run, final loss, max |loss - reference|,
+  max relative difference, first iteration that differs at all and first that exceeds the
+  threshold (fp8 suite also: mean gap, trailing-window gap against the tolerance, grad-norm
+  gap), mean iteration time, tokens/s and peak RSS (all measured on this CPU), the exact
+  commands, and a one-line verdict (alpha suite: COINCIDE/DIVERGE; fp8 suite: PASS/FAIL).
+- ``memo_convergence_runs/<run>/{metrics.jsonl,train.log}`` (fp8 suite:
+  ``memo_convergence_runs/fp8/<run>/``): the raw logs of each run.
 
-Exit status: 0 when the report is written (whatever the verdict; ``--strict`` makes a divergence
-exit 1), 1 when a training run fails (its log tail is printed), 2 on bad arguments.
+Exit status: 0 when the report is written (whatever the verdict; ``--strict`` makes a DIVERGE or
+FAIL exit 1), 1 when a training run fails (its log tail is printed), 2 on bad arguments.
 """
 
 from __future__ import annotations

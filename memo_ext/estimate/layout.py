@@ -152,6 +152,8 @@ class Layout:
     alpha: Optional[float] = None  # MEMO's offloaded fraction
     micro_batch: int = 1
     recompute_layers: Optional[int] = None  # megatron-block: layers recomputed per stage
+    checkpoint_layers: int = 0  # memo: offloaded layers per stage in checkpoint mode (b)
+    offload_fp8: bool = False  # memo: whole-offloaded tensors stored as fp8 (lossy)
 
     @property
     def gpus(self) -> int:
@@ -170,7 +172,10 @@ class Layout:
                 "--dp", str(self.dp), "--micro-batch-size", str(self.micro_batch), "--bf16",
                 *POLICY_FLAGS[self.policy]]
         if self.policy == "memo":
-            argv += ["--memo-alpha", f"{self.alpha:g}"]
+            argv += ["--memo-alpha", f"{self.alpha:g}",
+                     "--memo-checkpoint-layers", str(self.checkpoint_layers)]
+            if self.offload_fp8:
+                argv.append("--memo-offload-fp8")
         if self.policy == "megatron-block":
             argv += ["--recompute-num-layers", str(self.recompute_layers)]
         if stage is not None and self.pp > 1:
@@ -178,10 +183,39 @@ class Layout:
                      "--microbatches-in-flight", str(stage.microbatches_in_flight)]
         return argv
 
+    def trainer_flags(self, seq: int, global_batch: int) -> list[str]:
+        """The layout's pretrain_gpt.py flags at ``seq`` tokens (the model's own flags, data and
+        tokenizer come from its config script): parallel sizes, the policy's flags and the
+        batch. What the recommender prints for each row, ready to append to a launch line."""
+        flags = ["--tensor-model-parallel-size", str(self.tp)]
+        if self.tp > 1:
+            flags.append("--sequence-parallel")
+        flags += ["--context-parallel-size", str(self.cp),
+                  "--pipeline-model-parallel-size", str(self.pp),
+                  "--use-distributed-optimizer",
+                  "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+                  "--micro-batch-size", str(self.micro_batch),
+                  "--global-batch-size", str(global_batch)]
+        if self.policy == "memo":
+            flags += ["--memo-offload", "--memo-alpha", f"{self.alpha:g}",
+                      "--memo-checkpoint-layers", str(self.checkpoint_layers),
+                      *CHUNKED_LOSS_TRAINER_FLAGS.split()]
+            if self.offload_fp8:
+                flags.append("--memo-offload-fp8")
+        else:
+            flags += POLICY_FLAGS[self.policy]
+        if self.policy == "megatron-block":
+            flags += ["--recompute-num-layers", str(self.recompute_layers)]
+        return flags
+
     def describe(self) -> str:
         policy = POLICY_NAMES[self.policy]
         if self.policy == "memo":
             policy += f" alpha {self.alpha:g}"
+            if self.checkpoint_layers:
+                policy += f" + {self.checkpoint_layers} checkpoint layers"
+            if self.offload_fp8:
+                policy += " fp8"
         if self.policy == "megatron-block":
             policy += f" {self.recompute_layers} layers per stage"
         return (f"TP={self.tp} CP={self.cp} PP={self.pp} DP={self.dp} mbs={self.micro_batch} "
@@ -458,7 +492,10 @@ class LayoutModel:
             if exhaustive:
                 stages.append(StageModel(stage, None, checked=True, traced=(cache, argv)))
                 continue
-            traced, copied = SYMBOLIC_LAYERS.get(layout.policy, (None, None))
+            # A stage mixing MEMO and checkpoint layers has no one layer standing for the rest:
+            # traced whole, as block recompute.
+            traced, copied = (None, None) if layout.checkpoint_layers else \
+                SYMBOLIC_LAYERS.get(layout.policy, (None, None))
             if symbolic and traced and stage_layers is not None and stage_layers > traced + 2:
                 few = [*argv, "--num-layers", str(traced * layout.pp)]
                 first, second = (cache.trace(few, seq) for seq in fit_seqs)

@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memo-alpha", default=None, metavar="ALPHA",
                         help="with --policy memo: the offloaded fraction (a number in [0, 1]; "
                              "default 0, or --alphas when the layout is searched)")
+    parser.add_argument("--memo-checkpoint-layers", type=int, default=0, metavar="N",
+                        help="with --policy memo: offloaded layers per stage in checkpoint mode "
+                             "(input on host, whole layer recomputed; default 0)")
+    parser.add_argument("--memo-offload-fp8", action="store_true",
+                        help="with --policy memo: offload the whole-offloaded tensors in fp8 "
+                             "(lossy; the trainer's flag)")
     parser.add_argument("--recompute-num-layers", type=int, default=None,
                         help="with --policy megatron-block: layers recomputed per stage")
     parser.add_argument("--host-memory-gb", type=float, default=None,
@@ -411,8 +417,13 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                 raise UsageError(f"--policy megatron-block needs --recompute-num-layers K, 1 <= K"
                                  f" <= {stage_layers} (the layers of a stage)")
             recompute_layers = opts.recompute_num_layers
+        if (opts.memo_checkpoint_layers or opts.memo_offload_fp8) and opts.policy != "memo":
+            raise UsageError("--memo-checkpoint-layers and --memo-offload-fp8 apply to "
+                             "--policy memo only")
         layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
-                        opts.micro_batch_size, recompute_layers)
+                        opts.micro_batch_size, recompute_layers,
+                        checkpoint_layers=opts.memo_checkpoint_layers,
+                        offload_fp8=opts.memo_offload_fp8)
         if cpu:
             hardware = cpu_hardware(layout, shape, opts.seq_length, say)
             device = int(hardware["device_memory_bytes"])
