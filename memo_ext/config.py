@@ -602,6 +602,16 @@ class TiledMLPConfig:
     def enabled(self) -> bool:
         return self.mlp_tile_size > 0
 
+    @staticmethod
+    def tile_size_for(local_tokens: int, tiles: int, tensor_parallel_size: int) -> int:
+        """The ``--memo-mlp-tile-size`` that cuts ``local_tokens`` (the sequence after CP)
+        into ``tiles`` tiles, rounded up to a multiple of the TP size (what SP needs). The
+        estimator traces a tile count, so that the traces at two lengths are alike."""
+        if tiles < 1:
+            raise MemoConfigError(f"MLP tiles {tiles} must be >= 1")
+        tile = -(-local_tokens // tiles)
+        return -(-tile // tensor_parallel_size) * tensor_parallel_size
+
     def tile_rows(self, tensor_parallel_size: int, sequence_parallel: bool) -> int:
         """One rank's rows per tile: the tile counts tokens as fc1 sees them (after SP's
         all-gather), so the intermediate [tile, b, ffn/TP] does not depend on the TP size.

@@ -1,14 +1,16 @@
 # shellcheck shell=bash
 # GPT-65B of MEMO's Table 2: 80 layers, hidden 8192, FFN 32768, 64 heads, vocabulary 50257
-# (65.2 B parameters with the untied output layer). Sourced by
-# examples/slurm/pretrain_gpt_65b.sbatch; defines MODEL_ARGS, PARALLEL_ARGS and TRAINING_ARGS.
-# Architecture, recipe and overrides: see gpt_common.sh.
+# (65.2 B parameters with the untied output layer).
+# Sourced by examples/slurm/pretrain_gpt_65b.sbatch; defines MODEL_ARGS, PARALLEL_ARGS and
+# TRAINING_ARGS.
+# Architecture, recipe and the LAYOUT_FLAGS override: see gpt_common.sh.
 #
-# Default layout: TP=8 + SP, PP=4, CP=2 on 8 nodes (64 GPUs) for SEQ_LENGTH=131072 (128K).
-# Four pipeline stages of 20 layers keep weights, gradients and Adam state at ~37 GB per GPU.
-#   SEQ_LENGTH=262144   CP_SIZE=4   sbatch --nodes=16 ...  (256K on 128 GPUs)
-#   SEQ_LENGTH=524288   CP_SIZE=8   sbatch --nodes=32 ...  (512K on 256 GPUs)
+# Headline 65b: the recommended layout on 64 GPUs (8 nodes), at the longest sequence it predicts:
+#   tools/estimate.py --model 65b --gpu a800 --gpus 64 --recommend --max-seq-length
+# (examples/configs/recommended.md, section 65b).
 
 source "$(dirname "${BASH_SOURCE[0]}")/gpt_common.sh"
-#               layers hidden ffn    heads PP CP
-memo_gpt_config 80     8192   32768  64    4  2
+#              layers hidden ffn    heads
+memo_gpt_model 80     8192   32768  64
+# BEGIN recommended layout
+# END recommended layout

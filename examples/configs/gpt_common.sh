@@ -1,7 +1,8 @@
 # shellcheck shell=bash
-# Shared by examples/configs/gpt_{7b,13b,30b,65b}.sh: the GPT architecture, parallel layout
-# and training recipe of MEMO's Table 2 models, parameterised by the model shape. Sourcing it
-# only defines memo_gpt_config; a model config calls it.
+# Shared by the configs of examples/configs: the GPT architecture and training recipe of MEMO's
+# Table 2 models, parameterised by the model shape, and the layout flags a config takes from
+# the recommender (tools/estimate.py --recommend). Sourcing it only defines the functions
+# memo_gpt_model and memo_layout; a config calls both.
 #
 # Architecture (the same for every size):
 #   * Plain GPT blocks as in MEMO: pre-LayerNorm, GeLU MLP (no SwiGLU), biases kept (append
@@ -11,47 +12,64 @@
 #   * Untied input embedding and output layer.
 #   * Vocabulary: GPT-2's 50257 BPE ids. The tokenizers of this fork are offline, so the SLURM
 #     scripts pass --tokenizer-type BPETokenizer --tokenizer-model "$TOKENIZER_MODEL" (a local
-#     GPT-2 tokenizer.json, or any BPE JSON containing <|endoftext|>); with TP=8 the embedding
-#     is padded to 51200 rows.
+#     GPT-2 tokenizer.json, or any BPE JSON containing <|endoftext|>); the embedding is padded
+#     to a multiple of 128 x TP rows.
 #
-# Parallel layout for long context on 8-GPU A100/A800 (80 GB) nodes: TP=8 with sequence
-# parallelism inside a node (NVLink), context parallelism (CP) across nodes (InfiniBand), and
-# pipeline parallelism where the weights and optimizer state of one TP group do not fit. Full
-# recomputation keeps only each layer's input. GPUs = TP x PP x CP x DP; extra nodes become data
-# parallelism, where --use-distributed-optimizer shards the optimizer state.
+# Layout (PARALLEL_ARGS): the best row of the recommender for the config's question, copied
+# verbatim from its flag line: parallel sizes (TP with sequence parallelism, CP, PP; extra GPUs
+# are data parallel with --use-distributed-optimizer), --seq-length and
+# --max-position-embeddings, micro and global batch, and the memory policy's flags (MEMO's
+# --memo-offload/--memo-alpha/--memo-checkpoint-layers with the chunked loss, or SPPO's
+# --memo-sppo...). examples/configs/recommended.md records each config's command and flag
+# line (written by examples/configs/recommend.py); tests/unit/test_examples.py checks that
+# PARALLEL_ARGS equal it. Its step times and MFU are predicted, not measured.
 #
-# Environment overrides: SEQ_LENGTH (default 131072), TP_SIZE (8), PP_SIZE and CP_SIZE (the
-# model's defaults). --seq-length must be divisible by 2 x CP x TP.
+# Environment override: LAYOUT_FLAGS replaces PARALLEL_ARGS (word-split), e.g. another row of
+# the recommender: LAYOUT_FLAGS="$(tools/estimate.py ... --recommend | sed -n 's/^#2: pretrain_gpt.py //p')".
+# GPUs = TP x CP x PP x DP must equal the job's nodes x 8.
 #
-# Training recipe (MEMO's setup): micro batch 1, global batch 16 sequences; AdamW with cosine
-# decay from 3e-4 to 3e-5 after a 1% warmup, gradient clipping 1.0, weight decay 0.1, bf16.
-# No dropout: its masks cost activation memory at long sequence lengths.
+# Training recipe (MEMO's setup; the batch comes with the layout, micro batch 1 and global
+# batch 16 sequences in every recommended row): AdamW with cosine decay from 3e-4 to 3e-5
+# after a 1% warmup, gradient clipping 1.0, weight decay 0.1, bf16. No dropout: its masks cost
+# activation memory at long sequence lengths (and SPPO refuses attention dropout).
 
-# memo_gpt_config LAYERS HIDDEN FFN_HIDDEN HEADS DEFAULT_PP DEFAULT_CP
-# Defines MODEL_ARGS, PARALLEL_ARGS and TRAINING_ARGS (and SEQ_LENGTH) for pretrain_gpt.py.
-memo_gpt_config() {
-    if (($# != 6)); then
-        echo "memo_gpt_config: expected LAYERS HIDDEN FFN_HIDDEN HEADS DEFAULT_PP DEFAULT_CP," \
-            "got $# arguments" >&2
+# memo_gpt_model LAYERS HIDDEN FFN_HIDDEN HEADS
+# Defines MODEL_ARGS and TRAINING_ARGS for pretrain_gpt.py.
+memo_gpt_model() {
+    if (($# != 4)); then
+        echo "memo_gpt_model: expected LAYERS HIDDEN FFN_HIDDEN HEADS, got $# arguments" >&2
         return 1
     fi
-    SEQ_LENGTH="${SEQ_LENGTH:-131072}"
     MODEL_ARGS=(
         --num-layers "$1" --hidden-size "$2" --ffn-hidden-size "$3" --num-attention-heads "$4"
-        --max-position-embeddings "$SEQ_LENGTH" --position-embedding-type rope
+        --position-embedding-type rope
         --normalization LayerNorm --untie-embeddings-and-output-weights
     )
-    PARALLEL_ARGS=(
-        --tensor-model-parallel-size "${TP_SIZE:-8}" --sequence-parallel
-        --pipeline-model-parallel-size "${PP_SIZE:-$5}"
-        --context-parallel-size "${CP_SIZE:-$6}"
-        --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
-        --use-distributed-optimizer
-    )
     TRAINING_ARGS=(
-        --seq-length "$SEQ_LENGTH" --micro-batch-size 1 --global-batch-size 16
         --bf16 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-fraction 0.01
         --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
         --attention-dropout 0.0 --hidden-dropout 0.0
     )
+}
+
+# memo_layout FLAG...
+# Defines PARALLEL_ARGS: the recommender's flag line given (or $LAYOUT_FLAGS when set), and
+# SEQ_LENGTH: its --seq-length.
+memo_layout() {
+    if [[ -n "${LAYOUT_FLAGS:-}" ]]; then
+        read -r -a PARALLEL_ARGS <<<"$LAYOUT_FLAGS"
+    else
+        PARALLEL_ARGS=("$@")
+    fi
+    SEQ_LENGTH=
+    local i
+    for ((i = 0; i + 1 < ${#PARALLEL_ARGS[@]}; i++)); do
+        if [[ "${PARALLEL_ARGS[i]}" == --seq-length ]]; then
+            SEQ_LENGTH="${PARALLEL_ARGS[i + 1]}"
+        fi
+    done
+    if [[ -z "$SEQ_LENGTH" ]]; then
+        echo "memo_layout: the layout flags have no --seq-length (a recommender flag line has)" >&2
+        return 1
+    fi
 }

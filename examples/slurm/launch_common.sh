@@ -1,8 +1,11 @@
 # shellcheck shell=bash
-# Shared launcher of examples/slurm/pretrain_gpt_{7b,13b,30b,65b}.sbatch. The sbatch script sets
-# MEMO_MODEL (7b, 13b, 30b or 65b) and MEMO_ROOT (the repository root) and sources this file,
-# which sources examples/configs/gpt_${MEMO_MODEL}.sh and starts one torchrun per node with
-# srun; torchrun starts one pretrain_gpt.py rank per GPU.
+# Shared launcher of examples/slurm/pretrain_gpt_*.sbatch. The sbatch script sets MEMO_MODEL (the
+# config's name: 7b, 7b_longest, 7b_4m, 13b, 30b or 65b), MEMO_SIGNAL_S (the seconds of its
+# --signal=B:USR1@...) and MEMO_ROOT (the repository root) and sources this file, which sources
+# examples/configs/gpt_${MEMO_MODEL}.sh and starts one torchrun per node with srun; torchrun
+# starts one pretrain_gpt.py rank per GPU. Without Slurm, MEMO_SRUN=0 runs torchrun directly:
+# run the script on every node with the same NNODES and MASTER_ADDR (the first node's address;
+# torchrun's c10d rendezvous numbers the nodes), as docs/launch.md shows.
 #
 # Required environment:
 #   DATA_PATH        indexed dataset prefix(es) from tools/preprocess_data.py, e.g.
@@ -16,22 +19,27 @@
 #   TENSORBOARD_DIR  [$RUN_DIR/tensorboard]
 #   TRAIN_ITERS [1000]  SAVE_INTERVAL [100]  EVAL_INTERVAL [100]  EVAL_ITERS [5]
 #   LOG_INTERVAL [1]  GPUS_PER_NODE [8]  MASTER_PORT [from the job id]
+#   NNODES           [$SLURM_NNODES, else 1] nodes of the job (with MEMO_SRUN=0)
 #   SPLIT            [969,30,1] train,valid,test weights; each weighted split must receive at
 #                    least one document (use e.g. 95,5,0 for a corpus of a few hundred)
 #   TORCHRUN         [torchrun] the launcher on the compute nodes, e.g. $MEMO_ROOT/.venv/bin/torchrun
 #   EXTRA_ARGS       more pretrain_gpt.py flags, word-split, e.g. "--peak-tflops 312"
-#   SEQ_LENGTH, TP_SIZE, PP_SIZE, CP_SIZE   see examples/configs/gpt_common.sh
-#   MEMO_DRY_RUN=1   print the srun command line (shell-quoted) instead of running it
+#   LAYOUT_FLAGS     another layout (a recommender flag line): see examples/configs/gpt_common.sh
+#   MEMO_SRUN [1]    0: start torchrun on this node only, without srun
+#   MEMO_DRY_RUN=1   print the launch command line (srun ... torchrun ... pretrain_gpt.py and all
+#                    its flags, shell-quoted) instead of running it
 #
 # Preemption and time limits: the sbatch scripts ask Slurm for SIGUSR1 to this batch shell
-# 900 s before the time limit (--signal=B:USR1@900). The trap below forwards SIGTERM to the
+# MEMO_SIGNAL_S seconds before the time limit (--signal=B:USR1@$MEMO_SIGNAL_S). The trap below forwards SIGTERM to the
 # training processes, whose --exit-signal-handler saves a checkpoint at the end of the current
 # iteration and exits 0; the job then requeues itself and resumes from that checkpoint. A
 # SIGTERM to the batch shell (scancel, or Slurm preemption, which requeues by itself with
 # --requeue) is forwarded the same way, without a requeue. torchrun waits up to
-# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds for its workers after forwarding the signal, then
-# kills them. The 900 s must cover the rest of one iteration (minutes at 128K tokens with a
-# global batch of 16) plus one checkpoint save: raise both for longer sequences or slow storage.
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT (MEMO_SIGNAL_S - 60) seconds for its workers after forwarding
+# the signal, then kills them. MEMO_SIGNAL_S must cover the rest of one iteration (the
+# recommender's predicted step, up to hours at millions of tokens with a global batch of 16:
+# examples/configs/recommended.md) plus one checkpoint save: each sbatch script sets it from its
+# config's predicted step; raise it (and --signal) for slow storage.
 
 set -euo pipefail
 
@@ -61,7 +69,8 @@ RUN_DIR="${RUN_DIR:-$MEMO_ROOT/runs/gpt_${MEMO_MODEL}}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$RUN_DIR/checkpoints}"
 TENSORBOARD_DIR="${TENSORBOARD_DIR:-$RUN_DIR/tensorboard}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-NNODES="${SLURM_NNODES:-1}"
+NNODES="${SLURM_NNODES:-${NNODES:-1}}"
+MEMO_SIGNAL_S="${MEMO_SIGNAL_S:-900}"
 JOB_ID="${SLURM_JOB_ID:-0}"
 
 if command -v scontrol >/dev/null 2>&1 && [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
@@ -89,8 +98,9 @@ if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
     export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 fi
 # Leave torchrun's workers time to finish the iteration and write the checkpoint (its default
-# is 30 s); below the 900 s of --signal=B:USR1@900 so Slurm's own kill does not come first.
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-840}"
+# is 30 s); below the MEMO_SIGNAL_S of --signal=B:USR1@... so Slurm's own kill does not come
+# first.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((MEMO_SIGNAL_S - 60))}"
 
 read -r -a MEMO_EXTRA_ARGS <<<"${EXTRA_ARGS:-}"
 PRETRAIN_ARGS=(
@@ -106,11 +116,14 @@ PRETRAIN_ARGS=(
     "${MEMO_EXTRA_ARGS[@]}"
 )
 LAUNCH_COMMAND=(
-    srun --kill-on-bad-exit=1 --nodes "$NNODES" --ntasks-per-node 1
     "${TORCHRUN:-torchrun}" --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$JOB_ID"
     "$MEMO_ROOT/pretrain_gpt.py" "${PRETRAIN_ARGS[@]}"
 )
+if [[ "${MEMO_SRUN:-1}" != 0 ]]; then
+    LAUNCH_COMMAND=(srun --kill-on-bad-exit=1 --nodes "$NNODES" --ntasks-per-node 1
+        "${LAUNCH_COMMAND[@]}")
+fi
 
 if [[ "${MEMO_DRY_RUN:-0}" == 1 ]]; then
     printf '%q ' "${LAUNCH_COMMAND[@]}"
@@ -122,7 +135,7 @@ mkdir -p "$CHECKPOINT_DIR" "$TENSORBOARD_DIR"
 cd "$MEMO_ROOT"
 # megatron.training is imported from the checkout (also without `pip install -e .`).
 export PYTHONPATH="$MEMO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
-echo "GPT-${MEMO_MODEL^^}: $NNODES node(s) x $GPUS_PER_NODE GPUs, SEQ_LENGTH=$SEQ_LENGTH," \
+echo "memo-gpt-${MEMO_MODEL}: $NNODES node(s) x $GPUS_PER_NODE GPUs, SEQ_LENGTH=$SEQ_LENGTH," \
     "rendezvous $MASTER_ADDR:$MASTER_PORT, checkpoints in $CHECKPOINT_DIR" \
     "(restart ${SLURM_RESTART_COUNT:-0})"
 

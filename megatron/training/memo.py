@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -129,7 +130,47 @@ def build_memo_offload(args: argparse.Namespace, log,
     log(f"> MEMO offload: alpha {config.alpha} | D2H bandwidth {bandwidth / BYTES_PER_GB:.2f} GB/s "
         f"per rank ({bandwidth_source}) | host memory {host_memory / BYTES_PER_GB:.2f} GB per rank "
         f"| {in_flight} micro-batch(es) in flight on this stage | {memo.describe_modes()}")
+    _report_host_slots(memo)
     return memo
+
+
+def host_slots_line(memo: MemoOffload, iteration: int) -> str:
+    """This rank's host slots now (every slot is free between iterations): count, bytes as
+    allocated, bytes as pinned power-of-two blocks (what CUDA's pinned allocator takes for
+    them), on CUDA what that allocator holds (cached blocks included), and the process's
+    resident memory (memo_ext.estimate.host_memory compares its prediction with these)."""
+    import psutil
+
+    from memo_ext.estimate.host_memory import pinned_block_bytes
+
+    slots = [slot.numel() for free in memo.manager.host_slots.free.values() for slot in free]
+    pinned = ""
+    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        held = torch.cuda.host_memory_stats().get("allocated_bytes.current")
+        pinned = f" | pinned allocator holds {held} B"
+    return (f"> MEMO host slots [rank {dist.get_rank()}, pipeline stage "
+            f"{parallel_state.get_pipeline_model_parallel_rank()}, after iteration {iteration}, "
+            f"alpha {memo.alpha:.4f}]: {len(slots)} slots, "
+            f"{memo.manager.host_slots.allocated_bytes} B allocated, "
+            f"{sum(pinned_block_bytes(n) for n in slots)} B as power-of-two blocks{pinned} | "
+            f"process RSS {psutil.Process().memory_info().rss} B")
+
+
+def _report_host_slots(memo: MemoOffload) -> None:
+    """Every rank prints :func:`host_slots_line` after its first iteration and after the first
+    iteration at a new alpha (--memo-alpha auto), from its own process (no collective)."""
+    after_iteration = memo.after_iteration
+    state = {"iteration": 0, "alpha": None}
+
+    def reporting_after_iteration() -> None:
+        state["iteration"] += 1
+        if memo.manager.host_slots.allocated_bytes and memo.alpha != state["alpha"]:
+            state["alpha"] = memo.alpha
+            sys.stdout.write(host_slots_line(memo, state["iteration"]) + "\n")
+            sys.stdout.flush()
+        after_iteration()
+
+    memo.after_iteration = reporting_after_iteration
 
 
 def _host_memory_budget(flag_bytes: Optional[int]) -> int:

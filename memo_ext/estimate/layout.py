@@ -35,6 +35,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from memo_ext.config import TiledMLPConfig
 from memo_ext.estimate.cost import (
     CostModelError,
     Efficiency,
@@ -43,6 +44,7 @@ from memo_ext.estimate.cost import (
     persistent_bytes,
     predict_step,
 )
+from memo_ext.estimate.host_memory import host_slot_bytes
 from memo_ext.estimate.kernels import at_model_shapes
 from memo_ext.estimate.memory import (
     EstimateError,
@@ -86,6 +88,9 @@ POLICY_NAMES = {"megatron": "Megatron full recompute", "megatron-none": "Megatro
                 "megatron-block": "Megatron block recompute", "memo": "MEMO offload"}
 #: Block recompute's layers per stage the recommender tries, as fractions of a stage's layers.
 BLOCK_RECOMPUTE_FRACTIONS = (0.25, 0.5, 0.75)
+#: MEMO's checkpoint-offloaded layers per stage the recommender tries, as fractions of the
+#: stage's offloaded layers (0: MEMO alone; 1: every offloaded layer checkpointed).
+CHECKPOINT_FRACTIONS = (0.0, 0.5, 1.0)
 
 #: (layers traced, layer copied) of a policy's symbolic traces (memo_ext.estimate.symbolic).
 #: Megatron's layers differ only at the two ends of a section: three layers, the middle one
@@ -154,6 +159,7 @@ class Layout:
     recompute_layers: Optional[int] = None  # megatron-block: layers recomputed per stage
     checkpoint_layers: int = 0  # memo: offloaded layers per stage in checkpoint mode (b)
     offload_fp8: bool = False  # memo: whole-offloaded tensors stored as fp8 (lossy)
+    mlp_tiles: int = 0  # the MLP run in this many sequence tiles (memo_ext.tiled_mlp); 0: not
 
     @property
     def gpus(self) -> int:
@@ -178,6 +184,8 @@ class Layout:
                 argv.append("--memo-offload-fp8")
         if self.policy == "megatron-block":
             argv += ["--recompute-num-layers", str(self.recompute_layers)]
+        if self.mlp_tiles:
+            argv += ["--memo-mlp-tiles", str(self.mlp_tiles)]
         if stage is not None and self.pp > 1:
             argv += ["--rank", str(stage.rank),
                      "--microbatches-in-flight", str(stage.microbatches_in_flight)]
@@ -206,6 +214,9 @@ class Layout:
             flags += POLICY_FLAGS[self.policy]
         if self.policy == "megatron-block":
             flags += ["--recompute-num-layers", str(self.recompute_layers)]
+        if self.mlp_tiles:
+            flags += ["--memo-mlp-tile-size",
+                      str(TiledMLPConfig.tile_size_for(seq // self.cp, self.mlp_tiles, self.tp))]
         return flags
 
     def describe(self) -> str:
@@ -216,6 +227,8 @@ class Layout:
                 policy += f" + {self.checkpoint_layers} checkpoint layers"
             if self.offload_fp8:
                 policy += " fp8"
+        if self.mlp_tiles:
+            policy += f", MLP in {self.mlp_tiles} tiles"
         if self.policy == "megatron-block":
             policy += f" {self.recompute_layers} layers per stage"
         return (f"TP={self.tp} CP={self.cp} PP={self.pp} DP={self.dp} mbs={self.micro_batch} "
@@ -319,6 +332,7 @@ class StagePrediction:
     stage: Stage
     memory: MemoryEstimate
     step: StepTime
+    host_slots: tuple = ()  # MEMO's host slots, bytes each (memo_ext.estimate.host_memory)
 
 
 @dataclass
@@ -330,6 +344,7 @@ class Prediction:
     stages: list[StagePrediction]
     host_capacity_bytes: int
     ranks_per_node: int
+    device_type: str = "cuda"  # "cpu": the CPU trainer (no pinned memory)
 
     @property
     def worst_stage(self) -> StagePrediction:
@@ -361,9 +376,21 @@ class Prediction:
         return self.layout.describe()
 
     @property
+    def host_memory(self):
+        """The worst node's host bytes by named term (memo_ext.estimate.host_memory): each
+        local rank's own offload slots (pinned power-of-two blocks on CUDA), per-process and
+        data-loader memory, the kernel's page map."""
+        if getattr(self, "_host_memory", None) is None:
+            from memo_ext.estimate.host_memory import prediction_host_memory
+
+            self._host_memory = prediction_host_memory(self)
+        return self._host_memory
+
+    @property
     def host_bytes_per_node(self) -> int:
-        """MEMO's offload slots of a node's ranks, each counted at the largest stage's."""
-        return max(p.memory.host_bytes for p in self.stages) * self.ranks_per_node
+        """Host bytes the worst node needs, every term of :attr:`host_memory` (the offload
+        arena alone: ``host_memory.arena_bytes``)."""
+        return self.host_memory.total_bytes
 
     @property
     def host_fits(self) -> bool:
@@ -390,8 +417,11 @@ class Prediction:
                 where += f"; largest at the peak: {name} {categories[name] / (1 << 30):.2f} GiB"
             return f"OOM on device ({where})"
         if not self.host_fits:
-            return (f"OOM on host ({self.host_bytes_per_node / 1e9:.0f} GB of offloaded "
-                    f"activations per node > {self.host_capacity_bytes / 1e9:.0f} GB)")
+            host = self.host_memory
+            return (f"OOM on host ({host.total_bytes / 1e9:.0f} GB per node > "
+                    f"{self.host_capacity_bytes / 1e9:.0f} GB: offloaded activations "
+                    f"{host.arena_bytes / 1e9:.0f} GB, processes, data loader and kernel "
+                    f"{(host.total_bytes - host.arena_bytes) / 1e9:.0f} GB)")
         return "FITS"
 
 
@@ -559,17 +589,19 @@ class LayoutModel:
                 memory = estimate_at(trace, int(self.hardware["device_memory_bytes"]),
                                      self.allocator, REPLAY_ITERATIONS)
                 self._cache[key] = (trace.header, persistent_bytes(trace),
-                                    model.work_at(seq, trace), memory)
-            header, persistent, work, memory = self._cache[key]
+                                    model.work_at(seq, trace), memory,
+                                    tuple(host_slot_bytes(trace)))
+            header, persistent, work, memory, slots = self._cache[key]
             efficiency = at_model_shapes(self.efficiency, self.hardware, header["model"],
                                          header["layout"])
             step = predict_step(
                 work, header, self.hardware, efficiency,
                 global_batch=self.global_batch, persistent=persistent,
                 reorganisations_per_iteration=memory.reorganisations / REPLAY_ITERATIONS)
-            per_stage.append(StagePrediction(model.stage, memory, step))
+            per_stage.append(StagePrediction(model.stage, memory, step, slots))
         ranks_per_node = min(int(self.hardware["gpus_per_node"]), self.layout.gpus)
-        return Prediction(self.layout, seq, per_stage, self.host_capacity_bytes, ranks_per_node)
+        return Prediction(self.layout, seq, per_stage, self.host_capacity_bytes, ranks_per_node,
+                          self.hardware.get("device_type", "cuda"))
 
     @property
     def multiple(self) -> int:
@@ -584,10 +616,15 @@ class LayoutModel:
         capacity = int(self.hardware["device_memory_bytes"])
         ranks_per_node = min(int(self.hardware["gpus_per_node"]), self.layout.gpus)
         fits = np.ones(len(seqs), dtype=bool)
+        least_host = None
         for model in self.stages:
             device, host, external = model.peak_bounds(seqs)
             fits &= device + external <= capacity
-            fits &= host * ranks_per_node <= self.host_capacity_bytes
+            least_host = host if least_host is None else np.minimum(least_host, host)
+        # Every rank of a node holds at least the smallest stage's slots, unrounded (the host
+        # model, memo_ext.estimate.host_memory, sums each rank's own stage and adds more).
+        if least_host is not None:
+            fits &= least_host * ranks_per_node <= self.host_capacity_bytes
         return fits
 
     def longest(self, step: int, maximum: int, fine_step: Optional[int] = None) -> int:
@@ -640,10 +677,20 @@ def block_recompute_layers(layers_per_stage: int,
                    for f in fractions}) if layers_per_stage > 1 else []
 
 
+def checkpoint_layer_counts(layers_per_stage: int,
+                            fractions=CHECKPOINT_FRACTIONS) -> list[int]:
+    """Checkpoint-offloaded layers per stage the recommender tries: each fraction of the
+    stage's offloaded layers (all but the two kept on device), rounded."""
+    offloaded = max(0, layers_per_stage - 2)
+    return sorted({round(f * offloaded) for f in fractions})
+
+
 def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[str],
                       alphas: list[float], micro_batches: list[int], global_batch: int,
                       pipeline_sizes: Optional[list[int]] = None,
-                      block_fractions=BLOCK_RECOMPUTE_FRACTIONS
+                      block_fractions=BLOCK_RECOMPUTE_FRACTIONS,
+                      checkpoint_fractions=CHECKPOINT_FRACTIONS,
+                      offload_fp8: tuple[bool, ...] = (False,)
                       ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """(layouts worth tracing, [(layout, why it was dropped)]) for ``gpus`` GPUs.
 
@@ -665,14 +712,18 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                     continue
                 dp = gpus // (tp * cp * pp)
                 blocks = block_recompute_layers(model["num_layers"] // pp, block_fractions)
+                checkpoints = checkpoint_layer_counts(model["num_layers"] // pp,
+                                                      checkpoint_fractions)
                 for policy in policies:
-                    variants = ([(alpha, None) for alpha in alphas] if policy == "memo" else
-                                [(None, k) for k in blocks] if policy == "megatron-block" else
-                                [(None, None)])
-                    for alpha, recompute_layers in variants:
+                    variants = ([(alpha, None, count, fp8) for alpha in alphas
+                                 for count in checkpoints for fp8 in offload_fp8]
+                                if policy == "memo" else
+                                [(None, k, 0, False) for k in blocks]
+                                if policy == "megatron-block" else [(None, None, 0, False)])
+                    for alpha, recompute_layers, count, fp8 in variants:
                         for micro_batch in micro_batches:
                             layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch,
-                                            recompute_layers)
+                                            recompute_layers, count, fp8)
                             reason = _infeasible(layout, model, heads, groups, per_node,
                                                  params, device, global_batch)
                             (dropped.append((layout, reason)) if reason else kept.append(layout))

@@ -66,7 +66,11 @@ def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
 
     candidates = [other for other in layouts if same_shape(other) and other != layout]
     if layout.policy == "memo":
-        frugal = [o for o in candidates if o.policy == "memo" and o.alpha < layout.alpha]
+        # Same checkpoint layers and fp8 choice: checkpoint layers trade host bytes for
+        # recomputation, not device bytes, so no count dominates another.
+        frugal = [o for o in candidates if o.policy == "memo" and o.alpha < layout.alpha
+                  and (o.checkpoint_layers, o.offload_fp8)
+                  == (layout.checkpoint_layers, layout.offload_fp8)]
         return max(frugal, key=lambda o: o.alpha, default=None)
     recomputed = _recomputed_layers(layout)
     if recomputed is None:

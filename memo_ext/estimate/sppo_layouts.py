@@ -72,6 +72,24 @@ class SPPOPrediction:
         # the solver scales the offloaded fractions down to the host memory, so the host fits
         return self.candidate.fits
 
+    def trainer_flags(self, global_batch: int) -> list[str]:
+        """pretrain_gpt.py's flags for this plan (as Layout.trainer_flags: the model's own
+        flags come from its config script). Offload is ``auto`` when the plan offloads: the
+        trainer solves the same fractions from its measured bandwidth and host memory."""
+        c = self.candidate
+        flags = ["--tensor-model-parallel-size", str(c.tp)]
+        if c.tp > 1:
+            flags.append("--sequence-parallel")
+        flags += ["--context-parallel-size", "1", "--pipeline-model-parallel-size", str(c.pp),
+                  "--use-distributed-optimizer", "--seq-length", str(self.seq),
+                  "--max-position-embeddings", str(self.seq), "--micro-batch-size", "1",
+                  "--global-batch-size", str(global_batch),
+                  "--memo-sppo", "--memo-sppo-subsequences", str(c.subsequences),
+                  "--memo-sppo-offload", "auto" if any(c.alphas) else "none"]
+        if self.problem.msp:
+            flags.append("--memo-sppo-msp")
+        return flags
+
     def describe(self) -> str:
         c = self.candidate
         return (f"TP={c.tp} CP=1 PP={c.pp} DP={c.dp} mbs=1 SPPO N={c.subsequences}"

@@ -313,3 +313,30 @@ def test_json_answer_keeps_stdout_to_itself():
     assert done.returncode == 0, done.stderr
     assert done.stdout == '{"answer": 1}\nafter\n'
     assert "banner from C" in done.stderr and "progress" in done.stderr
+
+
+@pytest.mark.parametrize("layout", [
+    Layout(4, 2, 1, 1, "memo", 0.0, checkpoint_layers=15, offload_fp8=True, mlp_tiles=16),
+    Layout(2, 2, 2, 1, "memo", 0.5),
+    Layout(8, 1, 1, 1, "megatron"),
+    Layout(2, 1, 2, 2, "megatron-block", recompute_layers=4),
+])
+def test_trainer_flags_are_accepted_by_the_trainer(layout):
+    """The flag line the recommender prints for a row passes pretrain_gpt.py's argument
+    validation for the layout's world size (with a model's shape flags beside it)."""
+    from megatron.training.arguments import parse_args
+
+    flags = layout.trainer_flags(1048576, 16)
+    model = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+             "--ffn-hidden-size", "16384", "--mock-data", "--vocab-size", "50257",
+             "--train-iters", "1", "--lr", "1e-4", "--bf16", "--position-embedding-type", "rope"]
+    args = parse_args(model + flags, world_size=layout.gpus, cuda_available=True)
+    assert (args.tensor_model_parallel_size, args.context_parallel_size,
+            args.pipeline_model_parallel_size) == (layout.tp, layout.cp, layout.pp)
+    assert args.seq_length == 1048576 and args.global_batch_size == 16
+    assert args.memo_offload == (layout.policy == "memo")
+    if layout.policy == "memo":
+        assert int(args.memo_checkpoint_layers) == layout.checkpoint_layers
+        assert args.memo_offload_fp8 == layout.offload_fp8
+    # 16 tiles of this rank's CP shard (1048576 / CP 2 tokens), as fc1 sees them
+    assert args.memo_mlp_tile_size == (32768 if layout.mlp_tiles else 0)

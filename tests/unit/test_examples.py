@@ -1,10 +1,13 @@
 """Tests for examples/ (model configs, SLURM scripts, CPU quick start) and tools/plot_loss.py.
 
-The model configs are sourced in bash and their flags validated by
-megatron.training.arguments.parse_args for the GPU count of the matching sbatch script, so every
-flag exists and every documented layout fits. The sbatch scripts are run with MEMO_DRY_RUN=1
-(they print the srun command instead of running it), and once against a fake srun/scontrol to
-check the preemption path: SIGUSR1 -> SIGTERM to the ranks -> requeue.
+Each headline configuration (examples/configs/recommend.py's HEADLINES) is a config script whose
+PARALLEL_ARGS are the recommender's best flag line, recorded with its command in
+examples/configs/recommended.md: the configs are sourced in bash, their flags compared with the
+recorded line (so they cannot drift from it silently) and validated by
+megatron.training.arguments.parse_args for the GPU count of the matching sbatch script. The
+sbatch scripts are run with MEMO_DRY_RUN=1 (they print the srun/torchrun command instead of
+running it), and once against a fake srun/scontrol to check the preemption path: SIGUSR1 ->
+SIGTERM to the ranks -> requeue.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from memo_ext.estimate.flops import gpt_shape, parameter_count
 from memo_ext.estimate.models import model_shape
 
-from megatron.training.arguments import parse_args
+from megatron.training.arguments import ArgumentValidationError, parse_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"
@@ -45,25 +48,37 @@ GPT2_VOCAB = 50257
 ARRAYS = ("MODEL_ARGS", "PARALLEL_ARGS", "TRAINING_ARGS")
 SHELL_SCRIPTS = sorted([*EXAMPLES.rglob("*.sh"), *EXAMPLES.rglob("*.sbatch")])
 
-_plot_spec = importlib.util.spec_from_file_location("plot_loss", REPO_ROOT / "tools" / "plot_loss.py")
-plot_loss = importlib.util.module_from_spec(_plot_spec)
-sys.modules["plot_loss"] = plot_loss  # dataclasses look their module up there
-_plot_spec.loader.exec_module(plot_loss)
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+plot_loss = _load("plot_loss", REPO_ROOT / "tools" / "plot_loss.py")
+recommend = _load("memo_recommend", CONFIGS / "recommend.py")
+HEADLINES = recommend.HEADLINES
+# config name (examples/configs/gpt_<stem>.sh, examples/slurm/pretrain_gpt_<stem>.sbatch) per
+# headline
+STEMS = {name: re.fullmatch(r"gpt_(\w+)\.sh", h.config).group(1) for name, h in HEADLINES.items()}
 
 
 def _clean_env(**overrides: str) -> dict[str, str]:
     """The environment minus anything the scripts read, plus ``overrides``."""
     read_by_scripts = re.compile(
-        r"(SLURM_.*|MEMO_.*|SEQ_LENGTH|TP_SIZE|PP_SIZE|CP_SIZE|DATA_PATH|TOKENIZER_MODEL|RUN_DIR|"
-        r"CHECKPOINT_DIR|TENSORBOARD_DIR|EXTRA_ARGS|MASTER_ADDR|MASTER_PORT|GPUS_PER_NODE|TORCHRUN)"
+        r"(SLURM_.*|MEMO_.*|LAYOUT_FLAGS|DATA_PATH|TOKENIZER_MODEL|RUN_DIR|NNODES|"
+        r"CHECKPOINT_DIR|TENSORBOARD_DIR|EXTRA_ARGS|MASTER_ADDR|MASTER_PORT|GPUS_PER_NODE|TORCHRUN|"
+        r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT)"
     )
     env = {key: value for key, value in os.environ.items() if not read_by_scripts.fullmatch(key)}
     env.update(overrides)
     return env
 
 
-def source_config(model: str, **env: str) -> dict[str, list[str]]:
-    """MODEL_ARGS, PARALLEL_ARGS and TRAINING_ARGS after sourcing examples/configs/gpt_<model>.sh."""
+def source_config(stem: str, **env: str) -> dict[str, list[str]]:
+    """MODEL_ARGS, PARALLEL_ARGS and TRAINING_ARGS after sourcing examples/configs/gpt_<stem>.sh."""
     script = (
         'source "$1" || exit 1\n'
         f"for name in {' '.join(ARRAYS)}; do\n"
@@ -71,31 +86,30 @@ def source_config(model: str, **env: str) -> dict[str, list[str]]:
         '    printf "%s\\0" "$name" "${#array[@]}" "${array[@]}"\n'
         "    unset -n array\n"
         "done\n"
+        'printf "SEQ_LENGTH\\0%s\\0" "$SEQ_LENGTH"\n'
     )
     result = subprocess.run(
-        ["bash", "-c", script, "bash", str(CONFIGS / f"gpt_{model}.sh")],
+        ["bash", "-c", script, "bash", str(CONFIGS / f"gpt_{stem}.sh")],
         capture_output=True, text=True, env=_clean_env(**env), check=True, timeout=30,
     )
     fields = result.stdout.split("\0")[:-1]
     arrays = {}
-    while fields:
+    for _ in ARRAYS:
         name, count, fields = fields[0], int(fields[1]), fields[2:]
         arrays[name], fields = fields[:count], fields[count:]
     assert set(arrays) == set(ARRAYS), result.stderr
+    assert fields[0] == "SEQ_LENGTH"
+    arrays["SEQ_LENGTH"] = fields[1]
     return arrays
 
 
-def sbatch_nodes(model: str) -> int:
-    """The #SBATCH --nodes of examples/slurm/pretrain_gpt_<model>.sbatch."""
-    text = (SLURM / f"pretrain_gpt_{model}.sbatch").read_text()
-    return int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.MULTILINE).group(1))
+def sbatch_text(stem: str) -> str:
+    return (SLURM / f"pretrain_gpt_{stem}.sbatch").read_text()
 
 
-def documented_layouts(model: str) -> list[tuple[int, int, int]]:
-    """(SEQ_LENGTH, CP_SIZE, nodes) rows of the long-sequence table in the config's comments."""
-    text = (CONFIGS / f"gpt_{model}.sh").read_text()
-    rows = re.findall(r"SEQ_LENGTH=(\d+)\s+CP_SIZE=(\d+)\s+sbatch --nodes=(\d+)", text)
-    return [tuple(int(value) for value in row) for row in rows]
+def sbatch_nodes(stem: str) -> int:
+    """The #SBATCH --nodes of examples/slurm/pretrain_gpt_<stem>.sbatch."""
+    return int(re.search(r"^#SBATCH --nodes=(\d+)$", sbatch_text(stem), re.MULTILINE).group(1))
 
 
 def validate(arrays: dict[str, list[str]], world_size: int, *extra: str):
@@ -104,11 +118,42 @@ def validate(arrays: dict[str, list[str]], world_size: int, *extra: str):
     return parse_args(argv, world_size=world_size, cuda_available=True)
 
 
-@pytest.mark.parametrize("model", sorted(TABLE_2))
-def test_config_matches_table_2_and_validates_on_its_nodes(model):
-    layers, hidden, ffn, heads, billions = TABLE_2[model]
-    world_size = sbatch_nodes(model) * GPUS_PER_NODE
-    args = validate(source_config(model), world_size)
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, list[str]]:
+    """The best flag line of each section of examples/configs/recommended.md."""
+    return recommend.recorded_flags()
+
+
+def test_recommended_file_records_every_headline_from_its_command():
+    sections = recommend.read_sections()
+    assert set(sections) == set(HEADLINES), "run examples/configs/recommend.py run <missing>"
+    text = recommend.RECOMMENDED.read_text()
+    assert "predicted, not measured" in text
+    for name, section in sections.items():
+        headline = HEADLINES[name]
+        # the command named is the one the generator runs, with its date, machine and commit
+        assert f"- command: `.venv/bin/python {headline.command()}`" in section, name
+        assert re.search(r"^- ran: \d{4}-\d\d-\d\d \d\d:\d\d UTC on .+, \d+ s$", section,
+                         re.MULTILINE), name
+        assert re.search(r"^- commit: [0-9a-f]{40}", section, re.MULTILINE), name
+        # the summary's flag line is the best row's line of the recorded output
+        output = re.search(r"^```text\n(.*?)^```$", section, re.MULTILINE | re.DOTALL).group(1)
+        flags = recommend.FLAGS_LINE.search(section).group("flags")
+        assert flags == recommend.best_flags(output), name
+        assert re.search(r"^\| 1 \| ", output, re.MULTILINE), name
+
+
+@pytest.mark.parametrize("name", list(HEADLINES))
+def test_config_is_its_recommended_row_and_validates_on_its_nodes(name, recorded):
+    headline, stem = HEADLINES[name], STEMS[name]
+    layers, hidden, ffn, heads, billions = TABLE_2[stem.split("_")[0]]
+    arrays = source_config(stem)
+    assert name in recorded, f"examples/configs/recommended.md has no section {name}"
+    assert arrays["PARALLEL_ARGS"] == recorded[name], (
+        f"examples/configs/{headline.config} differs from recommended.md's flag line: run "
+        f"examples/configs/recommend.py apply {name}")
+    assert sbatch_nodes(stem) * GPUS_PER_NODE == headline.gpus
+    args = validate(arrays, headline.gpus)
 
     assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads) == (
         layers, hidden, ffn, heads)
@@ -116,44 +161,55 @@ def test_config_matches_table_2_and_validates_on_its_nodes(model):
     assert args.normalization == "LayerNorm" and not args.swiglu
     assert args.untie_embeddings_and_output_weights
     parameters = parameter_count(gpt_shape(args, GPT2_VOCAB))
-    assert parameters == parameter_count(model_shape(model))  # the estimator's preset
+    assert parameters == parameter_count(model_shape(stem.split("_")[0]))  # the estimator's preset
     # MFU's P leaves out the input embedding (a lookup): 7B's is 6.65 billion
     assert 0.9 * billions < parameters / 1e9 < 1.1 * billions
-    # Long-context layout: TP=8 + SP inside a node, every GPU model-parallel (no DP replicas).
-    assert args.tensor_model_parallel_size == GPUS_PER_NODE and args.sequence_parallel
+    # the layout fills the job's GPUs
     assert (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-            * args.context_parallel_size) == world_size
-    assert args.data_parallel_size == 1
-    assert args.recompute_granularity == "full"
+            * args.context_parallel_size * args.data_parallel_size) == headline.gpus
+    assert str(args.seq_length) == arrays["SEQ_LENGTH"]
+    assert args.max_position_embeddings == args.seq_length
+    # the question asked: the length, and the policy searched
+    question = dict(zip(headline.argv, headline.argv[1:]))
+    if "--seq-length" in question:
+        assert args.seq_length == int(question["--seq-length"])
+    if question.get("--policies") == "memo":
+        assert args.memo_offload
+    if question.get("--policies") == "sppo":
+        assert args.memo_sppo
     # MEMO's training setup.
-    assert args.seq_length == 131072
     assert (args.micro_batch_size, args.global_batch_size) == (1, 16)
     assert args.bf16 and args.params_dtype == torch.bfloat16
     assert (args.lr, args.min_lr, args.lr_decay_style) == (3e-4, 3e-5, "cosine")
     assert (args.clip_grad, args.weight_decay) == (1.0, 0.1)
+    assert args.attention_dropout == args.hidden_dropout == 0.0
 
 
-@pytest.mark.parametrize("model", sorted(TABLE_2))
-def test_documented_long_sequence_layouts_validate(model):
-    layouts = documented_layouts(model)
-    assert layouts, f"gpt_{model}.sh documents no SEQ_LENGTH/CP_SIZE/nodes rows"
-    for seq_length, cp_size, nodes in layouts:
-        arrays = source_config(model, SEQ_LENGTH=str(seq_length), CP_SIZE=str(cp_size))
-        args = validate(arrays, nodes * GPUS_PER_NODE)
-        assert (args.seq_length, args.context_parallel_size) == (seq_length, cp_size)
-        assert args.data_parallel_size == 1, (seq_length, cp_size, nodes)
+def test_memo_flags_in_the_headline_configs(recorded):
+    """MEMO's offload at one node (1M and the longest length), SPPO at 4M on 128 GPUs."""
+    assert "--memo-offload" in recorded["7b_1m"] and "--memo-offload" in recorded["7b_longest"]
+    assert "--memo-sppo" in recorded["7b_4m"]
+
+
+def test_layout_flags_override_the_recommended_row():
+    flags = ("--tensor-model-parallel-size 8 --sequence-parallel --context-parallel-size 1 "
+             "--pipeline-model-parallel-size 1 --use-distributed-optimizer --seq-length 131072 "
+             "--max-position-embeddings 131072 --micro-batch-size 1 --global-batch-size 16 "
+             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    arrays = source_config("7b", LAYOUT_FLAGS=flags)
+    assert arrays["PARALLEL_ARGS"] == flags.split() and arrays["SEQ_LENGTH"] == "131072"
+    args = validate(arrays, world_size=8)
+    assert args.recompute_granularity == "full" and not args.memo_offload
 
 
 def test_config_rejects_a_layout_that_does_not_fit():
-    from megatron.training.arguments import ArgumentValidationError
-
-    with pytest.raises(ArgumentValidationError, match="world size 8 is not divisible"):
-        validate(source_config("13b"), world_size=8)
+    with pytest.raises(ArgumentValidationError, match="world size 4"):
+        validate(source_config("13b"), world_size=4)
 
 
-def _dry_run(model: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+def _dry_run(stem: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(SLURM / f"pretrain_gpt_{model}.sbatch")],
+        ["bash", str(SLURM / f"pretrain_gpt_{stem}.sbatch")],
         capture_output=True, text=True, timeout=30, cwd=tmp_path,
         env=_clean_env(**{"MEMO_ROOT": str(REPO_ROOT), "MEMO_DRY_RUN": "1", **env}),
     )
@@ -171,15 +227,32 @@ def fake_data(tmp_path):
             "RUN_DIR": str(tmp_path / "run")}
 
 
-@pytest.mark.parametrize("model", sorted(TABLE_2))
-def test_sbatch_launch_command_validates(model, tmp_path, fake_data):
-    nodes = sbatch_nodes(model)
-    header = (SLURM / f"pretrain_gpt_{model}.sbatch").read_text()
-    for directive in ("--ntasks-per-node=1", f"--gpus-per-node={GPUS_PER_NODE}", "--exclusive",
-                      "--requeue", "--signal=B:USR1@900", "--cpus-per-task=", "--time="):
-        assert f"#SBATCH {directive}" in header
+def _seconds(limit: str) -> int:
+    """Slurm's [days-]hours:minutes:seconds."""
+    days, _, clock = limit.rpartition("-")
+    hours, minutes, seconds = (int(part) for part in clock.split(":"))
+    return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
 
-    result = _dry_run(model, tmp_path, SLURM_NNODES=str(nodes), SLURM_JOB_ID="4242", **fake_data)
+
+@pytest.mark.parametrize("name", list(HEADLINES))
+def test_sbatch_launch_command_validates(name, tmp_path, fake_data, recorded):
+    stem = STEMS[name]
+    nodes = sbatch_nodes(stem)
+    header = sbatch_text(stem)
+    for directive in ("--ntasks-per-node=1", f"--gpus-per-node={GPUS_PER_NODE}", "--exclusive",
+                      "--requeue", "--signal=B:USR1@", "--cpus-per-task=", "--time="):
+        assert f"#SBATCH {directive}" in header
+    assert re.search(rf"^MEMO_MODEL={stem}$", header, re.MULTILINE)
+    # The time-limit signal leaves one predicted iteration and a checkpoint save (10 minutes).
+    signal_s = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", header, re.MULTILINE).group(1))
+    assert re.search(rf"^MEMO_SIGNAL_S={signal_s}$", header, re.MULTILINE)
+    step_s = float(re.search(r"^- best row \(predicted\): .* step ([\d.]+) s,",
+                             recommend.read_sections()[name], re.MULTILINE).group(1))
+    assert signal_s >= step_s + 600, (name, signal_s, step_s)
+    limit = _seconds(re.search(r"^#SBATCH --time=(\S+)$", header, re.MULTILINE).group(1))
+    assert limit >= 3 * signal_s, (name, limit, signal_s)
+
+    result = _dry_run(stem, tmp_path, SLURM_NNODES=str(nodes), SLURM_JOB_ID="4242", **fake_data)
     assert result.returncode == 0, result.stderr
     command = shlex.split(result.stdout)
     script = command.index(str(REPO_ROOT / "pretrain_gpt.py"))
@@ -190,7 +263,10 @@ def test_sbatch_launch_command_validates(model, tmp_path, fake_data):
                      "--rdzv-backend c10d", "--rdzv-id 4242", "--ntasks-per-node 1"):
         assert expected in launcher_text
 
-    args = parse_args(command[script + 1:], world_size=nodes * GPUS_PER_NODE, cuda_available=True)
+    flags = command[script + 1:]
+    line = recorded[name]
+    assert any(flags[i:i + len(line)] == line for i in range(len(flags))), "flag line missing"
+    args = parse_args(flags, world_size=nodes * GPUS_PER_NODE, cuda_available=True)
     run_dir = Path(fake_data["RUN_DIR"])
     assert args.save == args.load == str(run_dir / "checkpoints")
     assert args.exit_signal_handler and args.exit_signal == "SIGTERM"
@@ -198,6 +274,17 @@ def test_sbatch_launch_command_validates(model, tmp_path, fake_data):
     assert args.data_path == [fake_data["DATA_PATH"]]
     assert args.tokenizer_type == "BPETokenizer"
     assert args.tokenizer_model == fake_data["TOKENIZER_MODEL"]
+
+
+def test_dry_run_without_srun_prints_the_torchrun_command(tmp_path, fake_data):
+    result = _dry_run("7b", tmp_path, MEMO_SRUN="0", NNODES="1", MASTER_ADDR="node001",
+                      **fake_data)
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout)
+    assert command[0] == "torchrun" and "srun" not in command
+    assert " ".join(command[:command.index(str(REPO_ROOT / "pretrain_gpt.py"))]).endswith(
+        "--rdzv-endpoint node001:20000 --rdzv-id 0")
+    assert "--memo-offload" in command
 
 
 def test_sbatch_without_data_path_fails_with_a_clear_message(tmp_path):
@@ -261,8 +348,12 @@ def test_shell_script_syntax(script):
 def test_every_example_script_is_covered():
     names = {path.name for path in SHELL_SCRIPTS}
     assert {"cpu_quickstart.sh", "launch_common.sh", "gpt_common.sh"} <= names
-    assert {f"pretrain_gpt_{model}.sbatch" for model in TABLE_2} <= names
-    assert {f"gpt_{model}.sh" for model in TABLE_2} <= names
+    configs = {f"gpt_{stem}.sh" for stem in STEMS.values()}
+    sbatches = {f"pretrain_gpt_{stem}.sbatch" for stem in STEMS.values()}
+    # every model of Table 2 has a config, and every config and sbatch script is a headline
+    assert {f"gpt_{model}.sh" for model in TABLE_2} <= configs
+    assert {name for name in names if re.fullmatch(r"gpt_(?!common).*\.sh", name)} == configs
+    assert {name for name in names if name.endswith(".sbatch")} == sbatches
 
 
 def _write_metrics(path: Path, losses: dict[int, float], validation: dict[int, float]) -> Path:

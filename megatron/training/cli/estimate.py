@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from memo_ext.estimate.cpu_profile import CPU_PROFILE
-from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS
+from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS, CHECKPOINT_FRACTIONS
 from memo_ext.estimate.models import MODELS, ModelError, model_shape
 from memo_ext.estimate.sppo_layouts import (
     SPPOLayoutModel,
@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memo-offload-fp8", action="store_true",
                         help="with --policy memo: offload the whole-offloaded tensors in fp8 "
                              "(lossy; the trainer's flag)")
+    parser.add_argument("--memo-mlp-tiles", type=int, default=0, metavar="K",
+                        help="run every layer's MLP in K sequence tiles of the rank's CP shard "
+                             "(the trainer's --memo-mlp-tile-size, docs/tiled_mlp.md; default "
+                             "0: untiled)")
     parser.add_argument("--recompute-num-layers", type=int, default=None,
                         help="with --policy megatron-block: layers recomputed per stage")
     parser.add_argument("--host-memory-gb", type=float, default=None,
@@ -126,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "stage's layers (comma-separated)")
     search.add_argument("--alphas", default="0,1",
                         help="MEMO alphas searched (comma-separated, default 0,1)")
+    search.add_argument("--checkpoint-fractions",
+                        default=",".join(f"{f:g}" for f in CHECKPOINT_FRACTIONS),
+                        help="MEMO: checkpoint-offloaded layers per stage tried, as fractions "
+                             "of a stage's offloaded layers (comma-separated, in [0, 1])")
+    search.add_argument("--offload-fp8", choices=("off", "on", "both"), default="off",
+                        help="MEMO: search lossy fp8 offload (--memo-offload-fp8) too "
+                             "('both'), only, or not (default off: it changes the gradients)")
     search.add_argument("--pp-sizes", default="1",
                         help="pipeline sizes searched for the traced policies (comma-separated; "
                              "default 1); SPPO's solver searches every pipeline size")
@@ -218,9 +229,10 @@ def describe(prediction, device_bytes: int) -> list[str]:
                      f"{prediction.host_capacity_bytes / 1e9:.0f} GB per node")
     slowest = "" if len(prediction.stages) == 1 else " (the slowest traced stage)"
     lines.append(f"  time{slowest}: {step.breakdown()}")
+    global_batch = step.microbatches * prediction.layout.dp * prediction.layout.micro_batch
     lines.append(f"  predicted MFU {step.mfu:.1%} ({prediction.layout.gpus} GPUs, "
-                 f"{step.microbatches * prediction.layout.dp * prediction.layout.micro_batch} "
-                 f"sequences per iteration)")
+                 f"{global_batch} sequences per iteration)")
+    lines.append(f"  flags: pretrain_gpt.py {' '.join(trainer_flags(prediction, global_batch))}")
     return lines
 
 
@@ -235,12 +247,26 @@ def table(predictions, top: int) -> list[str]:
     return lines
 
 
+def trainer_flags(prediction, global_batch: int) -> list[str]:
+    """The ready-to-run pretrain_gpt.py flags of a row (traced layout or SPPO plan)."""
+    if isinstance(prediction, SPPOPrediction):
+        return prediction.trainer_flags(global_batch)
+    return prediction.layout.trainer_flags(prediction.seq, global_batch)
+
+
+def flag_lines(predictions, top: int, global_batch: int) -> list[str]:
+    """One ``#N: pretrain_gpt.py FLAGS`` line per row of :func:`table`."""
+    return [f"#{index}: pretrain_gpt.py {' '.join(trainer_flags(p, global_batch))}"
+            for index, p in enumerate(predictions[:top], 1)]
+
+
 def answer_json(opts, predictions, seconds: float) -> dict:
     """--json's object: the question, each row (best first) and the time taken."""
     rows = [{"layout": p.describe(), "seq": p.seq, "fits": p.fits, "verdict": p.verdict(),
              "peak_device_gib": round(p.peak_device_bytes / GiB, 3),
              "host_gb_per_node": round(p.host_bytes_per_node / 1e9, 3),
-             "step_s": p.step_s, "mfu": p.mfu} for p in predictions]
+             "step_s": p.step_s, "mfu": p.mfu,
+             "trainer_flags": trainer_flags(p, opts.global_batch_size)} for p in predictions]
     return {"model": opts.model, "gpu": opts.gpu, "gpus": opts.gpus,
             "question": "max_seq_length" if opts.max_seq_length else "seq_length",
             "seq_length": opts.seq_length, "rows": rows,
@@ -332,12 +358,18 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             if any(not 0 < f < 1 for f in fractions):
                 raise UsageError(f"--block-recompute-fractions {opts.block_recompute_fractions}:"
                                  " each strictly between 0 and 1")
+            checkpoints = _numbers(opts.checkpoint_fractions, "--checkpoint-fractions")
+            if any(not 0 <= f <= 1 for f in checkpoints):
+                raise UsageError(f"--checkpoint-fractions {opts.checkpoint_fractions}: each in "
+                                 "[0, 1]")
             layouts, dropped = candidate_layouts(
                 shape, opts.gpus, hardware, policies=traced, alphas=alphas,
                 micro_batches=_numbers(opts.micro_batch_sizes, "--micro-batch-sizes", int),
                 global_batch=opts.global_batch_size,
                 pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int),
-                block_fractions=fractions) if traced else ([], [])
+                block_fractions=fractions, checkpoint_fractions=checkpoints,
+                offload_fp8={"off": (False,), "on": (True,), "both": (False, True)}[
+                    opts.offload_fp8]) if traced else ([], [])
             sppo_models, sppo_dropped = sppo_layout_models(
                 shape, opts.gpus, hardware, global_batch=opts.global_batch_size,
                 host_memory_gb_per_node=opts.host_memory_gb,
@@ -375,7 +407,8 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                     models = build(layouts) + sppo_models
                     ranked = [p for p in rank_at(models, opts.seq_length) if p.fits]
             seconds = time.perf_counter() - started
-            for line in table(ranked, opts.top):
+            for line in table(ranked, opts.top) + flag_lines(ranked, opts.top,
+                                                              opts.global_batch_size):
                 say(line)
             say(f"estimated in {seconds:.1f} s")
             if opts.json:
@@ -417,13 +450,16 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                 raise UsageError(f"--policy megatron-block needs --recompute-num-layers K, 1 <= K"
                                  f" <= {stage_layers} (the layers of a stage)")
             recompute_layers = opts.recompute_num_layers
+        if opts.memo_mlp_tiles < 0:
+            raise UsageError(f"--memo-mlp-tiles {opts.memo_mlp_tiles}: give 0 (untiled) or a "
+                             "tile count >= 1")
         if (opts.memo_checkpoint_layers or opts.memo_offload_fp8) and opts.policy != "memo":
             raise UsageError("--memo-checkpoint-layers and --memo-offload-fp8 apply to "
                              "--policy memo only")
         layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
                         opts.micro_batch_size, recompute_layers,
                         checkpoint_layers=opts.memo_checkpoint_layers,
-                        offload_fp8=opts.memo_offload_fp8)
+                        offload_fp8=opts.memo_offload_fp8, mlp_tiles=opts.memo_mlp_tiles)
         if cpu:
             hardware = cpu_hardware(layout, shape, opts.seq_length, say)
             device = int(hardware["device_memory_bytes"])

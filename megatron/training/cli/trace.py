@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--memo-mlp-tile-size", type=int, default=0, metavar="TOKENS",
                           help="Sequence-tiled MLP with tiles of TOKENS (the trainer's flag; "
                                "docs/tiled_mlp.md). Default 0: off.")
+    training.add_argument("--memo-mlp-tiles", type=int, default=0, metavar="K",
+                          help="Tile the MLP into K tiles of the sequence after CP (the "
+                               "trainer's --memo-mlp-tile-size for this length; what the "
+                               "estimator traces, so traces at two lengths are alike).")
     training.add_argument("--no-distributed-optimizer", action="store_true",
                           help="Replicate optimizer state on every DP rank.")
     training.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -240,6 +244,11 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
             argv.append("--memo-offload-fp8")
     if opts.memo_mlp_tile_size:
         argv += ["--memo-mlp-tile-size", str(opts.memo_mlp_tile_size)]
+    elif opts.memo_mlp_tiles:
+        from memo_ext.config import TiledMLPConfig
+
+        argv += ["--memo-mlp-tile-size", str(TiledMLPConfig.tile_size_for(
+            opts.seq_length // opts.cp, opts.memo_mlp_tiles, opts.tp))]
     return argv + shlex.split(opts.trainer_args)
 
 

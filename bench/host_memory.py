@@ -1,0 +1,308 @@
+"""The estimator's host-memory prediction beside the host bytes MEMO's offload allocates in the
+real CPU trainer, per node, in four layouts; and the MEMO paper's out-of-host-memory case.
+
+    python bench/host_memory.py                    # 4 configurations, ~6 min on 2 cores
+    python bench/host_memory.py --only pp2,dp2     # some of them (--list names them)
+
+For each configuration (two ranks, this machine is the node):
+
+1. the ``cpu`` profile is measured for the layout (memo_ext.estimate.cpu_profile, one repeat:
+   only its memory side is used here) and the estimator traces the layout whole at the
+   trainer's length (memo_ext.estimate.layout.build_layout_model, the path of
+   ``tools/estimate.py --gpu cpu``) and predicts it (``LayoutModel.predict``). The prediction's
+   host model (memo_ext.estimate.host_memory, ``Prediction.host_memory``) sums each local
+   rank's own stage's slots; the column "before" is the formula it replaced, the largest
+   stage's slots times the ranks of a node;
+2. the trainer runs the trace's own command line (its header's ``trainer_argv``, without the
+   tracer's host-capacity and bandwidth stand-ins) under torchrun for two iterations; every
+   rank prints, after its first iteration, the slots its HostSlotPool holds
+   (megatron/training/memo.py, ``host_slots_line``): bytes allocated, the same slots as
+   CUDA's pinned allocator would round them, and the process's RSS. The measured node bytes
+   are the sum over the two ranks.
+
+The comparison is of the offload arena (the model's ``offload_arena`` term): on CPU the
+slots are ordinary tensors of their bytes. The power-of-two column compares the model's
+CUDA arena (pinned=True) with the measured slots rounded as CUDA would. Writes
+bench/results/host_memory.md (and host_memory.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from memo_ext.estimate.cpu_profile import free_port, measure_cpu_profile  # noqa: E402
+from memo_ext.estimate.host_memory import (  # noqa: E402
+    CUDA_PROCESS_RESIDENT_BYTES,
+    KERNEL_PAGE_MAP_FRACTION,
+    SlotShape,
+    StageSlots,
+    longest_fitting_seq,
+    memo_paper_host_limit,
+    node_host_memory,
+    pinned_block_bytes,
+)
+from memo_ext.estimate.layout import Layout, TraceCache, build_layout_model  # noqa: E402
+
+RESULTS = REPO_ROOT / "bench" / "results"
+SEQ = 1024
+MODEL = {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 1024,
+         "num_attention_heads": 4, "vocab_size": 512, "seq_length": SEQ}
+MODEL_ARGV = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "1024",
+              "--num-attention-heads", "4", "--vocab-size", "512"]
+ITERATIONS = 2
+#: The tracer's stand-ins for what the trainer measures (host capacity, bandwidth), and the
+#: flags set here instead (each with its value).
+TRACE_ONLY_FLAGS = ("--memo-host-memory-gb", "--memo-pcie-gbps", "--train-iters",
+                    "--global-batch-size")
+LINE = re.compile(r"^> MEMO host slots \[rank (\d+), pipeline stage (\d+), after iteration "
+                  r"(\d+), alpha ([\d.]+)\]: (\d+) slots, (\d+) B allocated, (\d+) B as "
+                  r"power-of-two blocks.*\| process RSS (\d+) B", re.M)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    layout: Layout
+    global_batch: int
+    description: str
+    num_layers: int = 4
+
+
+CONFIGS = [
+    Config("tp2sp", Layout(2, 1, 1, 1, "memo", 0.25), 2, "TP=2 + SP, alpha 0.25"),
+    Config("cp2", Layout(1, 2, 1, 1, "memo", 0.0, checkpoint_layers=1), 2,
+           "CP=2, alpha 0, 1 checkpoint-offloaded layer"),
+    Config("pp2", Layout(1, 1, 2, 1, "memo", 0.5), 4,
+           "PP=2, 8 layers, 4 micro-batches (2 in flight on stage 0), alpha 0.5", 8),
+    Config("dp2", Layout(1, 1, 1, 2, "memo", 0.25, offload_fp8=True), 2,
+           "DP=2 (two replicas), alpha 0.25, --memo-offload-fp8"),
+]
+
+
+def trainer_command(trace_argv: list[str], config: Config) -> list[str]:
+    argv, skip = [], False
+    for flag in trace_argv:
+        if skip:
+            skip = False
+        elif flag in TRACE_ONLY_FLAGS:
+            skip = True
+        else:
+            argv.append(flag)
+    return [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
+            str(config.layout.gpus), "--master-addr", "127.0.0.1", "--master-port",
+            str(free_port()), str(REPO_ROOT / "pretrain_gpt.py"), *argv,
+            "--train-iters", str(ITERATIONS), "--global-batch-size", str(config.global_batch),
+            "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000"]
+
+
+def measure(command: list[str], run_dir: Path) -> tuple[list[dict], str]:
+    """Each rank's first host-slots line (module docstring), and the log's path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore::FutureWarning:torch.distributed.c10d_logger"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    log = run_dir / "train.log"
+    with open(log, "w") as out:
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=out,
+                              stderr=subprocess.STDOUT)
+    text = log.read_text()
+    if done.returncode:
+        raise SystemExit(f"host_memory.py: the trainer failed (status {done.returncode}); see "
+                         f"{log}:\n" + "\n".join(text.strip().splitlines()[-5:]))
+    ranks: dict[int, dict] = {}
+    for match in LINE.finditer(text):
+        rank = int(match.group(1))
+        ranks.setdefault(rank, {"rank": rank, "stage": int(match.group(2)),
+                                "iteration": int(match.group(3)),
+                                "alpha": float(match.group(4)), "slots": int(match.group(5)),
+                                "allocated": int(match.group(6)),
+                                "pow2": int(match.group(7)), "rss": int(match.group(8))})
+    return [ranks[r] for r in sorted(ranks)], str(log)
+
+
+def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> dict:
+    started = time.perf_counter()
+    layout = config.layout
+    model_shape = {**MODEL, "num_layers": config.num_layers}
+    model_argv = [*MODEL_ARGV[:1], str(config.num_layers), *MODEL_ARGV[2:]]
+    hardware = measure_cpu_profile(model_shape, {"tp": layout.tp, "cp": layout.cp,
+                                                 "pp": layout.pp,
+                                                 "micro_batch_size": layout.micro_batch},
+                                   ranks=layout.gpus, repeats=1,
+                                   log=lambda line: say(f"  {line}"))
+    model, _ = build_layout_model(model_argv, layout, hardware, cache=cache, exhaustive=True,
+                                  global_batch=config.global_batch,
+                                  num_layers=config.num_layers)
+    prediction = model.predict(SEQ)
+    host = prediction.host_memory
+    stages = [StageSlots(p.stage.index, p.stage.microbatches_in_flight, p.host_slots)
+              for p in prediction.stages]
+    pinned = node_host_memory(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp,
+                              stages=stages, ranks_per_node=prediction.ranks_per_node, seq=SEQ,
+                              micro_batch=layout.micro_batch, pinned=True)
+    before = max(p.memory.host_bytes for p in prediction.stages) * prediction.ranks_per_node
+    header = model.stages[0].at(SEQ).header
+    command = trainer_command(header["trainer_argv"], config)
+    say(f"  trainer: {shlex.join(command[8:])}")
+    ranks, log = measure(command, run_root / config.name)
+    if len(ranks) != layout.gpus:
+        raise SystemExit(f"host_memory.py: {len(ranks)} host-slot lines for {layout.gpus} ranks "
+                         f"in {log}")
+    measured = sum(r["allocated"] for r in ranks)
+    measured_pow2 = sum(r["pow2"] for r in ranks)
+    predicted = host.terms["offload_arena"]
+    return {
+        "config": config.name, "description": config.description, "layout": layout.describe(),
+        "seq": SEQ, "ranks_per_node": prediction.ranks_per_node,
+        "predicted_arena": predicted, "measured_arena": measured,
+        "error": predicted / measured - 1,
+        "predicted_pow2": pinned.terms["offload_arena"], "measured_pow2": measured_pow2,
+        "error_pow2": pinned.terms["offload_arena"] / measured_pow2 - 1,
+        "before": before, "error_before": before / measured - 1,
+        "predicted_per_rank": host.arena_per_rank, "stage_slots": {
+            p.stage.index: list(p.host_slots) for p in prediction.stages},
+        "ranks": ranks, "cuda_terms": pinned.terms, "command": command[8:], "log": log,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+# -------------------------------------------------------------------------- the paper's case
+PAPER_CAPACITY = 2048 * 10**9  # hardware.json's a800 node (the paper: "2 TB")
+PAPER_SEQS = (1024 * 1024, 1152 * 1024)
+
+
+def paper_rows() -> list[dict]:
+    """docs/estimate.md's candidates for 7B on 8 A800s (TP x CP = 8, SP), alpha 0."""
+    ours = SlotShape.gpt(4096, 32, 8, attention_copies=2, statistics=True,
+                         name="ours (input + 2 attention-output copies + log-sum-exp)")
+    paper = SlotShape.gpt(4096, 32, 8, attention_copies=1, statistics=False,
+                          name="paper's table (input + attention output)")
+    process = CUDA_PROCESS_RESIDENT_BYTES
+    kernel = int(PAPER_CAPACITY * KERNEL_PAGE_MAP_FRACTION)
+    candidates = [
+        ("today's model: alpha 0, exact bytes, n - 2 slots", {"pinned": False}),
+        ("+ power-of-two pinned blocks", {}),
+        ("+ a slot for all n layers", {"pinned": False, "all_layers": True}),
+        ("+ 8 processes (CUDA context, 2.06 GB each) + kernel page map (1/64)",
+         {"pinned": False, "process_bytes": process, "os_reserved_bytes": kernel}),
+        ("power-of-two + alpha-0 arena held twice (--memo-alpha auto)", {"arena_copies": 2}),
+        ("power-of-two + held twice + processes + kernel page map",
+         {"arena_copies": 2, "process_bytes": process, "os_reserved_bytes": kernel}),
+    ]
+    rows = []
+    for shape in (ours, paper):
+        for name, options in candidates:
+            cells = [memo_paper_host_limit(shape, seq, capacity_bytes=PAPER_CAPACITY, **options)
+                     for seq in PAPER_SEQS]
+            longest = longest_fitting_seq(lambda seq: memo_paper_host_limit(
+                shape, seq, capacity_bytes=PAPER_CAPACITY, **options)["fits"])
+            rows.append({"slots": shape.name, "candidate": name, "cells": cells,
+                         "longest": longest})
+    return rows
+
+
+def write(rows: list[dict], paper: list[dict], path: Path) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    lines = [
+        "# Host memory: the estimator's prediction against the CPU trainer",
+        "",
+        f"`python bench/host_memory.py` at commit {commit}{' (working tree modified)' if dirty else ''}"
+        f", on {os.cpu_count()} cores ({cpu}), {memory / 2**30:.1f} GiB, Python "
+        f"{platform.python_version()}. Model: GPT, hidden {MODEL['hidden_size']}, "
+        f"{MODEL['num_attention_heads']} heads, MLP {MODEL['ffn_hidden_size']}, vocabulary "
+        f"{MODEL['vocab_size']}, fp32, {SEQ} tokens, micro-batch 1; two ranks on this machine "
+        "(one node). Predicted: `Prediction.host_memory` (memo_ext/estimate/host_memory.py) of "
+        "the layout traced whole at the trainer's length (the `--gpu cpu` path). Measured: the "
+        "host slots each rank's HostSlotPool holds after its first iteration (the trainer's "
+        "`> MEMO host slots` line), summed over the node's two ranks.",
+        "",
+        "| config | layout | measured B/node | predicted B/node | error | before (max x ranks) "
+        "| its error | measured as pow2 blocks | predicted pinned (CUDA) | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['description']} | {r['measured_arena']:,} | "
+                     f"{r['predicted_arena']:,} | {100 * r['error']:+.2f}% | {r['before']:,} | "
+                     f"{100 * r['error_before']:+.1f}% | {r['measured_pow2']:,} | "
+                     f"{r['predicted_pow2']:,} | {100 * r['error_pow2']:+.2f}% |")
+    lines += ["", "Per rank (measured: slots, bytes allocated, process RSS after iteration 1; "
+              "predicted: the rank's own stage):", "",
+              "| config | rank | stage | slots | measured B | predicted B | RSS MiB |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for rank, predicted in zip(r["ranks"], r["predicted_per_rank"]):
+            lines.append(f"| {r['config']} | {rank['rank']} | {rank['stage']} | "
+                         f"{rank['slots']} | {rank['allocated']:,} | {predicted:,} | "
+                         f"{rank['rss'] / 2**20:.0f} |")
+    lines += ["", "Commands (pretrain_gpt.py's flags; torchrun --nproc-per-node 2):", ""]
+    for r in rows:
+        lines += [f"- {r['config']}: `{shlex.join(r['command'])}`"]
+    lines += ["", "## The MEMO paper's out-of-host-memory case", "",
+              "7B (32 layers, hidden 4096, 32 heads), 8 ranks of TP x CP = 8 with sequence "
+              f"parallelism on one node of {PAPER_CAPACITY / 1e9:.0f} GB, alpha 0, bf16 "
+              "(memo_ext.estimate.host_memory.memo_paper_host_limit). The paper ran 1024K and "
+              "not 1152K. GB = 1e9 B.", "",
+              "| slot bytes | candidate | node GB at 1024K | fits | node GB at 1152K | fits | "
+              "longest that fits |", "|---|---|---|---|---|---|---|"]
+    for row in paper:
+        a, b = row["cells"]
+        lines.append(f"| {row['slots']} | {row['candidate']} | {a['total_bytes'] / 1e9:.0f} | "
+                     f"{'yes' if a['fits'] else 'no'} | {b['total_bytes'] / 1e9:.0f} | "
+                     f"{'yes' if b['fits'] else 'no'} | {row['longest'] // 1024}K |")
+    path.write_text("\n".join(lines) + "\n")
+    path.with_suffix(".json").write_text(json.dumps({"rows": rows, "paper": paper}, indent=1))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=None, help="comma-separated configuration names")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--output", default=str(RESULTS / "host_memory.md"))
+    parser.add_argument("--run-dir", default="/tmp/host_memory_bench")
+    opts = parser.parse_args(argv)
+    if opts.list:
+        for config in CONFIGS:
+            print(f"{config.name}: {config.description}")
+        return 0
+    wanted = None if opts.only is None else set(opts.only.split(","))
+    configs = [c for c in CONFIGS if wanted is None or c.name in wanted]
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    rows = []
+    with TraceCache(Path(opts.run_dir) / "traces") as cache:
+        for config in configs:
+            say(f"{config.name}: {config.description}")
+            row = run_config(config, cache, Path(opts.run_dir), say)
+            say(f"  measured {row['measured_arena']:,} B, predicted {row['predicted_arena']:,} B "
+                f"({100 * row['error']:+.2f}%), before {100 * row['error_before']:+.1f}%")
+            rows.append(row)
+    write(rows, paper_rows(), Path(opts.output))
+    say(f"wrote {opts.output}")
+    return 0 if all(abs(r["error"]) <= 0.02 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
