@@ -7,7 +7,8 @@
 #
 # Headline 7b_1m: 1M-token sequences (1048576) on one 8-GPU A800/A100-80GB node with MEMO's
 # token-wise activation offload; the layout is the best MEMO row of
-#   tools/estimate.py --model 7b --gpu a800 --gpus 8 --recommend --seq-length 1048576 --policies memo
+#   tools/estimate.py --model 7b --gpu a800 --gpus 8 --recommend --seq-length 1048576 --policies memo \
+#       --checkpoint-fractions 0 --mlp-tiles 0
 # (examples/configs/recommended.md, section 7b_1m: its predicted memory, step time and MFU).
 
 source "$(dirname "${BASH_SOURCE[0]}")/gpt_common.sh"

@@ -6,9 +6,10 @@
 # Architecture, recipe and the LAYOUT_FLAGS override: see gpt_common.sh.
 #
 # Headline 7b_longest: the longest sequence the recommender predicts one 8-GPU A800/A100-80GB node
-# reaches with MEMO (alpha 0, whole-layer checkpoint offload searched) and 2 TB of host memory:
+# reaches with 2 TB of host memory, every policy searched (MEMO's token-wise offload and
+# whole-layer checkpoint offload, Megatron's recompute, SPPO; tiled MLP):
 #   tools/estimate.py --model 7b --gpu a800 --gpus 8 --host-memory-gb 2048 --recommend \
-#       --max-seq-length --policies memo --alphas 0
+#       --max-seq-length
 # (examples/configs/recommended.md, section 7b_longest). The node needs that host memory.
 
 source "$(dirname "${BASH_SOURCE[0]}")/gpt_common.sh"

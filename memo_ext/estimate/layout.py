@@ -24,6 +24,7 @@ memo_ext.estimate.search ranks them.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import tempfile
@@ -690,7 +691,8 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                       pipeline_sizes: Optional[list[int]] = None,
                       block_fractions=BLOCK_RECOMPUTE_FRACTIONS,
                       checkpoint_fractions=CHECKPOINT_FRACTIONS,
-                      offload_fp8: tuple[bool, ...] = (False,)
+                      offload_fp8: tuple[bool, ...] = (False,),
+                      mlp_tiles: tuple[int, ...] = (0,)
                       ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """(layouts worth tracing, [(layout, why it was dropped)]) for ``gpus`` GPUs.
 
@@ -720,13 +722,13 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                                 if policy == "memo" else
                                 [(None, k, 0, False) for k in blocks]
                                 if policy == "megatron-block" else [(None, None, 0, False)])
-                    for alpha, recompute_layers, count, fp8 in variants:
-                        for micro_batch in micro_batches:
-                            layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch,
-                                            recompute_layers, count, fp8)
-                            reason = _infeasible(layout, model, heads, groups, per_node,
-                                                 params, device, global_batch)
-                            (dropped.append((layout, reason)) if reason else kept.append(layout))
+                    for (alpha, recompute_layers, count, fp8), tiles, micro_batch in \
+                            itertools.product(variants, mlp_tiles, micro_batches):
+                        layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch,
+                                        recompute_layers, count, fp8, tiles)
+                        reason = _infeasible(layout, model, heads, groups, per_node,
+                                             params, device, global_batch)
+                        (dropped.append((layout, reason)) if reason else kept.append(layout))
     return kept, dropped
 
 

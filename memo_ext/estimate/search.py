@@ -22,6 +22,7 @@ Three things keep a search short (docs/estimate.md, "The recommender"):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -57,14 +58,23 @@ def _recomputed_layers(layout: Layout) -> Optional[int]:
 
 def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
     """The variant of ``layout`` among ``layouts`` (same TP, CP, PP, DP and micro-batch) that
-    keeps the least more than ``layout`` spares: the next Megatron policy that recomputes more
-    layers, or MEMO at the next smaller alpha. None when there is none (a family's most frugal
-    variant, MEMO against Megatron: neither keeps a subset of the other's)."""
+    keeps the least more than ``layout`` spares: an untiled MLP's tiled variant (the fewest
+    tiles), else, at the same tiles, the next Megatron policy that recomputes more layers, or
+    MEMO at the next smaller alpha. None when there is none (a family's most frugal variant,
+    MEMO against Megatron: neither keeps a subset of the other's)."""
     def same_shape(other: Layout) -> bool:
         return (other.tp, other.cp, other.pp, other.dp, other.micro_batch) == \
             (layout.tp, layout.cp, layout.pp, layout.dp, layout.micro_batch)
 
     candidates = [other for other in layouts if same_shape(other) and other != layout]
+    if not layout.mlp_tiles:
+        # The tiled MLP keeps a subset of the untiled one's tensors (its input alone, and one
+        # tile's intermediate at a time), so the tiled variant of a policy is the frugal one.
+        tiled = [o for o in candidates if o.mlp_tiles and o == replace(layout,
+                                                                        mlp_tiles=o.mlp_tiles)]
+        if tiled:
+            return min(tiled, key=lambda o: o.mlp_tiles)
+    candidates = [o for o in candidates if o.mlp_tiles == layout.mlp_tiles]
     if layout.policy == "memo":
         # Same checkpoint layers and fp8 choice: checkpoint layers trade host bytes for
         # recomputation, not device bytes, so no count dominates another.

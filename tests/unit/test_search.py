@@ -92,6 +92,21 @@ def test_dominating_pairs_variants_of_one_shape():
     assert dominating(mine["memo1"], plain) is None
 
 
+def test_untiled_variant_is_dominated_by_its_tiled_one():
+    """An untiled MLP's partner is the same variant tiled (the fewest tiles); tiled variants
+    pair among themselves at the same tile count, as untiled ones do."""
+    from dataclasses import replace
+
+    mine = _variants()
+    tiled = {name: replace(layout, mlp_tiles=16) for name, layout in mine.items()}
+    more = replace(mine["memo.5"], mlp_tiles=64)
+    layouts = [*mine.values(), *tiled.values(), more]
+    assert all(dominating(layout, layouts) == tiled[name] for name, layout in mine.items())
+    assert dominating(tiled["memo1"], layouts) == tiled["memo.5"]
+    assert dominating(tiled["none"], layouts) == tiled["block2"]
+    assert dominating(tiled["full"], layouts) is None and dominating(more, layouts) is None
+
+
 def test_search_traces_a_dominated_variant_only_if_it_can_enter_the_table():
     a, b = _variants(tp=2, dp=4), _variants(tp=4, dp=2)
     layouts = [a["full"], a["none"], b["full"], b["none"]]

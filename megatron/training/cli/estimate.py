@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--offload-fp8", choices=("off", "on", "both"), default="off",
                         help="MEMO: search lossy fp8 offload (--memo-offload-fp8) too "
                              "('both'), only, or not (default off: it changes the gradients)")
+    search.add_argument("--mlp-tiles", default="0,16",
+                        help="MLP tile counts searched (comma-separated; 0: untiled; default "
+                             "0,16): each layer's MLP run in K sequence tiles of the rank's CP "
+                             "shard (the trainer's --memo-mlp-tile-size; docs/tiled_mlp.md). The "
+                             "untiled variant is traced only when its tiled one reaches the table")
     search.add_argument("--pp-sizes", default="1",
                         help="pipeline sizes searched for the traced policies (comma-separated; "
                              "default 1); SPPO's solver searches every pipeline size")
@@ -358,6 +363,10 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             if any(not 0 < f < 1 for f in fractions):
                 raise UsageError(f"--block-recompute-fractions {opts.block_recompute_fractions}:"
                                  " each strictly between 0 and 1")
+            tiles = _numbers(opts.mlp_tiles, "--mlp-tiles", int)
+            if any(k < 0 for k in tiles):
+                raise UsageError(f"--mlp-tiles {opts.mlp_tiles}: each 0 (untiled) or a tile "
+                                 "count >= 1")
             checkpoints = _numbers(opts.checkpoint_fractions, "--checkpoint-fractions")
             if any(not 0 <= f <= 1 for f in checkpoints):
                 raise UsageError(f"--checkpoint-fractions {opts.checkpoint_fractions}: each in "
@@ -369,7 +378,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                 pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int),
                 block_fractions=fractions, checkpoint_fractions=checkpoints,
                 offload_fp8={"off": (False,), "on": (True,), "both": (False, True)}[
-                    opts.offload_fp8]) if traced else ([], [])
+                    opts.offload_fp8], mlp_tiles=tuple(tiles)) if traced else ([], [])
             sppo_models, sppo_dropped = sppo_layout_models(
                 shape, opts.gpus, hardware, global_batch=opts.global_batch_size,
                 host_memory_gb_per_node=opts.host_memory_gb,
