@@ -200,7 +200,7 @@ def test_recommend_ranks_layouts_and_reuses_its_trace_cache(tmp_path):
     cache = tmp_path / "cache"
     argv = ["--model", str(model_file), "--gpu", "a100-40gb", "--gpus", "2", "--recommend",
             "--seq-length", "262144", "--policies", "megatron,megatron-none",
-            "--cache-dir", str(cache), "--global-batch-size", "4"]
+            "--cache-dir", str(cache), "--global-batch-size", "4", "--mlp-tiles", "0"]
     code, out = run_estimate_cli(argv)
     assert code == 0, out
     rows = re.findall(r"^\| (\d+) \| (TP=\d+ CP=\d+ PP=\d+ DP=\d+.*?) \|.*\| ([\d.]+)% \| FITS \|$",
