@@ -25,6 +25,7 @@ import argparse
 import datetime as dt
 import fcntl
 import hashlib
+import math
 import os
 import platform
 import re
@@ -267,8 +268,27 @@ def apply_doc() -> None:
                               + text[end:])
 
 
+#: Seconds a checkpoint save is given before the time limit, beside one predicted iteration.
+CHECKPOINT_SAVE_S = 600
+STEP = re.compile(r"^- best row \(predicted\): .* step (?P<step>[\d.]+) s,", re.MULTILINE)
+
+
+def sbatch_limits(text: str, step_s: float) -> str:
+    """The batch script ``text`` with its time-limit signal set to one predicted iteration
+    plus a checkpoint save (rounded up to 5 minutes; ``--signal`` and ``MEMO_SIGNAL_S`` alike)
+    and its ``--time`` raised, if needed, to three such intervals (whole hours)."""
+    signal_s = math.ceil((step_s + CHECKPOINT_SAVE_S) / 300) * 300
+    text = re.sub(r"^#SBATCH --signal=B:USR1@\d+$", f"#SBATCH --signal=B:USR1@{signal_s}",
+                  text, flags=re.MULTILINE)
+    text = re.sub(r"^MEMO_SIGNAL_S=\d+$", f"MEMO_SIGNAL_S={signal_s}", text, flags=re.MULTILINE)
+    limit = re.search(r"^#SBATCH --time=(\d+):00:00$", text, re.MULTILINE)
+    hours = max(int(limit.group(1)), math.ceil(3 * signal_s / 3600))
+    return text.replace(limit.group(0), f"#SBATCH --time={hours}:00:00")
+
+
 def apply(names: list[str]) -> int:
-    """Write each recorded section's flag line into its config's memo_layout block."""
+    """Write each recorded section's flag line into its config's memo_layout block, and its
+    predicted step into its batch script's time-limit signal (:func:`sbatch_limits`)."""
     sections = read_sections()
     missing = [name for name in names if name not in sections]
     if missing:
@@ -285,6 +305,9 @@ def apply(names: list[str]) -> int:
             return 1
         path.write_text(text[:start] + layout_block(name, flags[name], best)
                         + text[end + len(CONFIG_END):])
+        sbatch = REPO_ROOT / "examples" / "slurm" / HEADLINES[name].sbatch
+        sbatch.write_text(sbatch_limits(sbatch.read_text(),
+                                        float(STEP.search(sections[name])["step"])))
         print(f"{path.name}: {shlex.join(flags[name])}", file=sys.stderr)
     apply_doc()
     return 0
