@@ -13,7 +13,6 @@ buffers, and a few large optimizer buffers.
 """
 import argparse
 import os
-import platform
 import random
 import sys
 import time
@@ -113,14 +112,9 @@ def measure(trace: Trace, repeats: int, capacity=None) -> dict:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from memo_ext.estimate.cpu_profile import cpu_name
+
+    cpu = cpu_name()
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     return f"{cpu}, {os.cpu_count()} cores, load average {load} (1/5/15 min) at the start"
 

@@ -55,6 +55,7 @@ from memo_ext.estimate.host_memory import (  # noqa: E402
     node_host_memory,
     pinned_block_bytes,
 )
+from memo_ext.estimate.cpu_profile import cpu_name  # noqa: E402
 from memo_ext.estimate.layout import Layout, TraceCache, build_layout_model  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -220,9 +221,7 @@ def write(rows: list[dict], paper: list[dict], path: Path) -> None:
                             capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True,
                            text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     lines = [
         "# Host memory: the estimator's prediction against the CPU trainer",

@@ -516,61 +516,77 @@ PLOT_STYLES = [
 """One style per run, in run order; the first (the baseline) a wide translucent line."""
 
 
-def plot(results: list[RunResult], output: Path, title: str) -> None:
+def _loss_axes(results: list[RunResult], height: float):
+    """A figure with every run's loss curve on its top axis; returns (pyplot, figure, top,
+    bottom, marks), ``marks[i]`` the (line style, marker keywords) run ``i`` uses below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    styles = PLOT_STYLES
-    baseline = results[0]
     figure, (top, bottom) = plt.subplots(
-        2, 1, figsize=(9, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+        2, 1, figsize=(9, height), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
+    marks = []
     for index, result in enumerate(results):
-        style = dict(styles[index % len(styles)])
+        style = dict(PLOT_STYLES[index % len(PLOT_STYLES)])
         iterations = sorted(result.losses)
-        marker = style.pop("marker")
         markevery = max(1, len(iterations) // 12)
         # Offset each run's markers so coinciding curves still show every marker.
         offset = (index * markevery) // max(1, len(results))
+        mark = {"marker": style.pop("marker"), "markevery": (offset, markevery),
+                "markersize": 6, "markerfacecolor": "none"}
         top.plot(iterations, [result.losses[i] for i in iterations], label=result.spec.name,
-                 marker=marker, markevery=(offset, markevery), markersize=6,
-                 markerfacecolor="none", **style)
-        if index == 0:
-            continue
-        common = [i for i in iterations if i in baseline.losses]
-        diffs = [abs(result.losses[i] - baseline.losses[i]) for i in common]
-        shown = [max(d, DIFF_FLOOR) if not math.isnan(d) else DIFF_FLOOR for d in diffs]
-        bottom.plot(common, shown, label=result.spec.name, marker=marker,
-                    markevery=(offset, markevery), markersize=6, markerfacecolor="none", **style)
-    base_iterations = sorted(baseline.losses)
-    bottom.plot(base_iterations,
-                [RELATIVE_TOLERANCE * abs(baseline.losses[i]) for i in base_iterations],
-                color="grey", linestyle="--", linewidth=1,
-                label=f"{RELATIVE_TOLERANCE:g} x |baseline| (tolerance)")
+                 **mark, **style)
+        marks.append((style, mark))
+    return plt, figure, top, bottom, marks
+
+
+def _save_loss_figure(plt, figure, top, bottom, output: Path, *, title: str, ylabel: str,
+                      ylim_top: float, legend: dict) -> None:
+    """The difference axis on a log scale down to DIFF_FLOOR (exact zeros drawn there, its
+    tick read "0"), titles and legends, written to ``output``."""
+    import matplotlib.ticker
+
     bottom.axhline(DIFF_FLOOR, color="grey", linestyle=":", linewidth=1)
     bottom.set_yscale("log")
-    # Exact zeros sit on the floor; its tick reads "0" instead of the floor value.
     log_format = matplotlib.ticker.LogFormatterSciNotation()
     bottom.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
         lambda value, pos: "0" if math.isclose(value, DIFF_FLOOR, rel_tol=1e-6)
         else log_format(value, pos)))
     top.set_title(title)
     top.set_ylabel("LM loss (nats/token)")
-    bottom.set_ylabel(f"|loss - baseline|  (exact 0 drawn at {DIFF_FLOOR:g})")
+    bottom.set_ylabel(ylabel)
     bottom.set_xlabel("iteration")
-    # Room above the tolerance line for the legend, clear of the differences.
-    bottom.set_ylim(DIFF_FLOOR / 3, 1e-1)
+    bottom.set_ylim(DIFF_FLOOR / 3, ylim_top)
     top.grid(True, alpha=0.3)
     top.legend(fontsize=8)
     bottom.grid(True, alpha=0.3, which="both")
-    bottom.legend(fontsize=8, loc="upper center", ncol=3)
+    bottom.legend(loc="upper center", **legend)
     figure.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=120)
     plt.close(figure)
+
+
+def plot(results: list[RunResult], output: Path, title: str) -> None:
+    """Loss curves (top) and each run's absolute difference to the baseline (bottom, log)."""
+    plt, figure, top, bottom, marks = _loss_axes(results, 8)
+    baseline = results[0]
+    for result, (style, mark) in zip(results[1:], marks[1:]):
+        common = [i for i in sorted(result.losses) if i in baseline.losses]
+        diffs = [abs(result.losses[i] - baseline.losses[i]) for i in common]
+        shown = [max(d, DIFF_FLOOR) if not math.isnan(d) else DIFF_FLOOR for d in diffs]
+        bottom.plot(common, shown, label=result.spec.name, **mark, **style)
+    base_iterations = sorted(baseline.losses)
+    bottom.plot(base_iterations,
+                [RELATIVE_TOLERANCE * abs(baseline.losses[i]) for i in base_iterations],
+                color="grey", linestyle="--", linewidth=1,
+                label=f"{RELATIVE_TOLERANCE:g} x |baseline| (tolerance)")
+    # Room above the tolerance line for the legend, clear of the differences.
+    _save_loss_figure(plt, figure, top, bottom, output, title=title,
+                      ylabel=f"|loss - baseline|  (exact 0 drawn at {DIFF_FLOOR:g})",
+                      ylim_top=1e-1, legend={"fontsize": 8, "ncol": 3})
 
 
 def _sci(value: float) -> str:
@@ -688,29 +704,11 @@ def running_mean(values: list[float], window: int) -> list[float]:
 
 def plot_fp8(results: list[RunResult], output: Path, title: str) -> None:
     """Loss curves (top) and each run's relative gap to its reference (bottom, log scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
+    plt, figure, top, bottom, marks = _loss_axes(results, 8.5)
     by_name = {r.spec.name: r for r in results}
-    figure, (top, bottom) = plt.subplots(
-        2, 1, figsize=(9, 8.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
-    )
-    for index, result in enumerate(results):
-        style = dict(PLOT_STYLES[index % len(PLOT_STYLES)])
-        marker = style.pop("marker")
-        iterations = sorted(result.losses)
-        markevery = max(1, len(iterations) // 12)
-        offset = (index * markevery) // max(1, len(results))
-        top.plot(iterations, [result.losses[i] for i in iterations], label=result.spec.name,
-                 marker=marker, markevery=(offset, markevery), markersize=6,
-                 markerfacecolor="none", **style)
-        if index == 0:
-            continue
+    for result, (style, mark) in zip(results[1:], marks[1:]):
         reference = by_name[result.spec.reference].losses
-        common = [i for i in iterations if i in reference]
+        common = [i for i in sorted(result.losses) if i in reference]
         rels = []
         for i in common:
             diff = abs(result.losses[i] - reference[i])
@@ -718,38 +716,19 @@ def plot_fp8(results: list[RunResult], output: Path, title: str) -> None:
             rels.append(DIFF_FLOOR if math.isnan(rel) else max(rel, DIFF_FLOOR))
         label = f"{result.spec.name} vs {result.spec.reference}"
         if result.spec.lossy:
-            thin = dict(style, linewidth=0.8, alpha=0.45)
-            bottom.plot(common, rels, **thin)
+            bottom.plot(common, rels, **dict(style, linewidth=0.8, alpha=0.45))
             bottom.plot(common, running_mean(rels, FP8_WINDOW),
-                        label=f"{label} ({FP8_WINDOW}-iteration mean)",
-                        marker=marker, markevery=(offset, markevery), markersize=6,
-                        markerfacecolor="none", **dict(style, linewidth=2.2))
+                        label=f"{label} ({FP8_WINDOW}-iteration mean)", **mark,
+                        **dict(style, linewidth=2.2))
         else:
-            bottom.plot(common, rels, label=label, marker=marker, markevery=(offset, markevery),
-                        markersize=6, markerfacecolor="none", **style)
+            bottom.plot(common, rels, label=label, **mark, **style)
     bottom.axhline(FP8_TOLERANCE, color="tab:red", linestyle="--", linewidth=1,
                    label=f"fp8 tolerance {FP8_TOLERANCE:g} (mean of last {FP8_WINDOW})")
     bottom.axhline(RELATIVE_TOLERANCE, color="grey", linestyle="--", linewidth=1,
                    label=f"exact tolerance {RELATIVE_TOLERANCE:g}")
-    bottom.axhline(DIFF_FLOOR, color="grey", linestyle=":", linewidth=1)
-    bottom.set_yscale("log")
-    log_format = matplotlib.ticker.LogFormatterSciNotation()
-    bottom.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
-        lambda value, pos: "0" if math.isclose(value, DIFF_FLOOR, rel_tol=1e-6)
-        else log_format(value, pos)))
-    top.set_title(title)
-    top.set_ylabel("LM loss (nats/token)")
-    bottom.set_ylabel(f"|loss - reference| / reference\n(exact 0 drawn at {DIFF_FLOOR:g})")
-    bottom.set_xlabel("iteration")
-    bottom.set_ylim(DIFF_FLOOR / 3, 10.0)
-    top.grid(True, alpha=0.3)
-    top.legend(fontsize=8)
-    bottom.grid(True, alpha=0.3, which="both")
-    bottom.legend(fontsize=7, loc="upper center", ncol=2)
-    figure.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=120)
-    plt.close(figure)
+    _save_loss_figure(plt, figure, top, bottom, output, title=title,
+                      ylabel=f"|loss - reference| / reference\n(exact 0 drawn at {DIFF_FLOOR:g})",
+                      ylim_top=10.0, legend={"fontsize": 7, "ncol": 2})
 
 
 def fp8_verdict_line(exact: dict[str, Comparison], lossy: dict[str, LossyComparison]) -> str:

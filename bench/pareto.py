@@ -188,7 +188,9 @@ def _commit() -> str:
 
 
 def _machine() -> str:
-    return f"{platform.node()}, {os.cpu_count()} CPU cores, no GPU"
+    from memo_ext.estimate.cpu_profile import cpu_name
+
+    return f"{platform.node()} ({cpu_name()}, {os.cpu_count()} CPU cores; no GPU)"
 
 
 def _write_atomic(path: Path, text: str) -> None:

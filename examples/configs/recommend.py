@@ -124,15 +124,9 @@ def _first(pattern: str, output: str) -> str | None:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.node()} ({cpu}, {os.cpu_count()} CPU cores; no GPU: predicted)"
+    from memo_ext.estimate.cpu_profile import cpu_name
+
+    return f"{platform.node()} ({cpu_name()}, {os.cpu_count()} CPU cores; no GPU: predicted)"
 
 
 def commit() -> str:

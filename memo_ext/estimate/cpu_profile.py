@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -70,6 +71,18 @@ class CpuProfileError(ValueError):
 def cores() -> int:
     """CPU cores this process may run on."""
     return len(os.sched_getaffinity(0))
+
+
+def cpu_name() -> str:
+    """This machine's processor as /proc/cpuinfo names it (``platform`` elsewhere): what the
+    benchmarks and recorded estimator runs say they ran on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def threads_per_rank(ranks: int) -> int:
