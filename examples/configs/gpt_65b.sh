@@ -14,5 +14,13 @@
 source "$(dirname "${BASH_SOURCE[0]}")/gpt_common.sh"
 #              layers hidden ffn    heads
 memo_gpt_model 80     8192   32768  64
-# BEGIN recommended layout
+# BEGIN recommended layout: section 65b of examples/configs/recommended.md, written
+# by examples/configs/recommend.py apply; its best row (predicted, not measured):
+#   TP=8 CP=8 PP=1 DP=1 mbs=1 MEMO offload alpha 0
+memo_layout \
+    --tensor-model-parallel-size 8 --sequence-parallel --context-parallel-size 8 \
+    --pipeline-model-parallel-size 1 --use-distributed-optimizer --seq-length 1966080 \
+    --max-position-embeddings 1966080 --micro-batch-size 1 --global-batch-size 16 \
+    --memo-offload --memo-alpha 0 --memo-checkpoint-layers 0 --cross-entropy-loss-fusion \
+    --cross-entropy-fusion-impl chunked
 # END recommended layout
