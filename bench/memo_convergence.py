@@ -675,20 +675,27 @@ def write_report(path: Path, results: list[RunResult], comparisons: dict[str, Co
         "",
         f"![loss curves and differences]({REPORT_PNG})",
         "",
-        "## Commands",
-        "",
-        "Run from the repository root, one after another, with "
-        + " ".join(f"`{k}={v}`" for k, v in RUN_ENV.items())
-        + " and `PYTHONPATH=<repository root>`. The data flags are the last line of "
-          "`python tools/prepare_demo_data.py`.",
-        "",
-        "```",
     ]
-    lines += [shlex.join(r.spec.command) for r in results]
-    lines += ["```", ""]
+    _write_with_commands(path, lines, results,
+                         "Run from the repository root, one after another, with "
+                         f"{_run_env_text()}. The data flags are the last line of "
+                         "`python tools/prepare_demo_data.py`.")
+    return verdict
+
+
+def _run_env_text() -> str:
+    return (" ".join(f"`{k}={v}`" for k, v in RUN_ENV.items())
+            + " and `PYTHONPATH=<repository root>`")
+
+
+def _write_with_commands(path: Path, lines: list[str], results: list[RunResult],
+                         intro: str) -> None:
+    """Write a report: ``lines``, then its Commands section (``intro`` and each run's command
+    line)."""
+    lines = [*lines, "## Commands", "", intro, "", "```",
+             *(shlex.join(r.spec.command) for r in results), "```", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines), encoding="utf-8")
-    return verdict
 
 
 def running_mean(values: list[float], window: int) -> list[float]:
@@ -921,20 +928,11 @@ def write_fp8_report(path: Path, results: list[RunResult], exact: dict[str, Comp
         "",
         f"![loss curves and gaps]({FP8_REPORT_PNG})",
         "",
-        "## Commands",
-        "",
-        f"The bench: `{fp8_command_line(args, iterations)}`. It runs, from the repository root, "
-        "one after another, with "
-        + " ".join(f"`{k}={v}`" for k, v in RUN_ENV.items())
-        + " and `PYTHONPATH=<repository root>` (the data flags are the last line of "
-          "`python tools/prepare_demo_data.py`):",
-        "",
-        "```",
     ]
-    lines += [shlex.join(r.spec.command) for r in results]
-    lines += ["```", ""]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines), encoding="utf-8")
+    _write_with_commands(path, lines, results,
+                         f"The bench: `{fp8_command_line(args, iterations)}`. It runs, from the "
+                         f"repository root, one after another, with {_run_env_text()} (the data "
+                         "flags are the last line of `python tools/prepare_demo_data.py`):")
     return verdict
 
 
