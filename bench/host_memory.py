@@ -44,7 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from memo_ext.estimate.cpu_profile import free_port, measure_cpu_profile  # noqa: E402
+from memo_ext.estimate.cpu_profile import cpu_name, free_port, measure_cpu_profile  # noqa: E402
 from memo_ext.estimate.host_memory import (  # noqa: E402
     CUDA_PROCESS_RESIDENT_BYTES,
     KERNEL_PAGE_MAP_FRACTION,
@@ -55,7 +55,6 @@ from memo_ext.estimate.host_memory import (  # noqa: E402
     node_host_memory,
     pinned_block_bytes,
 )
-from memo_ext.estimate.cpu_profile import cpu_name  # noqa: E402
 from memo_ext.estimate.layout import Layout, TraceCache, build_layout_model  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
