@@ -579,6 +579,52 @@ class METPConfig:
 
 
 @dataclass
+class AttentionConfig:
+    """The core attention's device working set for the longest sequences
+    (memo_ext.attention; docs/memo_offload_modes.md, "The device wall")."""
+
+    attention_head_chunks: int = memo_field(
+        1, flag="--memo-attention-head-chunks", metavar="N",
+        help="Run the core attention, its context-parallel ring included, over N chunks of "
+             "this rank's query groups one after another (UPipe's head chunking, arXiv "
+             "2602.21196): only one chunk's K/V travel the ring and its buffers, dQ/dK/dV "
+             "and the kernel workspaces are 1/N of the layer's, for N times as many ring "
+             "messages of 1/N the size. Same result as N=1 (heads are independent). "
+             "1 (the default): all heads at once. Needs --num-query-groups / "
+             "--tensor-model-parallel-size divisible by N.")
+    attention_projection_tile_size: int = memo_field(
+        0, flag="--memo-attention-projection-tile-size", metavar="TOKENS",
+        help="Run the attention's QKV and output projections over tiles of this many tokens "
+             "(counted as --memo-mlp-tile-size counts them: after sequence parallelism's "
+             "all-gather), saving only their inputs and recomputing each tile in backward: "
+             "the all-gathered input, the output projection's partial sums and their "
+             "gradients become one tile's instead of [s/CP, micro-batch, hidden] each, for one "
+             "extra projection forward per layer. 0 (the default): off. Under "
+             "--sequence-parallel a multiple of --tensor-model-parallel-size.")
+
+    def validate(self) -> None:
+        """Raise MemoConfigError (one line: the flag and the fix) on a count below 1 or a
+        negative tile."""
+        if self.attention_head_chunks < 1:
+            raise MemoConfigError(f"--memo-attention-head-chunks {self.attention_head_chunks} "
+                                  "must be >= 1 (1: all heads at once)")
+        if self.attention_projection_tile_size < 0:
+            raise MemoConfigError(
+                f"--memo-attention-projection-tile-size {self.attention_projection_tile_size} "
+                "is negative; give a tile of TOKENS > 0, or 0 to turn tiling off")
+
+    def validate_with(self, query_groups_per_rank: int) -> None:
+        """Raise MemoConfigError unless the chunks split this rank's query groups evenly."""
+        chunks = self.attention_head_chunks
+        if query_groups_per_rank % chunks:
+            raise MemoConfigError(
+                f"--memo-attention-head-chunks {chunks} does not divide the "
+                f"{query_groups_per_rank} query groups of a tensor-parallel rank "
+                "(--num-query-groups / --tensor-model-parallel-size); pick a divisor of "
+                f"{query_groups_per_rank}")
+
+
+@dataclass
 class TiledMLPConfig:
     """Sequence-tiled MLP: each layer's MLP runs tile by tile and recomputes each tile in
     backward, so its working set is one tile's intermediate, not the sequence's
@@ -612,18 +658,20 @@ class TiledMLPConfig:
         tile = -(-local_tokens // tiles)
         return -(-tile // tensor_parallel_size) * tensor_parallel_size
 
-    def tile_rows(self, tensor_parallel_size: int, sequence_parallel: bool) -> int:
+    def tile_rows(self, tensor_parallel_size: int, sequence_parallel: bool,
+                  flag: str = "--memo-mlp-tile-size") -> int:
         """One rank's rows per tile: the tile counts tokens as fc1 sees them (after SP's
         all-gather), so the intermediate [tile, b, ffn/TP] does not depend on the TP size.
-        Raises MemoConfigError when tiling is off or SP cannot split the tile evenly."""
+        Raises MemoConfigError naming ``flag`` when tiling is off or SP cannot split the tile
+        evenly."""
         tile = self.mlp_tile_size
         if tile < 1:
-            raise MemoConfigError(f"--memo-mlp-tile-size {tile} must be >= 1 to tile the MLP")
+            raise MemoConfigError(f"{flag} {tile} must be >= 1 to tile")
         if not sequence_parallel:
             return tile
         if tile % tensor_parallel_size:
             raise MemoConfigError(
-                f"--memo-mlp-tile-size {tile} is not a multiple of --tensor-model-parallel-size "
+                f"{flag} {tile} is not a multiple of --tensor-model-parallel-size "
                 f"{tensor_parallel_size}: under --sequence-parallel each TP rank contributes "
                 f"tile/TP tokens; use a multiple of {tensor_parallel_size}")
         return tile // tensor_parallel_size

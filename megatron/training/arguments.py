@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from memo_ext.config import (
+    AttentionConfig,
     METPConfig,
     MemoConfigError,
     OffloadConfig,
@@ -296,6 +297,7 @@ def _add_memo_args(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, SPPOConfig, title="SPPO subsequence pipeline")
     add_config_arguments(parser, METPConfig, title="METP memory-efficient tensor parallelism")
     add_config_arguments(parser, TiledMLPConfig, title="Sequence-tiled MLP")
+    add_config_arguments(parser, AttentionConfig, title="Core attention")
 
 
 ArgsProvider = Callable[[argparse.ArgumentParser], None]
@@ -693,6 +695,8 @@ def _validate_memo(args: argparse.Namespace) -> None:
         sppo.validate()
         tiled_mlp = config_from_args(TiledMLPConfig, args)
         tiled_mlp.validate()
+        attention = config_from_args(AttentionConfig, args)
+        attention.validate()
     except MemoConfigError as error:
         raise ArgumentValidationError(str(error)) from None
     if sppo.sppo:
@@ -702,6 +706,10 @@ def _validate_memo(args: argparse.Namespace) -> None:
         _validate_metp(args, sppo.sppo, offload.offload)
     if tiled_mlp.enabled:
         _validate_tiled_mlp(args, tiled_mlp, metp)
+    if attention.attention_head_chunks > 1:
+        _validate_head_chunks(args, attention, sppo.sppo or metp)
+    if attention.attention_projection_tile_size:
+        _validate_projection_tiles(args, attention, sppo.sppo or metp)
     if not offload.offload:
         return
     _require(
@@ -759,6 +767,38 @@ def _validate_tiled_mlp(args: argparse.Namespace, tiled_mlp: TiledMLPConfig, met
              "which --memo-metp replaces by its ring MLP; drop one")
     try:
         tiled_mlp.tile_rows(args.tensor_model_parallel_size, args.sequence_parallel)
+    except MemoConfigError as error:
+        raise ArgumentValidationError(str(error)) from None
+
+
+def _validate_head_chunks(args: argparse.Namespace, attention: AttentionConfig,
+                          attention_replaced: bool) -> None:
+    """--memo-attention-head-chunks chunks memo_ext.attention's core attention only."""
+    chunks = attention.attention_head_chunks
+    _require(not attention_replaced, f"--memo-attention-head-chunks {chunks} chunks the core "
+             "attention, which --memo-sppo and --memo-metp replace by their own; drop one")
+    _require(args.transformer_impl == "local", f"--memo-attention-head-chunks {chunks} needs "
+             f"--transformer-impl local (memo_ext's core attention), got {args.transformer_impl}")
+    groups = args.num_query_groups or args.num_attention_heads
+    try:
+        attention.validate_with(groups // args.tensor_model_parallel_size)
+    except MemoConfigError as error:
+        raise ArgumentValidationError(str(error)) from None
+
+
+def _validate_projection_tiles(args: argparse.Namespace, attention: AttentionConfig,
+                               attention_replaced: bool) -> None:
+    """--memo-attention-projection-tile-size tiles the local spec's attention projections."""
+    tile = attention.attention_projection_tile_size
+    _require(not attention_replaced, f"--memo-attention-projection-tile-size {tile} tiles "
+             "megatron's attention projections, which --memo-sppo and --memo-metp replace; "
+             "drop one")
+    _require(args.transformer_impl == "local", f"--memo-attention-projection-tile-size {tile} "
+             f"needs --transformer-impl local, got {args.transformer_impl}")
+    try:
+        TiledMLPConfig(mlp_tile_size=tile).tile_rows(
+            args.tensor_model_parallel_size, args.sequence_parallel,
+            flag="--memo-attention-projection-tile-size")
     except MemoConfigError as error:
         raise ArgumentValidationError(str(error)) from None
 

@@ -23,8 +23,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.compat.norm import SequenceParallelTorchNorm
 from memo_ext.attention import CoreAttention
-from memo_ext.config import TiledMLPConfig, config_from_args
-from memo_ext.tiled_mlp import with_tiled_mlp
+from memo_ext.config import AttentionConfig, TiledMLPConfig, config_from_args
+from memo_ext.tiled_mlp import with_tiled_mlp, with_tiled_projections
 
 
 def local_layer_spec(args: argparse.Namespace) -> ModuleSpec:
@@ -33,7 +33,10 @@ def local_layer_spec(args: argparse.Namespace) -> ModuleSpec:
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType[args.attn_mask_type]
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    spec.submodules.self_attention.submodules.core_attention = CoreAttention
+    attention = config_from_args(AttentionConfig, args)
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=CoreAttention, params={"head_chunks": attention.attention_head_chunks})
+    spec = with_tiled_projections(spec, attention.attention_projection_tile_size)
     return with_tiled_mlp(spec, config_from_args(TiledMLPConfig, args))  # --memo-mlp-tile-size
 
 

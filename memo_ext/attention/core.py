@@ -14,6 +14,9 @@ tensor exists; forward keeps the output and the fp32 log-sum-exp, backward recom
 * GQA: K/V stay in their query groups; the kernels take them so.
 * Packed sequences: ``packed_seq_params.cu_seqlens_q`` (batch 1, offsets over the whole
   sequence) keeps every token inside its document; the trainer does not pack documents yet.
+* Head chunks (``--memo-attention-head-chunks``, UPipe's idea): the query groups run in chunks,
+  one after another, each through the whole ring, so the ring's buffers, dQ/dK/dV and the
+  kernels' workspaces are one chunk's; the saved q/k/v/out are the layer's as before.
 * Attention dropout: per-tile masks from seeds drawn in Megatron's model-parallel RNG fork; such
   tiles run the explicit kernel, which materialises each tile's scores (long-context runs use
   ``--attention-dropout 0``).
@@ -45,56 +48,106 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
+def _head_chunks(heads: int, groups: int, chunks: int) -> list[tuple[slice, slice]]:
+    """(query heads, K/V groups) of each of ``chunks`` chunks: whole query groups, in order
+    (megatron lays a group's query heads out next to each other)."""
+    if groups % chunks:
+        raise ValueError(f"{chunks} head chunks do not divide {groups} query groups")
+    heads_per, groups_per = heads // chunks, groups // chunks
+    return [(slice(i * heads_per, (i + 1) * heads_per), slice(i * groups_per, (i + 1) * groups_per))
+            for i in range(chunks)]
+
+
+def _attend(query, key, value, attention: RingAttention, causal: bool, seeds):
+    """(out [s, b, heads, d], lse [b, heads, s]) of one chunk of heads."""
+    if attention.ring is None and attention.documents is None:
+        out, lse = torch.ops.memo_attention.tile_forward(
+            _heads_first(query), _heads_first(key), _heads_first(value), attention.scale,
+            causal, attention.dropout_p, seeds[0])
+        return out.permute(2, 0, 1, 3), lse
+    return attention.forward(query, pack_key_value(key, value), seeds)
+
+
+def _attend_backward(grad_out, query, key, value, out, lse, attention: RingAttention,
+                     causal: bool, seeds):
+    """(dq, dk, dv) of one chunk of heads, in Megatron's [s, b, heads, d] layout."""
+    if attention.ring is None and attention.documents is None:
+        dq, dk, dv, *workspaces = torch.ops.memo_attention.tile_backward(
+            _heads_first(grad_out), _heads_first(query), _heads_first(key),
+            _heads_first(value), _heads_first(out), lse, attention.scale, causal,
+            attention.dropout_p, seeds[0])
+        del workspaces
+        return tuple(g.permute(2, 0, 1, 3) for g in (dq, dk, dv))
+    dq, dkv = attention.backward(grad_out, query, pack_key_value(key, value), out, lse, seeds)
+    return dq, dkv[:, :, 0], dkv[:, :, 1]
+
+
 class _CoreAttentionFunction(torch.autograd.Function):
-    """Saves q, k, v, the output and the log-sum-exp; backward reruns the tiles."""
+    """Saves q, k, v, the output and the log-sum-exp; backward reruns the tiles. With several
+    head chunks each chunk runs whole (forward, or backward) before the next starts, writing
+    its slice of the layer's output (gradients): only one chunk's working set is live."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attention: RingAttention, causal: bool, seeds: list):
-        if attention.ring is None and attention.documents is None:
-            out, lse = torch.ops.memo_attention.tile_forward(
-                _heads_first(query), _heads_first(key), _heads_first(value), attention.scale,
-                causal, attention.dropout_p, seeds[0])
-            out = out.permute(2, 0, 1, 3)
+    def forward(ctx, query, key, value, attention: RingAttention, causal: bool, seeds: list,
+                chunks: int):
+        if chunks == 1:
+            out, lse = _attend(query, key, value, attention, causal, seeds)
         else:
-            out, lse = attention.forward(query, pack_key_value(key, value), seeds)
+            out = torch.empty_like(query)
+            lse = query.new_empty((query.shape[1], query.shape[2], query.shape[0]),
+                                  dtype=torch.float32)
+            per_chunk = len(seeds) // chunks
+            slices = _head_chunks(query.shape[2], key.shape[2], chunks)
+            for index, (heads, groups) in enumerate(slices):
+                chunk_out, chunk_lse = _attend(
+                    query[:, :, heads], key[:, :, groups], value[:, :, groups], attention,
+                    causal, seeds[index * per_chunk:(index + 1) * per_chunk])
+                out[:, :, heads] = chunk_out
+                lse[:, heads] = chunk_lse
+                del chunk_out, chunk_lse
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.attention, ctx.causal, ctx.seeds = attention, causal, seeds
+        ctx.attention, ctx.causal, ctx.seeds, ctx.chunks = attention, causal, seeds, chunks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        attention = ctx.attention
+        attention, causal, seeds, chunks = ctx.attention, ctx.causal, ctx.seeds, ctx.chunks
         grad_out = grad_out.contiguous()
-        if attention.ring is None and attention.documents is None:
-            dq, dk, dv, *workspaces = torch.ops.memo_attention.tile_backward(
-                _heads_first(grad_out), _heads_first(query), _heads_first(key),
-                _heads_first(value), _heads_first(out), lse, attention.scale, ctx.causal,
-                attention.dropout_p, ctx.seeds[0])
-            del workspaces
-            dq, dk, dv = (g.permute(2, 0, 1, 3) for g in (dq, dk, dv))
-        else:
-            dq, dkv = attention.backward(grad_out, query, pack_key_value(key, value), out, lse,
-                                         ctx.seeds)
-            dk, dv = dkv[:, :, 0], dkv[:, :, 1]
-        return dq, dk, dv, None, None, None
+        if chunks == 1:
+            dq, dk, dv = _attend_backward(grad_out, query, key, value, out, lse, attention,
+                                          causal, seeds)
+            return dq, dk, dv, None, None, None, None
+        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        per_chunk = len(seeds) // chunks
+        for index, (heads, groups) in enumerate(_head_chunks(query.shape[2], key.shape[2],
+                                                             chunks)):
+            grads = _attend_backward(
+                grad_out[:, :, heads], query[:, :, heads], key[:, :, groups],
+                value[:, :, groups], out[:, :, heads], lse[:, heads], attention, causal,
+                seeds[index * per_chunk:(index + 1) * per_chunk])
+            dq[:, :, heads], dk[:, :, groups], dv[:, :, groups] = grads
+            del grads
+        return dq, dk, dv, None, None, None, None
 
 
 def core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                    causal: bool = True, ring: Optional[Ring] = None,
                    documents: Optional[Sequence[int]] = None,
-                   dropout_p: float = 0.0) -> torch.Tensor:
+                   dropout_p: float = 0.0, head_chunks: int = 1) -> torch.Tensor:
     """Attention of this rank's tokens, [s, b, heads, d] / [s, b, groups, d] -> [s, b, heads, d].
     ``ring``: the context-parallel ring (this rank holds the zigzag chunks of its ring rank);
-    ``documents``: cumulative offsets of the packed documents of the whole sequence."""
+    ``documents``: cumulative offsets of the packed documents of the whole sequence;
+    ``head_chunks``: run the query groups in this many chunks, one after another."""
     if not causal and (ring is not None or documents is not None):
         raise ValueError("context parallelism and packed documents need the causal mask")
+    _head_chunks(query.shape[2], key.shape[2], head_chunks)  # raises unless it divides
     size = 1 if ring is None else ring.size
     layout = ZigzagLayout(query.shape[0] * size, size)
     attention = RingAttention(layout, scale, ring, documents, dropout_p)
     count = 1 if ring is None and documents is None else attention.tile_count()
-    seeds = dropout_seeds(count, dropout_p, query)
-    return _CoreAttentionFunction.apply(query, key, value, attention, causal, seeds)
+    seeds = dropout_seeds(count * head_chunks, dropout_p, query)
+    return _CoreAttentionFunction.apply(query, key, value, attention, causal, seeds, head_chunks)
 
 
 class CoreAttention(MegatronModule):
@@ -105,7 +158,7 @@ class CoreAttention(MegatronModule):
                  attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None):
+                 pg_collection=None, head_chunks: int = 1):
         super().__init__(config=config)
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(f"CoreAttention supports the causal and no_mask masks, got "
@@ -117,6 +170,12 @@ class CoreAttention(MegatronModule):
                               else 1.0 / math.sqrt(config.kv_channels))
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp_size = config.context_parallel_size
+        groups = (config.num_query_groups or config.num_attention_heads) // \
+            config.tensor_model_parallel_size
+        if head_chunks < 1 or groups % head_chunks:
+            raise ValueError(f"--memo-attention-head-chunks {head_chunks} must divide the "
+                             f"{groups} query groups of a tensor-parallel rank")
+        self.head_chunks = head_chunks
         self._ring: Optional[Ring] = None
 
     def ring(self) -> Optional[Ring]:
@@ -137,7 +196,7 @@ class CoreAttention(MegatronModule):
         query, key, value = (own_storage(t) for t in (query, key, value))
         with tensor_parallel.get_cuda_rng_tracker().fork():
             out = core_attention(query, key, value, self.softmax_scale, self.causal,
-                                 self.ring(), documents, dropout_p)
+                                 self.ring(), documents, dropout_p, self.head_chunks)
         return out.reshape(out.size(0), out.size(1), -1)
 
 

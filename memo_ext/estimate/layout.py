@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import tempfile
 import threading
@@ -161,6 +162,8 @@ class Layout:
     checkpoint_layers: int = 0  # memo: offloaded layers per stage in checkpoint mode (b)
     offload_fp8: bool = False  # memo: whole-offloaded tensors stored as fp8 (lossy)
     mlp_tiles: int = 0  # the MLP run in this many sequence tiles (memo_ext.tiled_mlp); 0: not
+    projection_tiles: int = 0  # the attention's QKV and output projections, likewise
+    head_chunks: int = 1  # the core attention over this many chunks of query groups
 
     @property
     def gpus(self) -> int:
@@ -187,6 +190,10 @@ class Layout:
             argv += ["--recompute-num-layers", str(self.recompute_layers)]
         if self.mlp_tiles:
             argv += ["--memo-mlp-tiles", str(self.mlp_tiles)]
+        if self.projection_tiles:
+            argv += ["--memo-attention-projection-tiles", str(self.projection_tiles)]
+        if self.head_chunks > 1:
+            argv += ["--memo-attention-head-chunks", str(self.head_chunks)]
         if stage is not None and self.pp > 1:
             argv += ["--rank", str(stage.rank),
                      "--microbatches-in-flight", str(stage.microbatches_in_flight)]
@@ -218,6 +225,11 @@ class Layout:
         if self.mlp_tiles:
             flags += ["--memo-mlp-tile-size",
                       str(TiledMLPConfig.tile_size_for(seq // self.cp, self.mlp_tiles, self.tp))]
+        if self.projection_tiles:
+            flags += ["--memo-attention-projection-tile-size", str(
+                TiledMLPConfig.tile_size_for(seq // self.cp, self.projection_tiles, self.tp))]
+        if self.head_chunks > 1:
+            flags += ["--memo-attention-head-chunks", str(self.head_chunks)]
         return flags
 
     def describe(self) -> str:
@@ -230,6 +242,10 @@ class Layout:
                 policy += " fp8"
         if self.mlp_tiles:
             policy += f", MLP in {self.mlp_tiles} tiles"
+        if self.projection_tiles:
+            policy += f", attention projections in {self.projection_tiles} tiles"
+        if self.head_chunks > 1:
+            policy += f", heads in {self.head_chunks} chunks"
         if self.policy == "megatron-block":
             policy += f" {self.recompute_layers} layers per stage"
         return (f"TP={self.tp} CP={self.cp} PP={self.pp} DP={self.dp} mbs={self.micro_batch} "
@@ -678,6 +694,11 @@ def block_recompute_layers(layers_per_stage: int,
                    for f in fractions}) if layers_per_stage > 1 else []
 
 
+#: Head chunks of a tiled layout: at most this many (with the ring's messages 1/8 of a layer's
+#: K/V, the ring buffers stop mattering beside the saved q, k, v and output).
+MAX_HEAD_CHUNKS = 8
+
+
 def checkpoint_layer_counts(layers_per_stage: int,
                             fractions=CHECKPOINT_FRACTIONS) -> list[int]:
     """Checkpoint-offloaded layers per stage the recommender tries: each fraction of the
@@ -724,8 +745,12 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                                 if policy == "megatron-block" else [(None, None, 0, False)])
                     for (alpha, recompute_layers, count, fp8), tiles, micro_batch in \
                             itertools.product(variants, mlp_tiles, micro_batches):
+                        # A tiled layout tiles the whole layer: the MLP, the attention's
+                        # projections, and the core attention by chunks of query groups.
+                        chunks = math.gcd(groups // tp, MAX_HEAD_CHUNKS) if tiles else 1
                         layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch,
-                                        recompute_layers, count, fp8, tiles)
+                                        recompute_layers, count, fp8, tiles,
+                                        projection_tiles=tiles, head_chunks=chunks)
                         reason = _infeasible(layout, model, heads, groups, per_node,
                                              params, device, global_batch)
                         (dropped.append((layout, reason)) if reason else kept.append(layout))

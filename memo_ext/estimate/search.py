@@ -58,7 +58,7 @@ def _recomputed_layers(layout: Layout) -> Optional[int]:
 
 def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
     """The variant of ``layout`` among ``layouts`` (same TP, CP, PP, DP and micro-batch) that
-    keeps the least more than ``layout`` spares: an untiled MLP's tiled variant (the fewest
+    keeps the least more than ``layout`` spares: an untiled layer's tiled variant (the fewest
     tiles), else, at the same tiles, the next Megatron policy that recomputes more layers, or
     MEMO at the next smaller alpha. None when there is none (a family's most frugal variant,
     MEMO against Megatron: neither keeps a subset of the other's)."""
@@ -68,10 +68,12 @@ def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
 
     candidates = [other for other in layouts if same_shape(other) and other != layout]
     if not layout.mlp_tiles:
-        # The tiled MLP keeps a subset of the untiled one's tensors (its input alone, and one
-        # tile's intermediate at a time), so the tiled variant of a policy is the frugal one.
-        tiled = [o for o in candidates if o.mlp_tiles and o == replace(layout,
-                                                                        mlp_tiles=o.mlp_tiles)]
+        # The tiled layer keeps a subset of the untiled one's tensors (the MLP's and the
+        # projections' inputs alone, one tile's intermediates and one head chunk's attention
+        # buffers at a time), so the tiled variant of a policy is the frugal one.
+        tiled = [o for o in candidates if o.mlp_tiles and o == replace(
+            layout, mlp_tiles=o.mlp_tiles, projection_tiles=o.projection_tiles,
+            head_chunks=o.head_chunks)]
         if tiled:
             return min(tiled, key=lambda o: o.mlp_tiles)
     candidates = [o for o in candidates if o.mlp_tiles == layout.mlp_tiles]

@@ -6,7 +6,9 @@ TransformerLayer ModuleSpec and the :class:`memo_ext.config.TiledMLPConfig` of
 ``--memo-mlp-tile-size``; with tiling on, the spec's MLP becomes :class:`TiledMLP`, which runs
 megatron.core's MLP tile by tile and recomputes each tile in backward, so one layer's MLP
 working set is one tile's intermediate [T, b, ffn/TP] instead of [s, b, ffn/TP].
-:func:`tiled_recompute` is the mechanism itself, for any position-wise function.
+:func:`with_tiled_projections` does the same for the attention's QKV and output projections
+(``--memo-attention-projection-tile-size``). :func:`tiled_recompute` is the mechanism itself,
+for any position-wise function.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import copy
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
 from memo_ext.config import MemoConfigError, TiledMLPConfig
 from memo_ext.tiled_mlp.function import tile_bounds, tiled_recompute
+from memo_ext.tiled_mlp.linear import TiledColumnParallelLinear, TiledRowParallelLinear
 from memo_ext.tiled_mlp.module import TiledMLP
 
-__all__ = ["TiledMLP", "tile_bounds", "tiled_recompute", "with_tiled_mlp"]
+__all__ = ["TiledColumnParallelLinear", "TiledMLP", "TiledRowParallelLinear", "tile_bounds",
+           "tiled_recompute", "with_tiled_mlp", "with_tiled_projections"]
 
 
 def with_tiled_mlp(layer_spec: ModuleSpec, config: TiledMLPConfig) -> ModuleSpec:
@@ -41,4 +47,29 @@ def with_tiled_mlp(layer_spec: ModuleSpec, config: TiledMLPConfig) -> ModuleSpec
     spec = copy.copy(layer_spec)
     spec.submodules = copy.copy(layer_spec.submodules)
     spec.submodules.mlp = mlp
+    return spec
+
+
+def with_tiled_projections(layer_spec: ModuleSpec, tile_tokens: int) -> ModuleSpec:
+    """``layer_spec`` with its attention's linear_qkv and linear_proj run over tiles of
+    ``tile_tokens`` (``--memo-attention-projection-tile-size``), or ``layer_spec`` itself for
+    0. The input spec is not modified. Raises MemoConfigError when the projections are not
+    megatron.core's Column/RowParallelLinear (Transformer Engine's fused ones)."""
+    if not tile_tokens:
+        return layer_spec
+    attention = layer_spec.submodules.self_attention
+    projections = attention.submodules
+    if (projections.linear_qkv is not ColumnParallelLinear
+            or projections.linear_proj is not RowParallelLinear):
+        raise MemoConfigError("--memo-attention-projection-tile-size tiles megatron.core's "
+                              "ColumnParallelLinear/RowParallelLinear projections (--transformer-"
+                              "impl local); drop it")
+    params = {"tile_tokens": tile_tokens}
+    attention = copy.copy(attention)
+    attention.submodules = copy.copy(projections)
+    attention.submodules.linear_qkv = ModuleSpec(module=TiledColumnParallelLinear, params=params)
+    attention.submodules.linear_proj = ModuleSpec(module=TiledRowParallelLinear, params=params)
+    spec = copy.copy(layer_spec)
+    spec.submodules = copy.copy(layer_spec.submodules)
+    spec.submodules.self_attention = attention
     return spec

@@ -46,19 +46,36 @@ def tile_bounds(rows: int, tile_rows: int) -> list[tuple[int, int]]:
     return [(start, min(start + tile_rows, rows)) for start in range(0, rows, tile_rows)]
 
 
-def _run_tiles(function: TileFunction, hidden: torch.Tensor, tile_rows: int) -> torch.Tensor:
-    bounds = tile_bounds(hidden.size(0), tile_rows)
+def _blocks(tensor: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``tensor`` [blocks * rows, ...] as [blocks, rows, ...] (a view)."""
+    return tensor.view(blocks, tensor.size(0) // blocks, *tensor.shape[1:])
+
+
+def _tile_of(tensor: torch.Tensor, blocks: int, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of each of ``tensor``'s ``blocks`` blocks, block after block (a
+    view for one block, a tile-sized copy for several)."""
+    if blocks == 1:
+        return tensor[start:stop]
+    tile = _blocks(tensor, blocks)[:, start:stop]
+    return tile.reshape(blocks * (stop - start), *tensor.shape[1:])
+
+
+def _run_tiles(function: TileFunction, hidden: torch.Tensor, tile_rows: int,
+               input_blocks: int = 1, output_blocks: int = 1) -> torch.Tensor:
+    rows = hidden.size(0) // input_blocks
+    bounds = tile_bounds(rows, tile_rows)
     if len(bounds) == 1:
         return function(hidden)
     output = None
     for start, stop in bounds:
-        tile_output = function(hidden[start:stop])
-        if tile_output.size(0) != stop - start:
+        tile_output = function(_tile_of(hidden, input_blocks, start, stop))
+        if tile_output.size(0) != output_blocks * (stop - start):
             raise ValueError(f"tiled function returned {tile_output.size(0)} rows for a tile of "
-                             f"{stop - start}: it is not position-wise along dimension 0")
+                             f"{output_blocks} x {stop - start}: it is not position-wise along "
+                             "dimension 0")
         if output is None:
-            output = tile_output.new_empty((hidden.size(0), *tile_output.shape[1:]))
-        output[start:stop].copy_(tile_output)
+            output = tile_output.new_empty((output_blocks * rows, *tile_output.shape[1:]))
+        _blocks(output, output_blocks)[:, start:stop].copy_(_blocks(tile_output, output_blocks))
         del tile_output  # this tile's intermediates are gone before the next tile starts
     return output
 
@@ -67,32 +84,39 @@ class _TiledRecompute(torch.autograd.Function):
     """Autograd of :func:`tiled_recompute` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, function, tile_rows, hidden_needs_grad):
+    def forward(ctx, hidden, function, tile_rows, hidden_needs_grad, input_blocks, output_blocks):
         ctx.function, ctx.tile_rows, ctx.hidden_needs_grad = function, tile_rows, hidden_needs_grad
+        ctx.blocks = input_blocks, output_blocks
         ctx.save_for_backward(hidden)
-        return _run_tiles(function, hidden, tile_rows)
+        return _run_tiles(function, hidden, tile_rows, input_blocks, output_blocks)
 
     @staticmethod
     def backward(ctx, grad_output):
         (hidden,) = ctx.saved_tensors
+        input_blocks, output_blocks = ctx.blocks
         grad_hidden = torch.empty_like(hidden) if ctx.hidden_needs_grad else None
-        for start, stop in tile_bounds(hidden.size(0), ctx.tile_rows):
-            tile = hidden[start:stop].detach().requires_grad_(grad_hidden is not None)
+        rows = hidden.size(0) // input_blocks
+        for start, stop in tile_bounds(rows, ctx.tile_rows):
+            tile = _tile_of(hidden, input_blocks, start, stop).detach()
+            tile.requires_grad_(grad_hidden is not None)
             with torch.enable_grad():
                 tile_output = ctx.function(tile)
             if tile_output.requires_grad:
-                torch.autograd.backward(tile_output, grad_output[start:stop])
+                torch.autograd.backward(tile_output,
+                                        _tile_of(grad_output, output_blocks, start, stop))
             del tile_output  # frees the tile's recomputed graph before the next tile
             if grad_hidden is not None:
+                target = _blocks(grad_hidden, input_blocks)[:, start:stop]
                 if tile.grad is None:
-                    grad_hidden[start:stop].zero_()
+                    target.zero_()
                 else:
-                    grad_hidden[start:stop].copy_(tile.grad)
-        return grad_hidden, None, None, None
+                    target.copy_(_blocks(tile.grad, input_blocks))
+        return grad_hidden, None, None, None, None, None
 
 
 def tiled_recompute(function: TileFunction, hidden: torch.Tensor, tile_rows: int,
-                    parameters: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+                    parameters: Iterable[torch.Tensor] = (), input_blocks: int = 1,
+                    output_blocks: int = 1) -> torch.Tensor:
     """``function(hidden)`` computed ``tile_rows`` rows (dimension 0) at a time.
 
     Args:
@@ -104,15 +128,23 @@ def tiled_recompute(function: TileFunction, hidden: torch.Tensor, tile_rows: int
         parameters: the tensors ``function`` uses besides ``hidden`` (its parameters). When
             ``hidden`` needs no gradient but one of them does, the tiles are still recorded
             for backward (the Function needs an input that requires grad to be in the graph).
+        input_blocks, output_blocks: dimension 0 of the input (output) is this many equal
+            blocks of rows, and a tile takes its rows from each block, block after block:
+            a sequence-parallel projection's side that holds every TP rank's rows (the
+            input of a row-parallel linear, the output of a column-parallel one), while the
+            other side holds this rank's. ``tile_rows`` counts rows of one block.
 
     Without grad mode the tiles simply run one after another. With it, only ``hidden`` is
     saved and backward recomputes each tile (module docstring).
     """
     if not torch.is_grad_enabled():
-        return _run_tiles(function, hidden, tile_rows)
+        return _run_tiles(function, hidden, tile_rows, input_blocks, output_blocks)
+    if hidden.size(0) % input_blocks:
+        raise ValueError(f"{hidden.size(0)} rows do not split into {input_blocks} blocks")
     hidden_needs_grad = hidden.requires_grad
     if not hidden_needs_grad:
         if not any(p.requires_grad for p in parameters):
-            return _run_tiles(function, hidden, tile_rows)
+            return _run_tiles(function, hidden, tile_rows, input_blocks, output_blocks)
         hidden = hidden.detach().requires_grad_()
-    return _TiledRecompute.apply(hidden, function, tile_rows, hidden_needs_grad)
+    return _TiledRecompute.apply(hidden, function, tile_rows, hidden_needs_grad, input_blocks,
+                                 output_blocks)

@@ -1,6 +1,7 @@
 """The sequence-tiled MLP in the trainer: 20 iterations of pretrain_gpt.py with
 --memo-mlp-tile-size give the untiled run's losses to 1e-5 relative at TP=2+SP, with and
-without --memo-offload (--deterministic-mode, dropout 0, fp32 on CPU).
+without --memo-offload (--deterministic-mode, dropout 0, fp32 on CPU); so do the attention's
+tiled projections and head chunks with MEMO's two offload modes.
 
 Tile 24 tokens over a 64-token sequence: 12 rows per TP rank, so each rank's 32 rows run as
 tiles of 12, 12 and 8 (and under MEMO's alpha 0.25 its kept 8 rows as one tile, its dropped 24
@@ -21,6 +22,9 @@ COMMON = TINY_GPT_ARGS + ["--deterministic-mode", "--position-embedding-type", "
                           "--memo-telemetry"]
 TILE = ["--memo-mlp-tile-size", "24"]
 MEMO = ["--memo-offload", "--memo-alpha", "0.25"]
+# The whole layer tiled (what the recommender's tiled layouts run): the attention's projections
+# in tiles of 24 tokens too, and its 2 query groups per TP rank one at a time.
+LAYER = TILE + ["--memo-attention-projection-tile-size", "24", "--memo-attention-head-chunks", "2"]
 # What each of the 4 layers' untiled MLP saves besides its input: fc1's output and GeLU's,
 # [64 tokens (gathered), micro-batch 2, ffn 256 / TP 2] fp32 each.
 MLP_SAVED_BYTES = 4 * 2 * 64 * 2 * 128 * 4
@@ -44,7 +48,9 @@ def _untiled_run(tmp_path_factory):
     return _untiled
 
 
-@pytest.mark.parametrize("extra", [TILE, TILE + MEMO], ids=["tiled", "tiled_memo_offload"])
+@pytest.mark.parametrize("extra", [TILE, TILE + MEMO,
+                                   LAYER + MEMO + ["--memo-checkpoint-layers", "1"]],
+                         ids=["tiled", "tiled_memo_offload", "tiled_layer_mixed_modes"])
 def test_tiled_mlp_losses_equal_untiled(extra, tmp_path, tmp_path_factory):
     (losses, memory), (reference, reference_memory) = (_run(extra, tmp_path),
                                                        _untiled_run(tmp_path_factory))

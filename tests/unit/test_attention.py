@@ -62,7 +62,16 @@ def test_one_rank_equals_attention_at_once(kernel, causal):
     data = inputs()
     with kernels.forced_kernel(kernel):
         got = run(*data, causal=causal)
+        chunked = run(*data, causal=causal, head_chunks=GROUPS)
     assert_close(got, reference(*data, causal=causal))
+    # Heads are independent: each chunk runs the same kernels on its heads' slices.
+    for whole, by_chunk in zip(got, chunked):
+        assert torch.equal(whole, by_chunk)
+
+
+def test_head_chunks_must_divide_the_query_groups():
+    with pytest.raises(ValueError, match="3 head chunks do not divide 2 query groups"):
+        run(*inputs(), head_chunks=3)
 
 
 @pytest.mark.parametrize("kernel", ["cpu_flash", "explicit"])
@@ -100,12 +109,13 @@ def _check_ring(rank, size):
 
     layout = ZigzagLayout(SEQ, size)
     positions = layout.positions(rank)
-    for documents, kernel in ((None, "cpu_flash"), ([0, 7, 30, SEQ], "cpu_flash"),
-                              (None, "explicit")):
+    for documents, kernel, chunks in ((None, "cpu_flash", 1), ([0, 7, 30, SEQ], "cpu_flash", 1),
+                                      (None, "explicit", 1), ([0, 7, 30, SEQ], "cpu_flash", 2)):
         data = inputs()
         want = reference(*data, documents=documents)
         with kernels.forced_kernel(kernel):
-            got = run(*(t[positions] for t in data), ring=Ring(), documents=documents)
+            got = run(*(t[positions] for t in data), ring=Ring(), documents=documents,
+                      head_chunks=chunks)
         assert_close(got, [t[positions] for t in want])
 
 

@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run every layer's MLP in K sequence tiles of the rank's CP shard "
                              "(the trainer's --memo-mlp-tile-size, docs/tiled_mlp.md; default "
                              "0: untiled)")
+    parser.add_argument("--memo-attention-projection-tiles", type=int, default=0, metavar="K",
+                        help="run the attention's QKV and output projections in K sequence tiles "
+                             "(the trainer's --memo-attention-projection-tile-size; default 0: "
+                             "untiled)")
+    parser.add_argument("--memo-attention-head-chunks", type=int, default=1, metavar="N",
+                        help="run the core attention over N chunks of query groups (the "
+                             "trainer's flag; default 1)")
     parser.add_argument("--recompute-num-layers", type=int, default=None,
                         help="with --policy megatron-block: layers recomputed per stage")
     parser.add_argument("--host-memory-gb", type=float, default=None,
@@ -140,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--mlp-tiles", default="0,16",
                         help="MLP tile counts searched (comma-separated; 0: untiled; default "
                              "0,16): each layer's MLP run in K sequence tiles of the rank's CP "
-                             "shard (the trainer's --memo-mlp-tile-size; docs/tiled_mlp.md). The "
-                             "untiled variant is traced only when its tiled one reaches the table")
+                             "shard (the trainer's --memo-mlp-tile-size; docs/tiled_mlp.md), "
+                             "the attention's projections in K tiles too and its query groups "
+                             "in up to 8 chunks (--memo-attention-*). The untiled variant is "
+                             "traced only when its tiled one reaches the table")
     search.add_argument("--pp-sizes", default="1",
                         help="pipeline sizes searched for the traced policies (comma-separated; "
                              "default 1); SPPO's solver searches every pipeline size")
@@ -462,13 +471,24 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         if opts.memo_mlp_tiles < 0:
             raise UsageError(f"--memo-mlp-tiles {opts.memo_mlp_tiles}: give 0 (untiled) or a "
                              "tile count >= 1")
+        if opts.memo_attention_projection_tiles < 0:
+            raise UsageError(f"--memo-attention-projection-tiles "
+                             f"{opts.memo_attention_projection_tiles}: give 0 (untiled) or a "
+                             "tile count >= 1")
+        groups_per_rank = (shape.get("num_query_groups") or shape["num_attention_heads"]) \
+            // opts.tp
+        if opts.memo_attention_head_chunks < 1 or groups_per_rank % opts.memo_attention_head_chunks:
+            raise UsageError(f"--memo-attention-head-chunks {opts.memo_attention_head_chunks}: "
+                             f"give a divisor of the {groups_per_rank} query groups per TP rank")
         if (opts.memo_checkpoint_layers or opts.memo_offload_fp8) and opts.policy != "memo":
             raise UsageError("--memo-checkpoint-layers and --memo-offload-fp8 apply to "
                              "--policy memo only")
         layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
                         opts.micro_batch_size, recompute_layers,
                         checkpoint_layers=opts.memo_checkpoint_layers,
-                        offload_fp8=opts.memo_offload_fp8, mlp_tiles=opts.memo_mlp_tiles)
+                        offload_fp8=opts.memo_offload_fp8, mlp_tiles=opts.memo_mlp_tiles,
+                        projection_tiles=opts.memo_attention_projection_tiles,
+                        head_chunks=opts.memo_attention_head_chunks)
         if cpu:
             hardware = cpu_hardware(layout, shape, opts.seq_length, say)
             device = int(hardware["device_memory_bytes"])

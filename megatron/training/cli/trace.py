@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                           help="Tile the MLP into K tiles of the sequence after CP (the "
                                "trainer's --memo-mlp-tile-size for this length; what the "
                                "estimator traces, so traces at two lengths are alike).")
+    training.add_argument("--memo-attention-projection-tiles", type=int, default=0, metavar="K",
+                          help="The attention's QKV and output projections in K tiles of the "
+                               "sequence after CP (the trainer's "
+                               "--memo-attention-projection-tile-size for this length).")
+    training.add_argument("--memo-attention-head-chunks", type=int, default=1, metavar="N",
+                          help="The core attention over N chunks of query groups (the "
+                               "trainer's flag). Default 1.")
     training.add_argument("--no-distributed-optimizer", action="store_true",
                           help="Replicate optimizer state on every DP rank.")
     training.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -249,6 +256,13 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
 
         argv += ["--memo-mlp-tile-size", str(TiledMLPConfig.tile_size_for(
             opts.seq_length // opts.cp, opts.memo_mlp_tiles, opts.tp))]
+    if opts.memo_attention_projection_tiles:
+        from memo_ext.config import TiledMLPConfig
+
+        argv += ["--memo-attention-projection-tile-size", str(TiledMLPConfig.tile_size_for(
+            opts.seq_length // opts.cp, opts.memo_attention_projection_tiles, opts.tp))]
+    if opts.memo_attention_head_chunks != 1:
+        argv += ["--memo-attention-head-chunks", str(opts.memo_attention_head_chunks)]
     return argv + shlex.split(opts.trainer_args)
 
 
