@@ -64,7 +64,9 @@ def _attend(query, key, value, attention: RingAttention, causal: bool, seeds):
         out, lse = torch.ops.memo_attention.tile_forward(
             _heads_first(query), _heads_first(key), _heads_first(value), attention.scale,
             causal, attention.dropout_p, seeds[0])
-        return out.permute(2, 0, 1, 3), lse
+        # Contiguous in Megatron's layout, so that the layer's [s, b, h] output is a view of
+        # the tensor saved here (one copy alive, and one for MEMO to offload).
+        return out.permute(2, 0, 1, 3).contiguous(), lse
     return attention.forward(query, pack_key_value(key, value), seeds)
 
 

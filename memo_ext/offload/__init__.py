@@ -93,17 +93,29 @@ class ActivationShape:
         return self._stored(tokens * self.micro_batch_size * self.hidden_size)
 
     @property
-    def attention_output_bytes(self) -> int:
-        """S_attn: the out-projection input (offloaded whole), the core attention's own saved
-        copy of its output, which our layer cannot share (see README, MEMO section), and its
-        log-sum-exp per head and token (fp32)."""
-        one = self.sequence_tokens * self.micro_batch_size * self.hidden_size \
+    def _attention_output_values(self) -> int:
+        return self.sequence_tokens * self.micro_batch_size * self.hidden_size \
             // self.tensor_parallel_size
+
+    @property
+    def attention_output_bytes(self) -> int:
+        """S_attn: the core attention's output as it saves it (stored as saved, never fp8),
+        which is also the out-projection input the layer offloads whole (one copy: see
+        :attr:`interior_extra_bytes`), and its log-sum-exp per head and token (fp32)."""
         statistics = (self.micro_batch_size * self.num_attention_heads
                       // self.tensor_parallel_size * self.sequence_tokens)
-        return (self._stored(one) + self._stored(one, whole=False)
+        return (self._stored(self._attention_output_values, whole=False)
                 + (self._stored(statistics, whole=False, element_bytes=self.STATISTICS_BYTES)
                    if statistics else 0))
+
+    @property
+    def interior_extra_bytes(self) -> int:
+        """Bytes a layer stores on top at 0 < alpha < 1 under sequence parallelism with TP > 1:
+        the attention output again, in the kept/dropped order its two parts run in
+        (memo_ext.offload.tokens.TokenSplit.split), offloaded whole."""
+        if self.tensor_parallel_size == 1 or not self.sequence_parallel:
+            return 0
+        return self._stored(self._attention_output_values)
 
 
 def position_wise_share_of(args) -> float:
@@ -172,8 +184,13 @@ class MemoOffload:
 
     @property
     def checkpoint_layer_indices(self) -> frozenset[int]:
-        """Stage-layer indices in checkpoint mode (b)."""
-        return checkpoint_layer_indices(self.offloaded_layer_count, self.checkpoint_layers)
+        """Stage-layer indices in checkpoint mode (b): the chosen offloaded layers and, when
+        every offloaded layer takes (b), the layers kept on device too: then no layer needs
+        MEMO's larger (a) buffers, and the two rounding buffers shrink to one layer input."""
+        offloaded = self.offloaded_layer_count
+        if offloaded and self.checkpoint_layers == offloaded:
+            return frozenset(range(self.layers_per_stage))
+        return checkpoint_layer_indices(offloaded, self.checkpoint_layers)
 
     def _inputs(self, other_bytes: int, layer_forward_s: float,
                 whole_bytes: Optional[int] = None,
@@ -195,6 +212,7 @@ class MemoOffload:
             offloaded_layers=self.offloaded_layer_count,
             microbatches_in_flight=self.microbatches_in_flight,
             pinned_rounding=self.pinned_rounding,
+            interior_extra_bytes=self.shape.interior_extra_bytes,
         )
 
     def _initial_checkpoint_layers(self) -> int:
@@ -237,6 +255,8 @@ class MemoOffload:
         """The offloaded layers' modes, for the startup log."""
         count, layers = self.checkpoint_layers, self.offloaded_layer_count
         indices = ",".join(str(i) for i in sorted(self.checkpoint_layer_indices)) or "none"
+        if layers and count == layers:
+            indices += ", with the layers kept on device"
         return (f"{layers - count} of {layers} offloaded layers MEMO, {count} checkpoint-offloaded "
                 f"(stage layers {indices}){' | offload in fp8 (lossy)' if self.shape.offload_fp8 else ''}")
 

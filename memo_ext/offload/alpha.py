@@ -99,6 +99,10 @@ class AlphaInputs:
         device_headroom_bytes: D_free, device bytes left unused at the peak of the measuring
             iteration (run at alpha = 0); caps alpha at D_free / (2*S_oth). Used only when
             ``device_memory_bytes`` is None. None: no device constraint (the paper's LP).
+        interior_extra_bytes: bytes a slot stores on top at 0 < alpha < 1 only: under sequence
+            parallelism the attention output is stored a second time there, in the kept/dropped
+            token order, besides the core attention's saved output (at alpha 0 and 1 the orders
+            agree and one copy serves both).
     """
 
     input_bytes: int
@@ -112,6 +116,7 @@ class AlphaInputs:
     pinned_rounding: bool
     device_memory_bytes: Optional[int] = None
     device_headroom_bytes: Optional[int] = None
+    interior_extra_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("input_bytes", "attention_output_bytes", "other_bytes", "host_memory_bytes",
@@ -139,8 +144,10 @@ class AlphaInputs:
         return int(self.offloaded_layers) * int(self.microbatches_in_flight)
 
     def slot_bytes(self, alpha: float) -> int:
-        """Offloaded bytes of one (layer, micro-batch) at ``alpha``: S_in + S_attn + ceil(alpha*S_oth)."""
-        return self.whole_bytes + math.ceil(alpha * self.other_bytes)
+        """Offloaded bytes of one (layer, micro-batch) at ``alpha``: S_in + S_attn +
+        ceil(alpha*S_oth), plus the interior extra when 0 < alpha < 1."""
+        extra = self.interior_extra_bytes if 0.0 < alpha < 1.0 else 0
+        return self.whole_bytes + extra + math.ceil(alpha * self.other_bytes)
 
     def slot_cost_bytes(self, alpha: float) -> int:
         """Host bytes one slot occupies at ``alpha`` (rounded to a power of two if pinned_rounding)."""
@@ -221,8 +228,9 @@ def default_host_memory_bytes(local_world_size: int) -> int:
 
 
 def _bound(budget_bytes: float, inputs: AlphaInputs) -> float:
-    """Largest alpha with S_in + S_attn + alpha*S_oth <= budget (unclipped, +-inf if S_oth = 0)."""
-    spare = budget_bytes - inputs.whole_bytes
+    """Largest alpha with S_in + S_attn + alpha*S_oth <= budget (unclipped, +-inf if S_oth = 0),
+    counting the interior extra (conservative at alpha 1, where it is not stored)."""
+    spare = budget_bytes - inputs.whole_bytes - inputs.interior_extra_bytes
     if inputs.other_bytes == 0:
         return math.inf if spare >= 0 else -math.inf
     return spare / inputs.other_bytes

@@ -4,7 +4,8 @@ recompute in training forward.
 The layer is built from the same submodules as megatron.core's GPT layer spec (norms, QKV and
 output projections, core attention, MLP, bias-dropout-add); only the forward is reorganised.
 A layer the solver puts in checkpoint mode (memo_ext.offload.modes, mode (b)) runs
-megatron-core's forward unchanged inside one drop region instead.
+megatron-core's forward unchanged inside one drop region instead; when every offloaded layer
+does, so do the two layers kept on device (their input stays in its rounding buffer).
 Every operation before and after core attention is position-wise, so the layer runs them
 separately on the *kept* tokens (their saved activations go to host memory through the
 rounding buffer) and on the *dropped* tokens (a drop region: what it saves is discarded and
@@ -93,7 +94,7 @@ class MemoTransformerLayer(TransformerLayer):
             return super().forward(*args, **kwargs)
         is_first = self.stage_layer_index == 0
         attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        if self.offloaded and self.stage_layer_index in self.memo.checkpoint_layer_indices:
+        if self.stage_layer_index in self.memo.checkpoint_layer_indices:
             output = self._checkpoint_forward(hidden_states, attention_mask,
                                               kwargs.get("rotary_pos_emb"), is_first)
         else:
@@ -111,7 +112,7 @@ class MemoTransformerLayer(TransformerLayer):
         included, is one drop region recomputed from it before the layer's backward."""
         manager = self.memo.manager
         record = manager.begin_layer(self.stage_layer_index, is_first, list(self.parameters()),
-                                     to_host=True, checkpoint=True)
+                                     to_host=self.offloaded, checkpoint=True)
         with self.memo.layer_timer(), manager.hooks(record):
             manager.register_whole(record, hidden_states)
             _, output = manager.run_drop_region(

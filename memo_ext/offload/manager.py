@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from memo_ext.device import CopyEngine, CopyEvent
 from memo_ext.offload import fp8
@@ -50,6 +51,12 @@ def _align(nbytes: int) -> int:
 
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """Contiguous and filling its storage from the start: its copy is its whole storage."""
+    return (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
 class RoundingBuffer:
@@ -316,6 +323,10 @@ class LayerRecord:
     regions: list = field(default_factory=list)
     current_region: Optional[DropRegion] = None
     checkpoint: bool = False
+    # Storage key -> (weak reference to the storage of, slice of) a saved tensor stored whole
+    # (it filled its storage), which register_whole can then reuse instead of storing the
+    # same bytes again.
+    stored_whole: dict = field(default_factory=dict)
 
     def store(self, tensor: torch.Tensor, compress: bool = False) -> _BufferSlice:
         """Copy ``tensor`` into this layer's rounding buffer (forward); ``compress``: as fp8
@@ -450,9 +461,20 @@ class OffloadManager:
         return region, outputs
 
     def register_whole(self, record: LayerRecord, tensor: torch.Tensor) -> None:
-        """Offload ``tensor`` whole now; saved views of it refer to the copy."""
+        """Offload ``tensor`` whole now; saved views of it refer to the copy. A tensor already
+        stored whole when autograd saved it (the core attention's output, saved inside the
+        attention before the layer registers it) is not stored twice."""
         if not tensor.is_contiguous():
             raise ValueError("MEMO registers only contiguous tensors")
+        key = _storage_key(tensor)
+        saved, stored = record.stored_whole.pop(key, (None, None))
+        # The saved tensor's storage still alive proves it is this one (not a new allocation
+        # at a freed address).
+        if (saved is not None and not saved.expired() and stored.dtype == tensor.dtype
+                and not stored.compressed
+                and stored.nbytes == tensor.numel() * tensor.element_size()):
+            record.registered[key] = _WholeTensor(stored, tensor)
+            return
         stored = record.store(tensor, compress=self.compress_whole)
         record.registered[_storage_key(tensor)] = _WholeTensor(stored, tensor)
         self.saved_bytes["offloaded"] += stored.nbytes
@@ -495,7 +517,10 @@ class OffloadManager:
         if entry is not None and entry.dtype == tensor.dtype:
             return self._describe_view(record, tensor)
         self.saved_bytes["offloaded"] += tensor.numel() * tensor.element_size()
-        return record.store(tensor.contiguous())
+        stored = record.store(tensor.contiguous())
+        if _owns_storage(tensor):
+            record.stored_whole[key] = (StorageWeakRef(tensor.untyped_storage()), stored)
+        return stored
 
     @staticmethod
     def _unpack(handle):

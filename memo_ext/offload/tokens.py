@@ -66,8 +66,11 @@ class TokenSplit:
         return torch.cat(chunked, dim=1).reshape(self.chunks * self.local_tokens, *rest)
 
     def split(self, natural: torch.Tensor) -> torch.Tensor:
-        """Natural order -> split order (a new contiguous tensor of the same shape)."""
-        if self.chunks == 1:
+        """Natural order -> split order (a contiguous tensor of the same shape). When one part
+        is empty (alpha 0 or 1) the orders agree and ``natural`` itself is returned: MEMO then
+        offloads the core attention's output once, not once as its saved output and once
+        more as the layer's attention output."""
+        if self.chunks == 1 or self.kept == 0 or self.dropped == 0:
             return natural.contiguous()
         rest = natural.shape[1:]
         chunked = natural.reshape(self.chunks, self.local_tokens, *rest)

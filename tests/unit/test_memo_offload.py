@@ -85,6 +85,11 @@ def test_gradients_match_plain_layer(megatron_world, model_name, alpha):
     offloaded, recomputed = memo.manager.saved_bytes["offloaded"], memo.manager.saved_bytes["recomputed"]
     assert offloaded > 0
     assert (recomputed == 0) == (alpha == "1")
+    if alpha == "0":
+        # A layer stores its input, its attention output once (also saved by the core
+        # attention as its output) and the attention's fp32 log-sum-exp, nothing else.
+        hidden = SEQ * BATCH * 64 * 4
+        assert memo.manager.largest_layer_bytes == 2 * hidden + BATCH * 4 * SEQ * 4
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
@@ -103,6 +108,10 @@ def test_checkpoint_layers_keep_gradients_exact(megatron_world, model_name, chec
     assert memo.manager.saved_bytes["checkpointed"] > 0
     assert memo.manager.saved_bytes["offloaded"] < pure.manager.saved_bytes["offloaded"]
     assert memo.manager.host_slots.allocated_bytes < pure.manager.host_slots.allocated_bytes
+    if checkpoint_layers == "4":
+        # Every offloaded layer in (b): the kept layers too, so each buffer holds one input.
+        assert memo.checkpoint_layer_indices == frozenset(range(NUM_LAYERS))
+        assert memo.manager.largest_layer_bytes == SEQ * BATCH * 64 * 4
 
 
 def test_auto_checkpoint_layers_take_the_fewest_that_fit_host(megatron_world):
