@@ -5,6 +5,9 @@ models."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,30 @@ from memo_ext.planner.plan import arena_plan
 from memo_ext.planner.trace import Trace as EventTrace
 
 MiB, GiB = 1 << 20, 1 << 30
+REPO = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    """HEAD's short hash, noting uncommitted changes to tracked files."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                          capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    return head + (" + uncommitted changes" if dirty else "")
+
+
+def machine() -> str:
+    """This machine in words: host name, CPU model and cores, no GPU."""
+    from memo_ext.estimate.cpu_profile import cpu_name
+
+    return f"{platform.node()} ({cpu_name()}, {os.cpu_count()} CPU cores; no GPU)"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary name beside ``path`` and rename it over ``path``."""
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
 
 
 def gib(nbytes) -> str:

@@ -22,7 +22,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -30,6 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.common import commit, machine, write_atomic  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 RUNS = RESULTS / "pareto_runs"
 LLAMA3_8B = "examples/models/llama3_8b.json"
@@ -86,10 +90,10 @@ def run_setup(name: str, setup: Setup) -> dict:
               "command": "python tools/estimate.py " + " ".join(setup.argv),
               "seconds": round(time.perf_counter() - started, 1),
               "ran": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "commit": _commit(), "machine": _machine(), "answer": answer,
+              "commit": commit(), "machine": machine(), "answer": answer,
               "log": [line for line in done.stderr.splitlines() if "warn" not in line.lower()]}
     RUNS.mkdir(parents=True, exist_ok=True)
-    _write_atomic(RUNS / f"{name}.json", json.dumps(record, indent=1) + "\n")
+    write_atomic(RUNS / f"{name}.json", json.dumps(record, indent=1) + "\n")
     return record
 
 
@@ -181,26 +185,6 @@ def plot(records: dict[str, dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                          capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
-    return head + (" + uncommitted changes" if dirty else "")
-
-
-def _machine() -> str:
-    from memo_ext.estimate.cpu_profile import cpu_name
-
-    return f"{platform.node()} ({cpu_name()}, {os.cpu_count()} CPU cores; no GPU)"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(text)
-    temporary.replace(path)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setups", default=",".join(SETUPS),
@@ -218,7 +202,7 @@ def main() -> int:
             records[name] = run_setup(name, SETUPS[name])
         elif (RUNS / f"{name}.json").exists():
             records[name] = json.loads((RUNS / f"{name}.json").read_text())
-    _write_atomic(RESULTS / "pareto.md", markdown(records))
+    write_atomic(RESULTS / "pareto.md", markdown(records))
     plot(records, RESULTS / "pareto.png")
     print((RESULTS / "pareto.md").read_text())
     return 0

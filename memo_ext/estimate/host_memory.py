@@ -271,11 +271,12 @@ class SlotShape:
     name: str = ""
 
     @classmethod
-    def gpt(cls, hidden: int, heads: int, model_parallel: int, attention_copies: int = 2,
+    def gpt(cls, hidden: int, heads: int, model_parallel: int, attention_copies: int = 1,
             statistics: bool = True, name: str = "") -> "SlotShape":
         """A GPT layer in bf16 split over TP x CP = ``model_parallel`` ranks with sequence
         parallelism: the layer input (h per token), the attention output ``attention_copies``
-        times (ours: the out-projection's input and the core attention's own copy) and, with
+        times (ours at alpha 0: once, the out-projection's input being the core attention's
+        saved output; before commit db32dcc twice) and, with
         ``statistics``, the attention's fp32 log-sum-exp (one value per head and token); the
         alpha-split tensors are memo.md's 14 h per token (LN1 output, q/k/v, residual, LN2
         output, FC1 and activation outputs)."""

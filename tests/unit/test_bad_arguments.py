@@ -100,6 +100,11 @@ BAD_INPUTS = [
     ("mlp_tile_not_split_by_sequence_parallel", 2,
      BASE + ["--memo-mlp-tile-size", "7", "--tensor-model-parallel-size", "2",
              "--sequence-parallel"], "--memo-mlp-tile-size"),
+    ("projection_tile_not_split_by_sequence_parallel", 2,
+     BASE + ["--memo-attention-projection-tile-size", "7", "--tensor-model-parallel-size", "2",
+             "--sequence-parallel"], "--memo-attention-projection-tile-size"),
+    ("head_chunks_not_dividing_the_groups", 1,
+     BASE + ["--memo-attention-head-chunks", "3"], "--memo-attention-head-chunks"),
 ]
 
 

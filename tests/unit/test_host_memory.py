@@ -139,7 +139,7 @@ def test_the_papers_limit_from_first_principles():
     attention output, exactly 2 GiB at 2^20 tokens) rounded to powers of two and the alpha-0
     arena held twice (--memo-alpha auto's cached measuring slots), 1024K fits and 1152K does
     not, as the paper ran."""
-    ours = SlotShape.gpt(4096, 32, 8)
+    ours = SlotShape.gpt(4096, 32, 8, attention_copies=2)  # the old model's slot
     paper = SlotShape.gpt(4096, 32, 8, attention_copies=1, statistics=False)
     today = memo_paper_host_limit(ours, 1152 * 1024, pinned=False)
     assert today["total_bytes"] / 1e9 == pytest.approx(874, abs=1)

@@ -87,6 +87,38 @@ def test_parameter_gradients_flow_when_the_input_needs_none():
     assert_close(weight.grad, grad.t() @ x, "weight grad")
 
 
+@pytest.mark.parametrize("side", ["input", "output"])
+def test_tiles_take_the_same_rows_of_every_block(side):
+    """A projection with one side holding every TP rank's rows (2 blocks here), stood in for
+    by two linear maps: input side, [2n] rows -> A(first block) + B(second block), [n] rows;
+    output side, [n] rows -> [A(x); B(x)], [2n] rows. Tiles of 3 rows per block give the
+    untiled output and gradients."""
+    a, b = (torch.randn(HIDDEN, HIDDEN, requires_grad=True) for _ in range(2))
+    rows = 7
+    if side == "input":
+        def projection(x):
+            half = x.size(0) // 2
+            return F.linear(x[:half], a) + F.linear(x[half:], b)
+        x, blocks = torch.randn(2 * rows, HIDDEN, requires_grad=True), {"input_blocks": 2}
+        grad = torch.randn(rows, HIDDEN)
+    else:
+        def projection(x):
+            return torch.cat([F.linear(x, a), F.linear(x, b)])
+        x, blocks = torch.randn(rows, HIDDEN, requires_grad=True), {"output_blocks": 2}
+        grad = torch.randn(2 * rows, HIDDEN)
+    expected = projection(x)
+    expected.backward(grad)
+    reference = [t.grad.clone() for t in (x, a, b)]
+    for t in (x, a, b):
+        t.grad = None
+    actual = tiled_recompute(projection, x, 3, [a, b], **blocks)
+    actual.backward(grad)
+    assert_close(actual, expected, "output")
+    for name, got, want in zip(("input grad", "A grad", "B grad"), (x.grad, a.grad, b.grad),
+                               reference):
+        assert_close(got, want, name)
+
+
 # ------------------------------------------------------------- megatron.core's MLP, TP=1
 
 def _mlp_config(swiglu: bool, tensor_parallel_size: int = 1):
