@@ -141,20 +141,29 @@ def test_corrupt_tracker_file_is_a_clear_error(tmp_path):
 
 
 LONG_CONTEXT_PATH = ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "chunked",
-                     "--cross-entropy-chunk-size", "24", "--memo-mlp-tile-size", "20"]
+                     "--cross-entropy-chunk-size", "24", "--memo-mlp-tile-size", "20",
+                     "--memo-attention-projection-tile-size", "20",
+                     "--memo-attention-head-chunks", "2"]
 
 
 @pytest.mark.parametrize("variant", ["learned_gelu_bias", "rope_swiglu_rmsnorm_gqa"])
 def test_long_context_path_gradients_equal_megatrons_tensor_by_tensor(megatron_world, variant,
                                                                       monkeypatch):
-    """One step of the same weights through the million-token path (memo_ext's attention, the
-    chunked loss and the tiled MLP) and through megatron.core's own modules (DotProductAttention,
-    which builds the s x s scores, the unfused vocab-parallel loss, the untiled MLP): the losses
-    and every parameter's gradient agree to fp32 round-off."""
+    """One step of the same weights through the million-token path (memo_ext's attention in
+    two head chunks, the chunked loss, the tiled MLP and attention projections) and through
+    megatron.core's own modules (DotProductAttention, which builds the s x s scores, the
+    unfused vocab-parallel loss, the untiled MLP and projections): the losses and every
+    parameter's gradient agree to fp32 round-off."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     import pretrain_gpt
     from megatron.training import layer_specs
+
+    class MegatronAttention(DotProductAttention):
+        """DotProductAttention in CoreAttention's place (the spec passes head_chunks)."""
+
+        def __init__(self, *args, head_chunks: int, **kwargs):
+            super().__init__(*args, **kwargs)
 
     def model_for(extra):
         args = build_args(VARIANTS[variant] + extra)
@@ -163,9 +172,11 @@ def test_long_context_path_gradients_equal_megatrons_tensor_by_tensor(megatron_w
 
     ours = model_for(LONG_CONTEXT_PATH)
     with monkeypatch.context() as patch:
-        patch.setattr(layer_specs, "CoreAttention", DotProductAttention)
+        patch.setattr(layer_specs, "CoreAttention", MegatronAttention)
         reference = model_for([])
-    assert type(reference.decoder.layers[0].self_attention.core_attention) is DotProductAttention
+    assert type(reference.decoder.layers[0].self_attention.core_attention) is MegatronAttention
+    assert type(ours.decoder.layers[0].self_attention.linear_qkv).__name__ == \
+        "TiledColumnParallelLinear"
     reference.load_state_dict(ours.state_dict())
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 512, (2, 64), generator=generator)
