@@ -13,8 +13,9 @@ import argparse
 
 # Megatron-LM's defaults for the YaRN flags it leaves at None (megatron.training.argument_utils
 # ._apply_yarn_config_from_args); megatron.core's YarnRotaryEmbedding has the same defaults.
+# Not --rotary-scaling-factor: upstream's default 1 would turn YaRN off silently, so it is
+# required here.
 YARN_DEFAULTS = {
-    "rotary_scaling_factor": 1.0,
     "mscale": 1.0,
     "mscale_all_dim": 0.0,
     "yarn_original_max_position_embeddings": 4096,
@@ -102,7 +103,7 @@ def validate_rope_scaling(args: argparse.Namespace) -> None:
         _require(factor is None or factor >= 1.0,
                  f"{flag} must be >= 1 (it stretches the pretrained context), got {factor}")
     if kind != "yarn":
-        for name in YARN_DEFAULTS:
+        for name in ("rotary_scaling_factor", *YARN_DEFAULTS):
             _require(getattr(args, name) is None, f"{_flag(name)} is a YaRN flag; add "
                      "--position-embedding-type yarn or drop it")
         return

@@ -74,7 +74,8 @@ def build_model(flags: list[str]):
     from megatron.training.tokenizer import padded_vocab_size
 
     args = parse_args(MODEL + flags, world_size=1, cuda_available=False)
-    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, 1)
+    args.padded_vocab_size = padded_vocab_size(args.vocab_size,
+                                               args.make_vocab_size_divisible_by, 1)
     return pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
 
 
