@@ -9,19 +9,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# transformers is in the dev extra (pyproject.toml): a missing reference is a failure, not a skip.
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
 from megatron.training.arguments import (
     ArgumentValidationError,
     core_transformer_config_from_args,
     parse_args,
 )
 from tests.conftest import TINY_GPT_ARGS
-
-transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig  # noqa: E402
-from transformers.models.llama.modeling_llama import (  # noqa: E402
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
 
 # One layer, two heads of 64 channels: 32 frequencies, enough to cover Llama 3.1's three bands
 # and YaRN's ramp.
