@@ -18,6 +18,12 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from megatron.training.rope_scaling import (
+    RopeScalingError,
+    add_rope_scaling_args,
+    validate_rope_scaling,
+    yarn_config_attributes,
+)
 from memo_ext.config import (
     AttentionConfig,
     METPConfig,
@@ -36,7 +42,7 @@ from memo_ext.telemetry.monitor import MEMORY_EXIT_STATUS, MemoryBudgetExceeded
 
 TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ATTN_MASK_TYPES = ("causal", "no_mask")
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "chunked")
@@ -86,6 +92,7 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--rotary-percent", type=float, default=1.0)
+    add_rope_scaling_args(group)  # docs/rope_scaling.md
     group.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
     group.add_argument("--norm-epsilon", type=float, default=1e-5)
     group.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU).")
@@ -498,6 +505,10 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
     for flag in ("attention_dropout", "hidden_dropout"):
         value = getattr(args, flag)
         _require(0.0 <= value < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
+    try:
+        validate_rope_scaling(args)
+    except RopeScalingError as error:
+        raise ArgumentValidationError(str(error)) from None
 
 
 def _validate_batch(args: argparse.Namespace) -> None:
@@ -857,7 +868,7 @@ def core_transformer_config_from_args(args: argparse.Namespace):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cuda = torch.cuda.is_available()
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -903,3 +914,7 @@ def core_transformer_config_from_args(args: argparse.Namespace):
         # 0.16.1's default "full" only triggers a deprecation warning; [] means the same.
         cuda_graph_scope=[],
     )
+    # Not dataclass fields of a plain TransformerConfig: GPTModel and SelfAttention getattr them.
+    for name, value in yarn_config_attributes(args).items():
+        setattr(config, name, value)
+    return config

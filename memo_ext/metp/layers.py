@@ -15,6 +15,9 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 
@@ -81,9 +84,11 @@ class MetpSelfAttention(SelfAttention):
         if rotary_pos_emb is not None:
             freqs = rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb
             local_freqs = freqs[layout.positions(ring.rank).to(freqs.device)]
+            # YaRN's attention temperature, on q and k as megatron's SelfAttention applies it.
+            mscale = _yarn_get_concentration_factor_from_config(self.config)
 
             def rotary(t: torch.Tensor) -> torch.Tensor:
-                return apply_rotary_pos_emb(t, local_freqs, config=self.config)
+                return apply_rotary_pos_emb(t, local_freqs, config=self.config, mscale=mscale)
 
         shape = HeadShape(self.num_attention_heads_per_partition,
                           self.num_query_groups_per_partition, self.hidden_size_per_attention_head)

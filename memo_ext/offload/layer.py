@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
@@ -129,8 +132,10 @@ class MemoTransformerLayer(TransformerLayer):
             # Sliced here, not by the caller: a drop region then keeps only the shared table
             # and an index vector, not a per-layer copy of its tokens' frequencies.
             rotary_freqs = rotary_pos_emb[token_indices]
-            query = apply_rotary_pos_emb(query, rotary_freqs, config=self.config)
-            key = apply_rotary_pos_emb(key, rotary_freqs, config=self.config)
+            # YaRN's attention temperature, on q and k as megatron's SelfAttention applies it.
+            mscale = _yarn_get_concentration_factor_from_config(self.config)
+            query = apply_rotary_pos_emb(query, rotary_freqs, config=self.config, mscale=mscale)
+            key = apply_rotary_pos_emb(key, rotary_freqs, config=self.config, mscale=mscale)
         return query, key, value
 
     def _attention_output_and_mlp(self, attention_output, residual):
