@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron.training.cli.trace import add_tiling_arguments
 from memo_ext.estimate.cpu_profile import CPU_PROFILE
 from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS, CHECKPOINT_FRACTIONS
 from memo_ext.estimate.models import MODELS, ModelError, model_shape
@@ -99,17 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memo-offload-fp8", action="store_true",
                         help="with --policy memo: offload the whole-offloaded tensors in fp8 "
                              "(lossy; the trainer's flag)")
-    parser.add_argument("--memo-mlp-tiles", type=int, default=0, metavar="K",
-                        help="run every layer's MLP in K sequence tiles of the rank's CP shard "
-                             "(the trainer's --memo-mlp-tile-size, docs/tiled_mlp.md; default "
-                             "0: untiled)")
-    parser.add_argument("--memo-attention-projection-tiles", type=int, default=0, metavar="K",
-                        help="run the attention's QKV and output projections in K sequence tiles "
-                             "(the trainer's --memo-attention-projection-tile-size; default 0: "
-                             "untiled)")
-    parser.add_argument("--memo-attention-head-chunks", type=int, default=1, metavar="N",
-                        help="run the core attention over N chunks of query groups (the "
-                             "trainer's flag; default 1)")
+    add_tiling_arguments(parser)
     parser.add_argument("--recompute-num-layers", type=int, default=None,
                         help="with --policy megatron-block: layers recomputed per stage")
     parser.add_argument("--host-memory-gb", type=float, default=None,

@@ -119,17 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--memo-mlp-tile-size", type=int, default=0, metavar="TOKENS",
                           help="Sequence-tiled MLP with tiles of TOKENS (the trainer's flag; "
                                "docs/tiled_mlp.md). Default 0: off.")
-    training.add_argument("--memo-mlp-tiles", type=int, default=0, metavar="K",
-                          help="Tile the MLP into K tiles of the sequence after CP (the "
-                               "trainer's --memo-mlp-tile-size for this length; what the "
-                               "estimator traces, so traces at two lengths are alike).")
-    training.add_argument("--memo-attention-projection-tiles", type=int, default=0, metavar="K",
-                          help="The attention's QKV and output projections in K tiles of the "
-                               "sequence after CP (the trainer's "
-                               "--memo-attention-projection-tile-size for this length).")
-    training.add_argument("--memo-attention-head-chunks", type=int, default=1, metavar="N",
-                          help="The core attention over N chunks of query groups (the "
-                               "trainer's flag). Default 1.")
+    add_tiling_arguments(training)
     training.add_argument("--no-distributed-optimizer", action="store_true",
                           help="Replicate optimizer state on every DP rank.")
     training.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -264,6 +254,24 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
     if opts.memo_attention_head_chunks != 1:
         argv += ["--memo-attention-head-chunks", str(opts.memo_attention_head_chunks)]
     return argv + shlex.split(opts.trainer_args)
+
+
+def add_tiling_arguments(parser) -> None:
+    """The layer-tiling flags of a traced layout (memo_ext.estimate.layout.Layout's
+    mlp_tiles, projection_tiles, head_chunks), shared with tools/estimate.py: tile counts of
+    the sequence after CP, turned into the trainer's tile sizes at each traced length (so that
+    traces at two lengths are alike), and the head chunks."""
+    parser.add_argument("--memo-mlp-tiles", type=int, default=0, metavar="K",
+                        help="run every layer's MLP in K sequence tiles of the rank's CP shard "
+                             "(the trainer's --memo-mlp-tile-size, docs/tiled_mlp.md; default "
+                             "0: untiled)")
+    parser.add_argument("--memo-attention-projection-tiles", type=int, default=0, metavar="K",
+                        help="run the attention's QKV and output projections in K sequence tiles "
+                             "(the trainer's --memo-attention-projection-tile-size; default 0: "
+                             "untiled)")
+    parser.add_argument("--memo-attention-head-chunks", type=int, default=1, metavar="N",
+                        help="run the core attention over N chunks of query groups (the "
+                             "trainer's flag, docs/attention.md; default 1)")
 
 
 def rank_coordinates(rank: int) -> dict:
