@@ -717,10 +717,7 @@ def _validate_memo(args: argparse.Namespace) -> None:
         _validate_metp(args, sppo.sppo, offload.offload)
     if tiled_mlp.enabled:
         _validate_tiled_mlp(args, tiled_mlp, metp)
-    if attention.attention_head_chunks > 1:
-        _validate_head_chunks(args, attention, sppo.sppo or metp)
-    if attention.attention_projection_tile_size:
-        _validate_projection_tiles(args, attention, sppo.sppo or metp)
+    _validate_attention(args, attention, sppo.sppo or metp)
     if not offload.offload:
         return
     _require(
@@ -782,34 +779,30 @@ def _validate_tiled_mlp(args: argparse.Namespace, tiled_mlp: TiledMLPConfig, met
         raise ArgumentValidationError(str(error)) from None
 
 
-def _validate_head_chunks(args: argparse.Namespace, attention: AttentionConfig,
-                          attention_replaced: bool) -> None:
-    """--memo-attention-head-chunks chunks memo_ext.attention's core attention only."""
-    chunks = attention.attention_head_chunks
-    _require(not attention_replaced, f"--memo-attention-head-chunks {chunks} chunks the core "
-             "attention, which --memo-sppo and --memo-metp replace by their own; drop one")
-    _require(args.transformer_impl == "local", f"--memo-attention-head-chunks {chunks} needs "
-             f"--transformer-impl local (memo_ext's core attention), got {args.transformer_impl}")
+def _validate_attention(args: argparse.Namespace, attention: AttentionConfig,
+                        attention_replaced: bool) -> None:
+    """--memo-attention-*: they change memo_ext's core attention and megatron's projections of
+    the local spec, which --memo-sppo and --memo-metp replace and Transformer Engine lacks."""
+    flags = []
+    if attention.attention_head_chunks > 1:
+        flags.append(f"--memo-attention-head-chunks {attention.attention_head_chunks}")
+    if attention.attention_projection_tile_size:
+        flags.append(f"--memo-attention-projection-tile-size "
+                     f"{attention.attention_projection_tile_size}")
+    if not flags:
+        return
+    named = " and ".join(flags)
+    _require(not attention_replaced, f"{named} change the local spec's attention, which "
+             "--memo-sppo and --memo-metp replace by their own; drop one")
+    _require(args.transformer_impl == "local", f"{named} need --transformer-impl local, got "
+             f"{args.transformer_impl}")
     groups = args.num_query_groups or args.num_attention_heads
     try:
         attention.validate_with(groups // args.tensor_model_parallel_size)
-    except MemoConfigError as error:
-        raise ArgumentValidationError(str(error)) from None
-
-
-def _validate_projection_tiles(args: argparse.Namespace, attention: AttentionConfig,
-                               attention_replaced: bool) -> None:
-    """--memo-attention-projection-tile-size tiles the local spec's attention projections."""
-    tile = attention.attention_projection_tile_size
-    _require(not attention_replaced, f"--memo-attention-projection-tile-size {tile} tiles "
-             "megatron's attention projections, which --memo-sppo and --memo-metp replace; "
-             "drop one")
-    _require(args.transformer_impl == "local", f"--memo-attention-projection-tile-size {tile} "
-             f"needs --transformer-impl local, got {args.transformer_impl}")
-    try:
-        TiledMLPConfig(mlp_tile_size=tile).tile_rows(
-            args.tensor_model_parallel_size, args.sequence_parallel,
-            flag="--memo-attention-projection-tile-size")
+        if attention.attention_projection_tile_size:
+            TiledMLPConfig(mlp_tile_size=attention.attention_projection_tile_size).tile_rows(
+                args.tensor_model_parallel_size, args.sequence_parallel,
+                flag="--memo-attention-projection-tile-size")
     except MemoConfigError as error:
         raise ArgumentValidationError(str(error)) from None
 
