@@ -226,12 +226,13 @@ def _cuda_flash_backward(grad_out, q, k, v, out, lse, scale, causal):
             deterministic=False, rng_state=None)
         return tuple(g.transpose(1, 2) for g in grads)
     heads, groups = q.shape[1], k.shape[1]
-    # Dense tiles: no cumulative lengths; no dropout, so the RNG state is never read.
-    no_lengths = torch.empty(0, dtype=torch.int32, device=q.device)
+    # Dense tiles: the cumulative lengths are undefined (None), as the forward returns them; an
+    # empty tensor would select the variable-length kernel, which refuses a batch of -1 (seen on
+    # an H100). No dropout, so the RNG state is never read.
     no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad_out, q, _expand_groups(k, heads), _expand_groups(v, heads), out, lse, no_lengths,
-        no_lengths, q.shape[-2], k.shape[-2], 0.0, causal, no_rng, no_rng, scale=scale)
+        grad_out, q, _expand_groups(k, heads), _expand_groups(v, heads), out, lse, None, None,
+        q.shape[-2], k.shape[-2], 0.0, causal, no_rng, no_rng, scale=scale)
     return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
 
 

@@ -20,6 +20,7 @@ size; AMP (Cheng et al., SoCC'23) extrapolates peaks the same way, but from one 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -36,6 +37,13 @@ from memo_ext.planner.trace import POOL_EXTERNAL, Trace, read_trace
 #: trainer, and each trace builds its own fake world.
 TRACE_MODULE = "megatron.training.cli.trace"
 HARDWARE_FILE = Path(__file__).with_name("hardware.json")
+
+
+def tracer_environment() -> dict[str, str]:
+    """This process's environment with no GPU visible, for a tracer subprocess: a trace runs on
+    the CPU device whatever the machine has, and its CPU shims refuse a process that sees CUDA
+    (on a GPU node every trace failed so)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 #: Event fields that must agree between the two traces of a LinearTrace (everything but bytes).
 STRUCTURE_FIELDS = ("id", "action", "stream", "layer", "phase", "category", "microbatch", "pool",
@@ -85,7 +93,7 @@ def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:
     # nothing that could shadow the installed modules.
     done = subprocess.run([sys.executable, "-m", TRACE_MODULE, *trace_argv, "--seq-length",
                            str(seq), "--quiet", "-o", str(path)],
-                          cwd=workdir, capture_output=True, text=True)
+                          cwd=workdir, env=tracer_environment(), capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise EstimateError(f"tracing at {seq} tokens failed: {last}")

@@ -27,7 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Optional
 
-from memo_ext.estimate.memory import TRACE_MODULE, EstimateError
+from memo_ext.estimate.memory import TRACE_MODULE, EstimateError, tracer_environment
 from memo_ext.planner.trace import Trace, read_trace
 
 #: Seconds a server gets to exit after its stdin closes before it is killed.
@@ -43,7 +43,7 @@ class _Server:
         # cwd=workdir: ``-m`` puts the working directory first on sys.path, and workdir holds
         # nothing that could shadow the installed modules (as trace_rank does).
         self.process = subprocess.Popen(
-            [sys.executable, "-m", TRACE_MODULE, "--serve"], cwd=workdir,
+            [sys.executable, "-m", TRACE_MODULE, "--serve"], cwd=workdir, env=tracer_environment(),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, encoding="utf-8", errors="replace", bufsize=1)
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_LINES)

@@ -145,6 +145,10 @@ class ArenaPhaseTagger(AllocationRecorder):
         self.runtime.enter(layer, phase)
         return func(*args, **(kwargs or {}))
 
+#: Bytes of the CUDA arena's buffer before its first planned offset (one alignment unit of
+#: csrc/planned_arena.cpp, so the planned tensors keep their 512-byte alignment).
+ARENA_HEAD_BYTES = 512
+
 #: Iterations --memo-plan auto runs before it traces the one it plans (see MemoPlanner).
 AUTO_WARMUP_ITERATIONS = 1
 
@@ -329,9 +333,15 @@ class CudaArena:
         import torch
 
         self.runtime = runtime
-        self.buffer = torch.empty(runtime.arena_bytes, dtype=torch.uint8, device=device)
+        # PyTorch's pluggable allocator keys what it hands out by address, so no planned tensor
+        # may start at the buffer's own address: the planned offsets begin ARENA_HEAD_BYTES in
+        # (at offset 0, the first planned tensor's free dropped the buffer's entry, and the
+        # buffer's own free then aborted the process on an H100).
+        self.buffer = torch.empty(ARENA_HEAD_BYTES + runtime.arena_bytes, dtype=torch.uint8,
+                                  device=device)
+        self.base = self.buffer.data_ptr() + ARENA_HEAD_BYTES  # address of planned offset 0
         self.stream = torch.cuda.current_stream(device)
-        _C.set_cuda_arena(runtime.arena, self.buffer.data_ptr(), self.stream.cuda_stream)
+        _C.set_cuda_arena(runtime.arena, self.base, self.stream.cuda_stream)
 
     def close(self) -> None:
         _C.set_cuda_arena(None, 0, 0)

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     install_cuda_allocator()
     runtime = ArenaRuntime(Plan())
     arena = CudaArena(runtime, torch.device("cuda", 0))
-    base = arena.buffer.data_ptr()
+    base = arena.base  # planned offset 0, past the buffer's own address
     runtime.enter(0, "forward")
     a = torch.empty(1 << 18, dtype=torch.float32, device="cuda")   # 1 MiB: planned at 0
     b = torch.empty(1 << 18, dtype=torch.float32, device="cuda")   # planned at 1 MiB

@@ -468,3 +468,37 @@ def test_cuda_snapshot_trace_matches_recorder_on_cuda():
     for requested, block in zip(ours, theirs):
         assert requested <= block < requested + 2 * T.MiB
     assert summary.num_allocs == len(theirs)
+
+
+class _Restarted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("visible, available, restarts", [
+    (None, True, True), ("0", True, True), ("", True, False), (None, False, False)])
+def test_a_command_line_on_a_gpu_node_restarts_with_no_gpu_visible(
+        tool, monkeypatch, visible, available, restarts):
+    """The CPU shims refuse a process that sees CUDA (seen on an H100), so the command line
+    replaces itself with CUDA_VISIBLE_DEVICES empty; an in-process caller is never replaced."""
+    calls = []
+
+    def execve(path, args, env):
+        calls.append((path, args, env))
+        raise _Restarted
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.setattr(sys, "argv", ["memo-trace", "--seq-length", "512"])
+    if restarts:
+        with pytest.raises(_Restarted):
+            tool.main()
+        (path, args, env), = calls
+        assert path == sys.executable and env["CUDA_VISIBLE_DEVICES"] == ""
+        assert args == [sys.executable, "-m", "megatron.training.cli.trace", "--seq-length", "512"]
+    else:
+        tool.hide_gpus_by_restarting()
+        assert calls == []

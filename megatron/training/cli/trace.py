@@ -691,7 +691,24 @@ def serve() -> int:
     return 0
 
 
+def hide_gpus_by_restarting() -> None:
+    """On a GPU node, start this command again with no GPU visible. A trace runs on the CPU
+    device whatever the machine has, and the CPU shims refuse a process that sees CUDA; setting
+    CUDA_VISIBLE_DEVICES inside the process came too late on an H100 (the device count was
+    already read), so the command replaces itself. Called for command lines only (``argv``
+    None): an in-process caller keeps its process."""
+    import torch
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not torch.cuda.is_available():
+        return
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]],
+              {**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        hide_gpus_by_restarting()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:  # before the parser, which requires --seq-length
         if len(argv) > 1:

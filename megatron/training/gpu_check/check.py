@@ -51,7 +51,7 @@ USAGE_STATUS = 2  # argparse's
 #: Seconds (wall clock) of the whole check after which no step starts; the rest of the 10
 #: minutes is the last step's own limit and the predictions' traces.
 TOTAL_BUDGET_S = 480
-GPU_TESTS_LIMIT_S = 150
+GPU_TESTS_LIMIT_S = 240
 RUN_LIMIT_S = 75
 #: A run given less than this is not started (startup alone takes ~20 s).
 MIN_RUN_S = 25
