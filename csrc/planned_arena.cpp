@@ -31,7 +31,8 @@
 // memory statistics raise under a pluggable allocator) and order frees after the streams a block
 // was recorded on. The hooks have run on one H100 (bench/results/gpu_check_h100.md);
 // tests/unit/test_planned_arena_hooks.py drives them on CPU against a fake CUDA runtime
-// (csrc/standalone/fake_cuda_runtime.c). They are exported with default visibility (pybind11 builds the module with everything else hidden).
+// (csrc/standalone/fake_cuda_runtime.c). They are exported with default visibility (pybind11
+// builds the module with everything else hidden).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
