@@ -67,6 +67,7 @@ from memo_ext.estimate.symbolic import (
     live_lines,
 )
 from memo_ext.estimate.trace_key import tracer_digest
+from memo_ext.offload.alpha import offloaded_layers
 from memo_ext.planner.trace import POOL_DEVICE, POOL_EXTERNAL, POOL_HOST, Trace, read_trace
 
 #: The two lengths every layout is traced at (multiples of TP x CP x 2 for any TP, CP <= 64).
@@ -197,6 +198,27 @@ class Layout:
         if stage is not None and self.pp > 1:
             argv += ["--rank", str(stage.rank),
                      "--microbatches-in-flight", str(stage.microbatches_in_flight)]
+        return argv
+
+    def offloaded_per_stage(self, layers: int, stage: Stage) -> int:
+        """MEMO's offloaded layers of a ``layers``-layer ``stage`` (the trainer's
+        memo_ext.offload rule: all of them with micro-batches in flight, else all but two)."""
+        return layers if stage.microbatches_in_flight > 1 else offloaded_layers(layers)
+
+    def every_layer_checkpointed(self, layers: int, stage: Stage) -> bool:
+        """Every offloaded layer of the stage in checkpoint mode (b). The kept layers then take
+        (b) too (memo_ext.offload), so every layer is alike and one stands for the rest."""
+        return (self.policy == "memo" and self.checkpoint_layers > 0
+                and self.checkpoint_layers == self.offloaded_per_stage(layers, stage))
+
+    def traced_layers_argv(self, model_argv: list[str], stage: Stage, layers: int,
+                           stage_layers: int) -> list[str]:
+        """The tracer flags of ``stage`` cut to ``layers`` layers per stage (a symbolic trace's
+        few layers, or its check's few + 2), for a stage of ``stage_layers``: with every layer in
+        (b), the cut stage's own offloaded layers all take (b)."""
+        argv = [*self.trace_argv(model_argv, stage), "--num-layers", str(layers * self.pp)]
+        if self.every_layer_checkpointed(stage_layers, stage):
+            argv += ["--memo-checkpoint-layers", str(self.offloaded_per_stage(layers, stage))]
         return argv
 
     def trainer_flags(self, seq: int, global_batch: int) -> list[str]:
@@ -541,10 +563,13 @@ class LayoutModel:
                 continue
             # A stage mixing MEMO and checkpoint layers has no one layer standing for the rest:
             # traced whole, as block recompute.
-            traced, copied = (None, None) if layout.checkpoint_layers else \
+            mixed = layout.checkpoint_layers and not (
+                stage_layers is not None and layout.every_layer_checkpointed(stage_layers, stage))
+            traced, copied = (None, None) if mixed else \
                 SYMBOLIC_LAYERS.get(layout.policy, (None, None))
             if symbolic and traced and stage_layers is not None and stage_layers > traced + 2:
-                few = [*argv, "--num-layers", str(traced * layout.pp)]
+                few = layout.traced_layers_argv(model_argv, stage, traced, stage_layers) \
+                    + gpu_argv(hardware)
                 first, second = (cache.trace(few, seq) for seq in fit_seqs)
                 # The persistent state does not depend on the policy (weights, gradients and
                 # optimizer state are the model's): one trace serves every policy of a layout.
@@ -577,8 +602,9 @@ class LayoutModel:
         for model in self.stages:
             if model.checked:
                 continue
-            argv = self.layout.trace_argv(self.model_argv, model.stage) + gpu_argv(self.hardware)
-            deeper = [*argv, "--num-layers", str((model.symbolic.layers + 2) * self.layout.pp)]
+            deeper = self.layout.traced_layers_argv(
+                self.model_argv, model.stage, model.symbolic.layers + 2, model.layers) \
+                + gpu_argv(self.hardware)
             model.symbolic.check(cache.trace(deeper, CHECK_SEQ - CHECK_SEQ % self.multiple))
             model.checked = True
 

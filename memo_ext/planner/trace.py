@@ -235,7 +235,7 @@ class _GraphTagger(TorchFunctionMode):
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors_in(out) if t.grad_fn is not None]
             if tensors:
-                _tag_graph(tensors, self.recorder.module_tag())
+                _tag_graph(tensors, self.recorder.graph_tag())
         return out
 
 
@@ -316,6 +316,21 @@ class AllocationRecorder(DeviceMemoryTracker):
         """(module name, layer) of the innermost module running now, or (None, None)."""
         return self._modules[-1] if self._modules else (None, None)
 
+    def graph_tag(self) -> tuple[Optional[str], Optional[int]]:
+        """(module name, layer) that autograd nodes made now belong to: the innermost running
+        module's; inside the autograd engine with no module running, the executing node's. A
+        recompute that a backward node runs (memo_ext.tiled_mlp's tiles) builds a graph of its
+        own there, and its backward belongs to that node's layer: tagged outside every layer
+        (by the tile's first submodule call, which tags its inputs' graph with this), it left
+        the layers' work short, and the symbolic check refused every tiled layout."""
+        if self._modules:
+            return self._modules[-1]
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None, None
+        tag = node.metadata.get(_TAG)
+        return self._last_backward_tag if tag is None else tag
+
     def _context(self) -> tuple[str, Optional[str], Optional[int]]:
         node = torch._C._current_autograd_node()
         if node is None:
@@ -360,7 +375,7 @@ class AllocationRecorder(DeviceMemoryTracker):
 
     def _pre_hook(self, module, inputs):
         if torch.is_grad_enabled():
-            _tag_graph(list(_tensors_in(inputs)), self.module_tag())
+            _tag_graph(list(_tensors_in(inputs)), self.graph_tag())
         self._modules.append(self._module_tags.get(id(module), (None, None)))
 
     def _post_hook(self, module, inputs, outputs):

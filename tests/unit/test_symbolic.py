@@ -378,6 +378,25 @@ def layout_models(cache):
     return models
 
 
+def test_tiled_layers_all_in_checkpoint_mode_are_symbolic_and_checked(cache):
+    """Every layer in MEMO's checkpoint mode (b), with tiled MLP and projections and chunked
+    heads: every layer is alike, so the stage is symbolic, and its check against a deeper real
+    trace passes: allocations and work. The work needs the tiles' recompute graphs, built by a
+    backward node, attributed to its layer (memo_ext.planner.trace graph_tag); outside every
+    layer, the check refused it. A mix of (a) and (b) layers stays traced whole."""
+    offloaded = 8 - 2  # all but the two layers MEMO keeps on device
+    tiled = dict(mlp_tiles=2, projection_tiles=2, head_chunks=2)
+    every = Layout(2, 1, 1, 1, "memo", 0.0, checkpoint_layers=offloaded, **tiled)
+    model, refused = build_layout_model(MODEL, every, load_hardware("a800"), cache=cache,
+                                        global_batch=16, num_layers=8)
+    assert refused is None
+    assert all(stage.symbolic is not None for stage in model.stages) and model.checked
+    mixed = LayoutModel.build(MODEL, dataclasses.replace(every, checkpoint_layers=3),
+                              load_hardware("a800"), global_batch=16, cache=cache,
+                              num_layers=8)
+    assert all(stage.symbolic is None and stage.line is not None for stage in mixed.stages)
+
+
 def test_block_recompute_is_traced_whole(cache, layout_models):
     """Block recompute's first K layers recompute and the rest keep their activations: no one
     layer stands for the others, so its stage is traced whole (a copied layer would make it
