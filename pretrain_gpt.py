@@ -58,16 +58,21 @@ def get_batch(data_iterator) -> dict:
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from megatron.training.packed_documents import OFFSETS_KEY
+
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     if not (first or last):
         return {"tokens": None, "labels": None, "loss_mask": None, "position_ids": None}
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    batch = {
+    offsets = batch.get(OFFSETS_KEY)
+    batch = get_batch_on_this_cp_rank({
         key: batch[key].to(device, non_blocking=True)
         for key in ("tokens", "labels", "loss_mask", "position_ids")
-    }
-    return get_batch_on_this_cp_rank(batch)
+    })
+    if offsets is not None:  # offsets of the whole sequence: not split by CP rank
+        batch[OFFSETS_KEY] = offsets.to(device, non_blocking=True)
+    return batch
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -82,9 +87,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """One micro-batch forward; megatron.core schedules call this."""
+    from megatron.training.packed_documents import packed_seq_params
+
     batch = get_batch(data_iterator)
     output_tensor = model(
-        batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
+        batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
+        packed_seq_params=packed_seq_params(batch),
     )
     return output_tensor, partial(loss_func, batch["loss_mask"])
 

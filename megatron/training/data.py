@@ -15,6 +15,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron.training.arguments import ArgumentValidationError, data_path_prefixes
+from megatron.training.packed_documents import DocumentOffsets
 
 SPLIT_NAMES = ("train", "validation", "test")
 
@@ -64,9 +65,12 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> list[Optional[torch.u
         create_attention_mask=False,
     )
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(
+    datasets = BlendedMegatronDatasetBuilder(
         dataset_class, dataset_sample_counts(args), lambda: True, config
     ).build()
+    if args.reset_attention_mask:  # per-document offsets, not megatron's [s, s] mask
+        datasets = [None if ds is None else DocumentOffsets(ds, tokenizer.eod) for ds in datasets]
+    return datasets
 
 
 class MicroBatchSampler(torch.utils.data.Sampler):

@@ -19,6 +19,7 @@ tokens, so the token-wise recompute gathers exactly the tokens it needs.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -90,27 +91,29 @@ class MemoTransformerLayer(TransformerLayer):
         use_memo = (
             self.training
             and torch.is_grad_enabled()
-            and kwargs.get("packed_seq_params") is None
             and kwargs.get("inference_context") is None
         )
         if not use_memo:
             return super().forward(*args, **kwargs)
         is_first = self.stage_layer_index == 0
         attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        # Packed documents (megatron.training.packed_documents) reach the core attention only.
+        documents = kwargs.get("packed_seq_params")
         if self.stage_layer_index in self.memo.checkpoint_layer_indices:
             output = self._checkpoint_forward(hidden_states, attention_mask,
-                                              kwargs.get("rotary_pos_emb"), is_first)
+                                              kwargs.get("rotary_pos_emb"), is_first, documents)
         else:
             output = self._memo_forward(hidden_states, attention_mask,
-                                        kwargs.get("rotary_pos_emb"), is_first)
+                                        kwargs.get("rotary_pos_emb"), is_first, documents)
         return output, None
 
-    def _whole_layer(self, hidden_states, attention_mask, rotary_pos_emb):
+    def _whole_layer(self, hidden_states, attention_mask, rotary_pos_emb, documents=None):
         # megatron-core's own forward: a checkpoint-offloaded layer recomputes exactly it.
         return super().forward(hidden_states, attention_mask=attention_mask,
-                               rotary_pos_emb=rotary_pos_emb)[0]
+                               rotary_pos_emb=rotary_pos_emb, packed_seq_params=documents)[0]
 
-    def _checkpoint_forward(self, hidden_states, attention_mask, rotary_pos_emb, is_first):
+    def _checkpoint_forward(self, hidden_states, attention_mask, rotary_pos_emb, is_first,
+                            documents):
         """Mode (b): only the layer input goes to host; the whole layer, core attention
         included, is one drop region recomputed from it before the layer's backward."""
         manager = self.memo.manager
@@ -119,7 +122,8 @@ class MemoTransformerLayer(TransformerLayer):
         with self.memo.layer_timer(), manager.hooks(record):
             manager.register_whole(record, hidden_states)
             _, output = manager.run_drop_region(
-                record, self._whole_layer, [hidden_states, attention_mask, rotary_pos_emb],
+                record, functools.partial(self._whole_layer, documents=documents),
+                [hidden_states, attention_mask, rotary_pos_emb],
                 small_inputs=[False, True, True], keep_outputs=False)
         manager.end_layer(record, hidden_states, output)
         return output
@@ -150,7 +154,7 @@ class MemoTransformerLayer(TransformerLayer):
                 mlp_output, hidden, self.hidden_dropout
             )
 
-    def _memo_forward(self, hidden_states, attention_mask, rotary_pos_emb, is_first):
+    def _memo_forward(self, hidden_states, attention_mask, rotary_pos_emb, is_first, documents):
         manager = self.memo.manager
         chunks = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
         split = TokenSplit.from_alpha(manager.alpha, hidden_states.size(0), chunks)
@@ -183,7 +187,8 @@ class MemoTransformerLayer(TransformerLayer):
             del qkv_kept, qkv_dropped, kept, dropped
 
             core_output = self.self_attention.core_attention(
-                *merged, attention_mask, attn_mask_type=self.self_attention.attn_mask_type
+                *merged, attention_mask, attn_mask_type=self.self_attention.attn_mask_type,
+                packed_seq_params=documents,
             )
             attention_output = split.split(core_output)
             del core_output
