@@ -13,7 +13,8 @@ tensor exists; forward keeps the output and the fp32 log-sum-exp, backward recom
   parallelism does on GPUs.
 * GQA: K/V stay in their query groups; the kernels take them so.
 * Packed sequences: ``packed_seq_params.cu_seqlens_q`` (batch 1, offsets over the whole
-  sequence) keeps every token inside its document; the trainer does not pack documents yet.
+  sequence) keeps every token inside its document (the trainer's --reset-attention-mask,
+  megatron.training.packed_documents).
 * Head chunks (``--memo-attention-head-chunks``, UPipe's idea): the query groups run in chunks,
   one after another, each through the whole ring, so the ring's buffers, dQ/dK/dV and the
   kernels' workspaces are one chunk's; the saved q/k/v/out are the layer's as before.
