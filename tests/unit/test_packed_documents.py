@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.training.arguments import (
     ArgumentValidationError,
@@ -55,18 +54,6 @@ def test_the_data_loader_adds_offsets_to_each_sample():
     assert torch.equal(sample[OFFSETS_KEY], torch.tensor([0, 2, 4], dtype=torch.int32))
     assert len(DocumentOffsets(samples, EOD)) == 1 and "labels" in sample
     assert packed_seq_params({"tokens": None}) is None
-
-
-@pytest.fixture(scope="module")
-def megatron_world():
-    from megatron.core import parallel_state
-
-    from megatron.training.initialize import initialize_megatron
-
-    initialize_megatron(parse_args(TINY_GPT_ARGS, world_size=1, cuda_available=False))
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def test_each_packed_document_gets_its_logits_alone(megatron_world):
