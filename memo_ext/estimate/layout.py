@@ -777,6 +777,11 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                         layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch,
                                         recompute_layers, count, fp8, tiles,
                                         projection_tiles=tiles, head_chunks=chunks)
+                        # alpha splits the (a) layers' tensors: with none, one alpha is traced
+                        if policy == "memo" and pp == 1 and alpha != alphas[0] and \
+                                layout.every_layer_checkpointed(model["num_layers"],
+                                                                Stage(0, 0, 1)):
+                            continue
                         reason = _infeasible(layout, model, heads, groups, per_node,
                                              params, device, global_batch)
                         (dropped.append((layout, reason)) if reason else kept.append(layout))

@@ -163,6 +163,11 @@ def test_candidate_layouts_rule_out_what_cannot_run():
     assert not big
     assert "alone need 136 GiB" in dict(big_dropped)[Layout(8, 1, 1, 1, "megatron")]
     assert Layout(4, 2, 1, 1, "memo", 0.0) in kept and Layout(8, 1, 1, 1, "megatron") in kept
+    # With every layer in checkpoint mode (b), alpha (the (a) layers' split) changes nothing:
+    # one alpha is traced. With half of them in (b), each alpha is.
+    assert Layout(4, 2, 1, 1, "memo", 0.0, checkpoint_layers=30) in kept
+    assert Layout(4, 2, 1, 1, "memo", 1.0, checkpoint_layers=30) not in kept
+    assert {Layout(4, 2, 1, 1, "memo", a, checkpoint_layers=15) for a in (0.0, 1.0)} <= set(kept)
     assert len({(l.tp, l.cp, l.pp, l.dp) for l in kept}) >= 8
 
 
