@@ -694,8 +694,8 @@ def serve() -> int:
 def hide_gpus_by_restarting() -> None:
     """On a GPU node, start this command again with no GPU visible. A trace runs on the CPU
     device whatever the machine has, and the CPU shims refuse a process that sees CUDA; setting
-    CUDA_VISIBLE_DEVICES at the start of ``main`` did not take effect on an H100 (the imports
-    before it had already asked CUDA), so the command replaces itself. Called for command lines only (``argv``
+    CUDA_VISIBLE_DEVICES at the start of ``main`` did not take effect on an H100 (the shims
+    still saw the GPU), so the command replaces itself. Called for command lines only (``argv``
     None): an in-process caller keeps its process."""
     import torch
 
