@@ -40,6 +40,10 @@ def world_of_one(args: argparse.Namespace) -> Iterator[None]:
         return
     from megatron.training.initialize import initialize_megatron
 
+    if dist.is_initialized() and dist.get_world_size() != 1:
+        raise ConversionError(f"conversion runs as one process, not in a world of "
+                              f"{dist.get_world_size()}; run the tool on its own, not under "
+                              "torchrun")
     created = not dist.is_initialized()
     if created:  # a HashStore: no port, whatever MASTER_ADDR the environment holds
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
