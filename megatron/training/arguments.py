@@ -97,6 +97,12 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--norm-epsilon", type=float, default=1e-5)
     group.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU).")
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    group.add_argument(
+        "--add-qkv-bias",
+        action="store_true",
+        help="Bias on the query/key/value projection even with --disable-bias-linear "
+        "(Qwen2/2.5).",
+    )
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument(
         "--make-vocab-size-divisible-by",
@@ -890,6 +896,7 @@ def core_transformer_config_from_args(args: argparse.Namespace):
         layernorm_epsilon=args.norm_epsilon,
         normalization=args.normalization,
         add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         init_method_std=args.init_method_std,
