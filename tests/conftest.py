@@ -65,6 +65,36 @@ def run_torchrun(nproc: int, args: list[str], timeout: float = 300,
     return result
 
 
+_TRAINING_LOSSES: dict[tuple, dict[int, float]] = {}
+
+
+def _canonical_flags(args: list[str]) -> tuple:
+    """``args`` as sorted (flag, value) pairs, the last of a repeated flag winning as in
+    argparse: two spellings of one command line (flags in another order) give one key."""
+    flags: dict[str, tuple] = {}
+    index = 0
+    while index < len(args):
+        flag, index = args[index], index + 1
+        values = []
+        while index < len(args) and not args[index].startswith("--"):
+            values.append(args[index])
+            index += 1
+        flags[flag] = tuple(values)
+    return tuple(sorted(flags.items()))
+
+
+def training_losses(nproc: int, args: list[str], tmp_path_factory) -> dict[int, float]:
+    """iteration -> lm loss of pretrain_gpt.py ``args`` on ``nproc`` ranks, run once per session
+    for each distinct command line (the tests that compare against the same deterministic
+    baseline share its run)."""
+    key = (nproc, _canonical_flags(args))
+    if key not in _TRAINING_LOSSES:
+        metrics = tmp_path_factory.mktemp("baseline") / "metrics.jsonl"
+        run_torchrun(nproc, [*args, "--log-metrics-jsonl", str(metrics)])
+        _TRAINING_LOSSES[key] = read_losses(metrics)
+    return _TRAINING_LOSSES[key]
+
+
 def read_losses(metrics_path: Path) -> dict[int, float]:
     """iteration -> training lm loss from a --log-metrics-jsonl file."""
     losses = {}

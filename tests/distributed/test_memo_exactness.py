@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun, training_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -23,15 +23,12 @@ LAYOUTS = {
 DEFAULT_ALPHA = "0.25"
 OTHER_ALPHAS = ["0", "0.125", "0.5", "1"]
 
-_baselines: dict[str, dict[int, float]] = {}
 
 
 def baseline(layout: str, tmp_path_factory) -> dict[int, float]:
-    if layout not in _baselines:
-        metrics = tmp_path_factory.mktemp(f"baseline_{layout}") / "metrics.jsonl"
-        run_torchrun(2, COMMON + LAYOUTS[layout] + ["--log-metrics-jsonl", str(metrics)])
-        _baselines[layout] = read_losses(metrics)
-    return _baselines[layout]
+    # Run once per session: pp2_4microbatches' baseline is the same command line as
+    # test_sppo_exactness's PP=2 baseline (8 layers, rope, --deterministic-mode), run once.
+    return training_losses(2, COMMON + LAYOUTS[layout], tmp_path_factory)
 
 
 def check_memo_matches(layout: str, alpha: str, tmp_path, tmp_path_factory,

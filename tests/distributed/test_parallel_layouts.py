@@ -20,7 +20,10 @@ LAYOUTS = {
 _final_losses: dict[str, float] = {}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# tp4 is slow (4 processes, the longest run): TP is in the default suite with tp2_pp2 and
+# tp2_sp_cp2, and the agreement test below compares tp2_sp_cp2 with dp4 without it.
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow)
+                                    if name == "tp4" else name for name in LAYOUTS])
 def test_layout_trains_and_loss_falls(layout, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     run_torchrun(4, TINY_GPT_ARGS + LAYOUTS[layout] + ["--log-metrics-jsonl", str(metrics)])
@@ -35,9 +38,10 @@ def test_layout_trains_and_loss_falls(layout, tmp_path):
 def test_weight_preserving_layouts_agree():
     """TP, SP and CP split the same model the same data-parallel way as DP=4: the losses must
     match to float32 round-off (PP changes the per-stage init seed, as in Megatron-LM)."""
-    needed = {"dp4", "tp4", "tp2_sp_cp2"}
+    needed = {"dp4", "tp2_sp_cp2"}  # and tp4 where it ran (-m slow)
     if not needed <= set(_final_losses):
         pytest.skip("runs only after the layout tests in the same session")
     reference = _final_losses["dp4"]
     for layout in ("tp4", "tp2_sp_cp2"):
-        assert abs(_final_losses[layout] - reference) <= 1e-4 * abs(reference), _final_losses
+        if layout in _final_losses:
+            assert abs(_final_losses[layout] - reference) <= 1e-4 * abs(reference), _final_losses

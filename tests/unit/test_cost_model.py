@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from memo_ext.estimate import load_hardware, trace_rank
+from memo_ext.estimate import load_hardware
 from memo_ext.estimate.cost import (
     CostModelError,
     Efficiency,
@@ -35,8 +35,14 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
+    # One tracer server for the three traces (one process start instead of three): its traces
+    # are trace_rank's (tests/unit/test_tracer_pool.py).
+    from memo_ext.estimate.tracer import TracerPool
+
     workdir = tmp_path_factory.mktemp("cost")
-    return {seq: trace_rank(SMALL + FULL_RECOMPUTE, seq, workdir) for seq in (1024, 2048, 8192)}
+    with TracerPool(workers=1) as pool:
+        return {seq: pool.trace(SMALL + FULL_RECOMPUTE, seq, workdir / f"cost_{seq}.jsonl.gz")
+                for seq in (1024, 2048, 8192)}
 
 
 def test_gemm_and_attention_flops_are_the_models(traces):

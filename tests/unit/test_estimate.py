@@ -14,7 +14,6 @@ from memo_ext.estimate import (
     estimate_at,
     load_hardware,
     max_sequence_length,
-    trace_rank,
 )
 from memo_ext.estimate.layout import Layout, Stage
 from tests.conftest import REPO_ROOT, run_estimate_cli
@@ -27,8 +26,14 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def small_traces(tmp_path_factory):
+    # One tracer server for the three traces (one process start instead of three): its traces
+    # are trace_rank's (tests/unit/test_tracer_pool.py).
+    from memo_ext.estimate.tracer import TracerPool
+
     workdir = tmp_path_factory.mktemp("estimate")
-    return {seq: trace_rank(SMALL, seq, workdir) for seq in (1024, 2048, 8192)}
+    with TracerPool(workers=1) as pool:
+        return {seq: pool.trace(SMALL, seq, workdir / f"small_{seq}.jsonl.gz")
+                for seq in (1024, 2048, 8192)}
 
 
 def test_two_traces_give_the_trace_at_any_length_exactly(small_traces):

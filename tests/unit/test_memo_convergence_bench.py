@@ -5,7 +5,8 @@
   line. About 2-3 minutes on 2 CPU cores (marked slow).
 - ``--suite fp8 --quick`` with the alpha-0.25 checkpoint-offload pair (baseline, exact,
   fp8): the exact run must coincide with the baseline, the fp8 run must differ from the exact one
-  (else fp8 is not in effect) and stay within the fp8 tolerance. About 30 s on 2 CPU cores.
+  (else fp8 is not in effect) and stay within the fp8 tolerance. About 30-80 s on 2 CPU cores
+  (marked slow).
 - The fp8 suite's judgement (compare_lossy, fp8_verdict_line) on made-up curves: a gap over the
   tolerance, a non-finite loss, a missing iteration and an inexact exact run must each FAIL.
 """
@@ -65,6 +66,11 @@ def _row(report: str, name: str) -> list[str]:
     return [cell.strip() for cell in rows[0].strip("|").split("|")]
 
 
+# Slow (~1 minute: three trainings): --memo-offload-fp8's rounding is close, not exact, and halves
+# the host bytes in tests/unit/test_memo_offload.py; the checkpoint-offload pair equals the
+# baseline in tests/distributed/test_memo_exactness.py; the suite's judgement is
+# test_fp8_judgement_fails_what_it_should below (all default).
+@pytest.mark.slow
 def test_quick_fp8_suite(tmp_path, bench):
     output_dir = tmp_path / "results"
     result = subprocess.run(

@@ -93,6 +93,9 @@ def _check_all_cases(rank, size):
         _check_attention(rank, size, heads, groups, explicit_tiles)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# p=2 is slow: at p=4 each rank's two ring neighbours differ (at p=2 they are one rank), so p=4
+# is the stricter case; p=2 is in the default suite through the trainer
+# (tests/distributed/test_metp_exactness.py, TP=2).
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_two_level_attention_matches_single_process(world_size):
     run_ranks(world_size, _check_all_cases)

@@ -7,11 +7,18 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO_ROOT, subprocess_env
 
 BENCH = REPO_ROOT / "bench" / "planning.py"
 
 
+# Slow (~50 s): the planner's bounds and gaps (level 1 and 2 within 1%, the plan no larger than
+# the bi-level one), the arena model replaying a plan with no fallbacks and the plan file are
+# tests/unit/test_planner.py's; the caching model's OOM and reorganisations on the same tiny
+# model and 160 MiB device are tests/unit/test_fragmentation_bench.py's quick run (all default).
+@pytest.mark.slow
 def test_quick_run_side_by_side(tmp_path):
     result = subprocess.run(
         [sys.executable, str(BENCH), "--quick", "--skip-search", "-o", str(tmp_path)],

@@ -9,11 +9,18 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO_ROOT, subprocess_env
 
 BENCH = REPO_ROOT / "bench" / "sppo.py"
 
 
+# Slow (~3 minutes: five torchrun launches): what it measures is in the default suite elsewhere:
+# offloading lowers the stage's device peak (tests/unit/test_sppo.py), the MSP plan, programs and
+# bubbles (tests/unit/test_sppo_msp.py), MSP training with the trainer's task list
+# (tests/distributed/test_sppo_exactness.py); only the bench's own report is left to -m slow.
+@pytest.mark.slow
 def test_quick_run_writes_the_report(tmp_path):
     result = subprocess.run([sys.executable, str(BENCH), "--quick", "-o", str(tmp_path)],
                             cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True,
