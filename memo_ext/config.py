@@ -202,6 +202,23 @@ class OffloadConfig:
              "the host bytes of bf16. Backward then recomputes from rounded inputs, so gradients "
              "are no longer exact; see docs/memo_offload_modes.md for the measured loss gap.")
 
+    offload_buffers: int = memo_field(
+        2, flag="--memo-offload-buffers", choices=(1, 2), metavar="{1,2}",
+        help="Device buffers an offloaded layer's data passes through (docs/memo_offload_modes.md). "
+             "2 (default): double-buffered, each layer's device->host copy and its prefetch back "
+             "overlap the neighbouring layer's compute; the last two layers of a stage stay on "
+             "device. 1: one layer's data on device at a time, in a buffer sized to that layer; "
+             "each copy waits (a layer's forward starts after the previous layer's copy to host "
+             "ends, its backward after its own copy back ends) and only the last layer stays on "
+             "device. The least device memory, for the longest sequences, where a copy takes a "
+             "fraction of a second against minutes of attention.")
+
+    @property
+    def layers_kept_on_device(self) -> int:
+        """The last layers of a stage never offloaded: one per buffer (with one micro-batch in
+        flight their data stays in a buffer until their backward, which follows at once)."""
+        return self.offload_buffers
+
     @property
     def fixed_alpha(self) -> float | None:
         """The user-given alpha as a float in [0, 1], or None for ``auto`` (solve the LP).
@@ -273,12 +290,16 @@ class OffloadConfig:
                                   "number of GB/s; give the device->host bandwidth per rank or "
                                   "drop the flag to measure it at startup")
         checkpoint_layers = self.fixed_checkpoint_layers  # raises for a non-count
+        if self.offload_buffers not in (1, 2):
+            raise MemoConfigError(f"--memo-offload-buffers {_fmt(self.offload_buffers)} must be 1 "
+                                  "or 2")
         if not self.offload:
             given = {"alpha": alpha is not None, "host_memory_gb": self.host_memory_gb is not None,
                      "device_memory_gb": self.device_memory_gb is not None,
                      "pcie_gbps": self.pcie_gbps is not None,
                      "checkpoint_layers": checkpoint_layers is not None,
-                     "offload_fp8": self.offload_fp8}
+                     "offload_fp8": self.offload_fp8,
+                     "offload_buffers": self.offload_buffers != 2}
             for name, value_given in given.items():
                 value = getattr(self, name)
                 if value_given:

@@ -168,12 +168,16 @@ class _CpuCopier:
 
     def submit(self, direction: str, dst: torch.Tensor, src: torch.Tensor,
                after: CopyEvent | None) -> CopyEvent:
-        future = self._workers[direction].submit(self._copy, direction, dst, src, after)
+        # The tensors travel in a list the copy empties: the pool's work item keeps its
+        # arguments until after the event completes, which would keep a buffer freed right
+        # after waiting for its copy alive a little longer (CUDA's allocator has it back then).
+        future = self._workers[direction].submit(self._copy, direction, [dst, src], after)
         self._last[direction] = future
         return _FutureEvent(future)
 
-    def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor,
-              after: CopyEvent | None) -> None:
+    def _copy(self, direction: str, tensors: list, after: CopyEvent | None) -> None:
+        dst, src = tensors
+        tensors.clear()
         # An `after` event always belongs to an earlier submission and each queue runs in
         # submission order, so waiting here cannot deadlock the two workers.
         if after is not None:

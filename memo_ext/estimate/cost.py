@@ -20,7 +20,8 @@ measurement (no GPU is involved). Per micro-batch on the traced rank:
   with that phase's compute: only the excess is exposed (memo.md's LP keeps it hidden). A
   profile's ``host_copy_overlap`` (default 1: a GPU's copy engines run beside its SMs) is the
   fraction of a copy's time that can hide at all; the rest is exposed whatever the compute
-  (on a CPU the copy thread takes cores from compute);
+  (on a CPU the copy thread takes cores from compute). With one offload buffer
+  (``--memo-offload-buffers 1``) every copy waits, so all of it is exposed;
 * pipeline: (micro-batches + PP - 1) micro-batch times (1F1B's fill and drain) plus the stage
   boundary's point-to-point sends;
 * per iteration: data-parallel gradient reduce-scatter and parameter all-gather (distributed
@@ -252,6 +253,8 @@ def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficienc
         per_mb[phase] = (max(compute, ring[phase]) + collectives[phase]) / traced_microbatches
     forward, backward = phases.get("forward", {}), phases.get("backward", {})
     overlap = float(hardware.get("host_copy_overlap", 1.0))
+    if header.get("options", {}).get("memo_offload_buffers") == 1:
+        overlap = 0.0  # memo_ext.offload.manager: each copy waits, nothing hides it
 
     def exposed_copy_s(nbytes: int, compute: float) -> float:
         return (1 - overlap) * nbytes / pcie + max(0.0, overlap * nbytes / pcie - compute)

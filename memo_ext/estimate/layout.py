@@ -165,6 +165,7 @@ class Layout:
     mlp_tiles: int = 0  # the MLP run in this many sequence tiles (memo_ext.tiled_mlp); 0: not
     projection_tiles: int = 0  # the attention's QKV and output projections, likewise
     head_chunks: int = 1  # the core attention over this many chunks of query groups
+    offload_buffers: int = 2  # memo: device buffers offloaded data passes through (1 or 2)
 
     @property
     def gpus(self) -> int:
@@ -187,6 +188,8 @@ class Layout:
                      "--memo-checkpoint-layers", str(self.checkpoint_layers)]
             if self.offload_fp8:
                 argv.append("--memo-offload-fp8")
+            if self.offload_buffers != 2:
+                argv += ["--memo-offload-buffers", str(self.offload_buffers)]
         if self.policy == "megatron-block":
             argv += ["--recompute-num-layers", str(self.recompute_layers)]
         if self.mlp_tiles:
@@ -202,8 +205,10 @@ class Layout:
 
     def offloaded_per_stage(self, layers: int, stage: Stage) -> int:
         """MEMO's offloaded layers of a ``layers``-layer ``stage`` (the trainer's
-        memo_ext.offload rule: all of them with micro-batches in flight, else all but two)."""
-        return layers if stage.microbatches_in_flight > 1 else offloaded_layers(layers)
+        memo_ext.offload rule: all of them with micro-batches in flight, else all but one per
+        rounding buffer)."""
+        return layers if stage.microbatches_in_flight > 1 else \
+            offloaded_layers(layers, self.offload_buffers)
 
     def every_layer_checkpointed(self, layers: int, stage: Stage) -> bool:
         """Every offloaded layer of the stage in checkpoint mode (b). The kept layers then take
@@ -240,6 +245,8 @@ class Layout:
                       *CHUNKED_LOSS_TRAINER_FLAGS.split()]
             if self.offload_fp8:
                 flags.append("--memo-offload-fp8")
+            if self.offload_buffers != 2:
+                flags += ["--memo-offload-buffers", str(self.offload_buffers)]
         else:
             flags += POLICY_FLAGS[self.policy]
         if self.policy == "megatron-block":
@@ -262,6 +269,8 @@ class Layout:
                 policy += f" + {self.checkpoint_layers} checkpoint layers"
             if self.offload_fp8:
                 policy += " fp8"
+            if self.offload_buffers == 1:
+                policy += ", 1 offload buffer"
         if self.mlp_tiles:
             policy += f", MLP in {self.mlp_tiles} tiles"
         if self.projection_tiles:
@@ -725,11 +734,11 @@ def block_recompute_layers(layers_per_stage: int,
 MAX_HEAD_CHUNKS = 8
 
 
-def checkpoint_layer_counts(layers_per_stage: int,
-                            fractions=CHECKPOINT_FRACTIONS) -> list[int]:
+def checkpoint_layer_counts(layers_per_stage: int, fractions=CHECKPOINT_FRACTIONS,
+                            offload_buffers: int = 2) -> list[int]:
     """Checkpoint-offloaded layers per stage the recommender tries: each fraction of the
-    stage's offloaded layers (all but the two kept on device), rounded."""
-    offloaded = max(0, layers_per_stage - 2)
+    stage's offloaded layers (all but the one kept on device per buffer), rounded."""
+    offloaded = offloaded_layers(layers_per_stage, offload_buffers)
     return sorted({round(f * offloaded) for f in fractions})
 
 
@@ -739,7 +748,8 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                       block_fractions=BLOCK_RECOMPUTE_FRACTIONS,
                       checkpoint_fractions=CHECKPOINT_FRACTIONS,
                       offload_fp8: tuple[bool, ...] = (False,),
-                      mlp_tiles: tuple[int, ...] = (0,)
+                      mlp_tiles: tuple[int, ...] = (0,),
+                      offload_buffers: tuple[int, ...] = (2,)
                       ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """(layouts worth tracing, [(layout, why it was dropped)]) for ``gpus`` GPUs.
 
@@ -761,22 +771,24 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                     continue
                 dp = gpus // (tp * cp * pp)
                 blocks = block_recompute_layers(model["num_layers"] // pp, block_fractions)
-                checkpoints = checkpoint_layer_counts(model["num_layers"] // pp,
-                                                      checkpoint_fractions)
                 for policy in policies:
-                    variants = ([(alpha, None, count, fp8) for alpha in alphas
-                                 for count in checkpoints for fp8 in offload_fp8]
+                    variants = ([(alpha, None, count, fp8, buffers) for alpha in alphas
+                                 for buffers in offload_buffers
+                                 for count in checkpoint_layer_counts(
+                                     model["num_layers"] // pp, checkpoint_fractions, buffers)
+                                 for fp8 in offload_fp8]
                                 if policy == "memo" else
-                                [(None, k, 0, False) for k in blocks]
-                                if policy == "megatron-block" else [(None, None, 0, False)])
-                    for (alpha, recompute_layers, count, fp8), tiles, micro_batch in \
+                                [(None, k, 0, False, 2) for k in blocks]
+                                if policy == "megatron-block" else [(None, None, 0, False, 2)])
+                    for (alpha, recompute_layers, count, fp8, buffers), tiles, micro_batch in \
                             itertools.product(variants, mlp_tiles, micro_batches):
                         # A tiled layout tiles the whole layer: the MLP, the attention's
                         # projections, and the core attention by chunks of query groups.
                         chunks = math.gcd(groups // tp, MAX_HEAD_CHUNKS) if tiles else 1
                         layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch,
                                         recompute_layers, count, fp8, tiles,
-                                        projection_tiles=tiles, head_chunks=chunks)
+                                        projection_tiles=tiles, head_chunks=chunks,
+                                        offload_buffers=buffers)
                         # alpha splits the (a) layers' tensors: with none, one alpha is traced
                         if policy == "memo" and pp == 1 and alpha != alphas[0] and \
                                 layout.every_layer_checkpointed(model["num_layers"],
@@ -797,8 +809,8 @@ def _infeasible(layout: Layout, model: dict, heads: int, groups: int, per_node: 
     layers_per_stage, remainder = divmod(model["num_layers"], layout.pp)
     if remainder:
         return f"{model['num_layers']} layers do not divide by PP {layout.pp}"
-    if layout.policy == "memo" and layers_per_stage <= 2:
-        return "MEMO offload needs more than 2 layers per stage"
+    if layout.policy == "memo" and layers_per_stage <= layout.offload_buffers:
+        return f"MEMO offload needs more than {layout.offload_buffers} layers per stage"
     if global_batch % (layout.dp * layout.micro_batch):
         return f"global batch {global_batch} does not divide by DP x micro-batch"
     shard = params / (layout.tp * layout.pp)

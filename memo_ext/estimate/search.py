@@ -67,6 +67,11 @@ def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
             (layout.tp, layout.cp, layout.pp, layout.dp, layout.micro_batch)
 
     candidates = [other for other in layouts if same_shape(other) and other != layout]
+    if layout.policy == "memo" and layout.offload_buffers == 2:
+        # One buffer holds a subset of two buffers' bytes, the rest of the layer alike.
+        single = replace(layout, offload_buffers=1)
+        if single in candidates:
+            return single
     if not layout.mlp_tiles:
         # The tiled layer keeps a subset of the untiled one's tensors (the MLP's and the
         # projections' inputs alone, one tile's intermediates and one head chunk's attention

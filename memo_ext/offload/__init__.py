@@ -27,7 +27,7 @@ from memo_ext.offload.alpha import (
     solve_alpha,
 )
 from memo_ext.offload import fp8
-from memo_ext.offload.layer import LAYERS_KEPT_ON_DEVICE, MemoTransformerLayer
+from memo_ext.offload.layer import MemoTransformerLayer
 from memo_ext.offload.manager import BUFFER_ALIGNMENT_BYTES, OffloadManager
 from memo_ext.offload.modes import (
     LayerModes,
@@ -142,10 +142,11 @@ class MemoOffload:
                  device_headroom: Optional[Callable[[], Optional[int]]] = None, *,
                  position_wise_share: float):
         config.validate()
-        if layers_per_stage <= LAYERS_KEPT_ON_DEVICE:
+        kept = config.layers_kept_on_device
+        if layers_per_stage <= kept:
             raise MemoConfigError(
-                f"--memo-offload needs more than {LAYERS_KEPT_ON_DEVICE} layers per pipeline stage "
-                f"(the last {LAYERS_KEPT_ON_DEVICE} stay on device), this stage has "
+                f"--memo-offload needs more than {kept} layers per pipeline stage "
+                f"(the last {kept} stay on device), this stage has "
                 f"{layers_per_stage}; raise --num-layers or lower --pipeline-model-parallel-size"
             )
         self.config = config
@@ -172,14 +173,16 @@ class MemoOffload:
         self.checkpoint_layers = self._initial_checkpoint_layers()
         fixed = config.fixed_alpha
         self.manager = OffloadManager(engine, 0.0 if fixed is None else fixed,
-                                      host_allocation_scope, compress_whole=shape.offload_fp8)
+                                      host_allocation_scope, compress_whole=shape.offload_fp8,
+                                      buffers=config.offload_buffers)
         self._forward_seconds: list[float] = []
         self._measured_iterations = 0
 
     @property
     def offloaded_layer_count(self) -> int:
         """N: layers of this stage whose activations go to host."""
-        return (offloaded_layers(self.layers_per_stage) if self.microbatches_in_flight == 1
+        return (offloaded_layers(self.layers_per_stage, self.config.layers_kept_on_device)
+                if self.microbatches_in_flight == 1
                 else self.layers_per_stage)
 
     @property
@@ -213,6 +216,7 @@ class MemoOffload:
             microbatches_in_flight=self.microbatches_in_flight,
             pinned_rounding=self.pinned_rounding,
             interior_extra_bytes=self.shape.interior_extra_bytes,
+            rounding_buffers=self.config.offload_buffers,
         )
 
     def _initial_checkpoint_layers(self) -> int:
@@ -291,7 +295,8 @@ class MemoOffload:
         headroom = None
         if self.config.device_memory_bytes is None and self.device_headroom is not None:
             # set_alpha pads each buffer by up to one alignment per stored tensor.
-            headroom = self.device_headroom() - 2 * self.manager.buffer_padding_bytes
+            headroom = (self.device_headroom()
+                        - len(self.manager.buffers) * self.manager.buffer_padding_bytes)
         inputs = self._inputs(other_bytes, layer_forward_s, whole_bytes, headroom)
         modes = solve_layer_modes(inputs, self.shape.input_bytes, self.position_wise_share,
                                   fixed_count=self.config.fixed_checkpoint_layers)

@@ -5,7 +5,7 @@ Per pipeline stage (memo.md "Choosing alpha (LP)", extended for pipelining and p
     max alpha
     s.t. (S_in + S_attn + alpha*S_oth) / B <= T_layer              # copy hides under compute
          N * cost(S_in + S_attn + alpha*S_oth) <= M_host            # host memory
-         2*alpha*S_oth <= D_free                                   # device memory (optional)
+         R*alpha*S_oth <= D_free                                   # device memory (optional)
          0 <= alpha <= 1
 
 * ``S_in``, ``S_attn``: bytes per layer per micro-batch of the tensors always offloaded whole
@@ -16,14 +16,18 @@ Per pipeline stage (memo.md "Choosing alpha (LP)", extended for pipelining and p
   offloaded, times ``k`` micro-batches in flight on this stage (:func:`microbatches_in_flight`).
 * ``M_host``: host bytes this rank may use (:func:`default_host_memory_bytes`).
 * ``D_free``: device bytes left unused at the peak of the measuring iteration, which runs at
-  alpha = 0. Raising alpha grows each of the two rounding buffers by ``alpha*S_oth``; the one
+  alpha = 0. Raising alpha grows each of the ``R`` rounding buffers (2, or 1 with
+  ``--memo-offload-buffers 1``) by ``alpha*S_oth``; the one
   layer being recomputed shrinks by as much, but the iteration's peak need not fall while a
   layer is recomputed (measured on CPU: it sits where both buffers are full and the head's
-  logits are live), so the peak grows by up to ``2*alpha*S_oth``. The paper's LP has no device
+  logits are live), so the peak grows by up to ``R*alpha*S_oth``. The paper's LP has no device
   row: it maximises offloading, which is cheapest in time, but at the longest sequences alpha = 1
   is the configuration that runs out of device memory. With an explicit budget ``M_dev`` for
-  MEMO's activations (``--memo-device-memory-gb``: both buffers plus one layer's recompute
-  working set) the row is ``2*(S_in + S_attn) + S_oth + 2*alpha*S_oth <= M_dev`` instead.
+  MEMO's activations (``--memo-device-memory-gb``: the buffers plus one layer's recompute
+  working set) the row is ``R*(S_in + S_attn) + S_oth + R*alpha*S_oth <= M_dev`` instead.
+  With one buffer the copies are not hidden at all (each waits, memo_ext.offload.manager); the
+  bandwidth row then still bounds one copy by one layer's forward, and at the lengths one buffer
+  is for, the host row holds alpha near 0 anyway.
   Without either (no way to read the device's capacity, e.g. the CPU stand-in without a
   simulated cap) the row is left out.
 
@@ -92,17 +96,19 @@ class AlphaInputs:
             stage (see :func:`microbatches_in_flight`), >= 1.
         pinned_rounding: count each (layer, micro-batch) slot as ``next_pow2`` of its bytes
             (True for CUDA pinned memory from the CachingHostAllocator).
-        device_memory_bytes: optional device budget M_dev for MEMO's activations: the two
+        device_memory_bytes: optional device budget M_dev for MEMO's activations: the R
             rounding buffers plus one layer's recompute working set at alpha = 0
-            (2*(S_in + S_attn) + S_oth), plus 2*alpha*S_oth for the buffers' growth with alpha.
+            (R*(S_in + S_attn) + S_oth), plus R*alpha*S_oth for the buffers' growth with alpha.
             None: fall back to ``device_headroom_bytes``.
         device_headroom_bytes: D_free, device bytes left unused at the peak of the measuring
-            iteration (run at alpha = 0); caps alpha at D_free / (2*S_oth). Used only when
+            iteration (run at alpha = 0); caps alpha at D_free / (R*S_oth). Used only when
             ``device_memory_bytes`` is None. None: no device constraint (the paper's LP).
         interior_extra_bytes: bytes a slot stores on top at 0 < alpha < 1 only: under sequence
             parallelism the attention output is stored a second time there, in the kept/dropped
             token order, besides the core attention's saved output (at alpha 0 and 1 the orders
             agree and one copy serves both).
+        rounding_buffers: R, the device buffers offloaded data passes through (2, or 1 with
+            ``--memo-offload-buffers 1``).
     """
 
     input_bytes: int
@@ -117,6 +123,7 @@ class AlphaInputs:
     device_memory_bytes: Optional[int] = None
     device_headroom_bytes: Optional[int] = None
     interior_extra_bytes: int = 0
+    rounding_buffers: int = 2
 
     def __post_init__(self) -> None:
         for name in ("input_bytes", "attention_output_bytes", "other_bytes", "host_memory_bytes",
@@ -132,6 +139,9 @@ class AlphaInputs:
                              f"{self.bandwidth_bytes_per_s}")
         if not self.layer_forward_s >= 0:
             raise ValueError(f"AlphaInputs.layer_forward_s must be >= 0, got {self.layer_forward_s}")
+        if self.rounding_buffers not in (1, 2):
+            raise ValueError(f"AlphaInputs.rounding_buffers must be 1 or 2, got "
+                             f"{self.rounding_buffers}")
 
     @property
     def whole_bytes(self) -> int:
@@ -195,11 +205,12 @@ class AlphaDecision:
         return self.host_bytes_missing_at_alpha0 == 0
 
 
-def offloaded_layers(layers_per_stage: int) -> int:
-    """n - 2 (never negative): layers of a stage whose activations go to host memory."""
+def offloaded_layers(layers_per_stage: int, kept_on_device: int = 2) -> int:
+    """n - 2 (never negative): layers of a stage whose activations go to host memory; n - 1
+    with one rounding buffer (``kept_on_device``: one kept layer per buffer)."""
     if layers_per_stage < 0:
         raise ValueError(f"layers_per_stage must be >= 0, got {layers_per_stage}")
-    return max(0, layers_per_stage - 2)
+    return max(0, layers_per_stage - kept_on_device)
 
 
 def microbatches_in_flight(pipeline_rank: int, pipeline_size: int, num_microbatches: int) -> int:
@@ -253,17 +264,18 @@ def _host_bound(inputs: AlphaInputs) -> float:
 
 
 def _device_bound(inputs: AlphaInputs) -> float:
-    """Largest alpha with 2*W + S + 2*alpha*S <= M_dev, i.e. (M_dev - 2W - S)/(2S), or,
-    measured, 2*alpha*S <= D_free (module docstring); +inf with neither."""
+    """Largest alpha with R*W + S + R*alpha*S <= M_dev, i.e. (M_dev - R*W - S)/(R*S), or,
+    measured, R*alpha*S <= D_free (module docstring); +inf with neither."""
+    buffers = inputs.rounding_buffers
     if inputs.device_memory_bytes is not None:
-        spare = inputs.device_memory_bytes - 2 * inputs.whole_bytes - inputs.other_bytes
+        spare = inputs.device_memory_bytes - buffers * inputs.whole_bytes - inputs.other_bytes
     elif inputs.device_headroom_bytes is not None:
         spare = inputs.device_headroom_bytes
     else:
         return math.inf
     if inputs.other_bytes == 0:
         return math.inf if spare >= 0 else -math.inf
-    return spare / (2 * inputs.other_bytes)
+    return spare / (buffers * inputs.other_bytes)
 
 
 def host_memory_shortfall(inputs: AlphaInputs) -> int:
@@ -325,16 +337,17 @@ def solve_alpha_lp(inputs: AlphaInputs) -> float:
     problem += alpha
     whole = inputs.whole_bytes / scale
     other = inputs.other_bytes / scale
+    buffers = inputs.rounding_buffers
     problem += (whole + other * alpha
                 <= inputs.bandwidth_bytes_per_s * inputs.layer_forward_s / scale), "bandwidth"
     if inputs.host_slots > 0:
         problem += (inputs.host_slots * (whole + other * alpha)
                     <= inputs.host_memory_bytes / scale), "host_memory"
     if inputs.device_memory_bytes is not None:
-        problem += (2 * whole + other + 2 * other * alpha
+        problem += (buffers * whole + other + buffers * other * alpha
                     <= inputs.device_memory_bytes / scale), "device_memory"
     elif inputs.device_headroom_bytes is not None:
-        problem += 2 * other * alpha <= inputs.device_headroom_bytes / scale, "device_memory"
+        problem += buffers * other * alpha <= inputs.device_headroom_bytes / scale, "device_memory"
     solver = pulp.HiGHS(msg=False)
     if not solver.available():
         solver = pulp.PULP_CBC_CMD(msg=False)

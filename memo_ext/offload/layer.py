@@ -41,11 +41,6 @@ from memo_ext.offload.tokens import TokenSplit
 if TYPE_CHECKING:
     from memo_ext.offload import MemoOffload
 
-# The last layers of a pipeline stage start their backward right after their forward: nothing
-# to gain from moving their activations. MEMO keeps two, in the two rounding buffers (which is
-# why there are two): with one micro-batch in flight their data never leaves the buffers.
-LAYERS_KEPT_ON_DEVICE = 2
-
 
 class MemoTransformerLayer(TransformerLayer):
     """TransformerLayer whose training forward routes saved activations through MEMO."""
@@ -62,10 +57,12 @@ class MemoTransformerLayer(TransformerLayer):
         self.memo = memo
         stage_offset = get_transformer_layer_offset(config, vp_stage)
         self.stage_layer_index = self.layer_number - 1 - stage_offset
-        # With several micro-batches in flight (1F1B), the next micro-batch's forward reuses
-        # the buffers before this one's backward, so every layer goes to host.
+        # The last layers of a stage start their backward right after their forward: nothing
+        # to gain from moving their activations, so one per rounding buffer stays in it. With
+        # several micro-batches in flight (1F1B), the next micro-batch's forward reuses the
+        # buffers before this one's backward, so every layer goes to host.
         self.offloaded = (
-            self.stage_layer_index < memo.layers_per_stage - LAYERS_KEPT_ON_DEVICE
+            self.stage_layer_index < memo.layers_per_stage - memo.config.layers_kept_on_device
             or memo.microbatches_in_flight > 1
         )
 
@@ -163,7 +160,7 @@ class MemoTransformerLayer(TransformerLayer):
         kept_rows = chunks * split.kept
         with self.memo.layer_timer(), manager.hooks(record):
             manager.register_whole(record, hidden_states)
-            input_kept, input_dropped = hidden_states[: split.kept], hidden_states[split.kept :]
+            input_kept, input_dropped = _token_parts(hidden_states, split.kept)
             device = hidden_states.device
             indices = {part: split.natural_indices(part).to(device) for part in ("kept", "dropped")}
             qkv_kept = (self._attention_inputs(input_kept, rotary_pos_emb, indices["kept"])
@@ -193,17 +190,29 @@ class MemoTransformerLayer(TransformerLayer):
             attention_output = split.split(core_output)
             del core_output
             manager.register_whole(record, attention_output)
+            output_kept, output_dropped = _token_parts(attention_output, kept_rows)
 
             outputs = []
             if split.kept:
-                outputs.append(self._attention_output_and_mlp(
-                    attention_output[:kept_rows], input_kept))
+                outputs.append(self._attention_output_and_mlp(output_kept, input_kept))
             if split.dropped:
                 _, output_dropped = manager.run_drop_region(
                     record, self._attention_output_and_mlp,
-                    [attention_output[kept_rows:], input_dropped], small_inputs=[False, False],
+                    [output_dropped, input_dropped], small_inputs=[False, False],
                 )
                 outputs.append(output_dropped)
             output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         manager.end_layer(record, hidden_states, output)
         return output
+
+
+def _token_parts(tensor: torch.Tensor, kept_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first ``kept_rows`` rows, the rest). A part that is the whole tensor is the tensor, not
+    a slice of it: a slice's backward would allocate a zero gradient of the whole tensor and
+    copy into it (one more layer input on device at the backward's peak)."""
+    rows = tensor.size(0)
+    if kept_rows == 0:
+        return tensor[:0], tensor
+    if kept_rows == rows:
+        return tensor, tensor[rows:]
+    return tensor[:kept_rows], tensor[kept_rows:]

@@ -21,6 +21,13 @@ overwrites the buffer. In backward, when layer i+1's backward starts, layer i's 
 prefetched into buffer i % 2 on the H2D queue; layer i's first unpack waits for it. Device
 memory for activations therefore stays at two layers' worth however deep the model is.
 
+With one buffer (``--memo-offload-buffers 1``) every layer uses it in turn: a layer's forward
+waits for the previous layer's copy to host, and a layer's backward prefetches its own data
+when it starts (nothing is prefetched ahead: the buffer is still the running layer's). The
+buffer is sized to each layer as it takes it (known from the first iteration), so a MEMO (a)
+layer's larger data and a checkpoint (b) layer's smaller input never hold the larger size at
+once: device memory is one layer's data, at the price of copies that no compute hides.
+
 Everything here is written against :class:`memo_ext.device.CopyEngine`, so the same protocol
 runs on CUDA streams and on the CPU copy worker used in tests.
 """
@@ -77,6 +84,15 @@ class RoundingBuffer:
         """Grow an idle buffer to at least ``nbytes``, freeing the old one first, so growing
         never holds both (unlike ensure_capacity in the middle of a layer)."""
         if nbytes <= self.capacity:
+            return
+        self.engine.wait(self.last_event)
+        self.tensor = None
+        self.tensor = self.engine.alloc_device(nbytes)
+
+    def resize(self, nbytes: int) -> None:
+        """Exactly ``nbytes`` (one buffer shared by layers of different sizes): the old tensor
+        is freed first, after the copies that use it, so the two are never held at once."""
+        if nbytes == self.capacity:
             return
         self.engine.wait(self.last_event)
         self.tensor = None
@@ -360,12 +376,16 @@ class OffloadManager:
 
     def __init__(self, engine: CopyEngine, alpha: float,
                  host_allocation_scope: Callable[[], ContextManager[None]] = contextlib.nullcontext,
-                 compress_whole: bool = False):
+                 compress_whole: bool = False, buffers: int = 2):
+        if buffers not in (1, 2):
+            raise ValueError(f"buffers must be 1 or 2, got {buffers}")
         self.engine = engine
         self.alpha = alpha
         # --memo-offload-fp8: the tensors offloaded whole are stored as fp8 (lossy).
         self.compress_whole = compress_whole
-        self.buffers = (RoundingBuffer(engine), RoundingBuffer(engine))
+        self.buffers = tuple(RoundingBuffer(engine) for _ in range(buffers))
+        # Bytes each layer stored in its last forward: with one buffer, the size it takes.
+        self.layer_bytes: dict[int, int] = {}
         self.host_slots = HostSlotPool(engine, host_allocation_scope)
         self.parameter_storages: set[int] = set()
         self.active: Optional[LayerRecord] = None
@@ -386,7 +406,10 @@ class OffloadManager:
         self.engine.synchronize()
         self.alpha = alpha
         self.host_slots.reset()
-        if other_bytes:
+        if len(self.buffers) == 1:
+            # Sized per layer at its start; the (a) layers' sizes change with alpha.
+            self.layer_bytes.clear()
+        elif other_bytes:
             expected = (self.largest_layer_bytes + math.ceil(alpha * other_bytes)
                         + self.buffer_padding_bytes)
             for buffer in self.buffers:
@@ -407,8 +430,10 @@ class OffloadManager:
         micro-batch in flight) keeps the layer's data in the buffer until its backward;
         ``checkpoint``: the layer is checkpoint-offloaded (its whole body is one drop region)."""
         self.parameter_storages.update(_storage_key(p) for p in parameters)
-        buffer = self.buffers[layer % 2]
+        buffer = self.buffers[layer % len(self.buffers)]
         self.engine.wait(buffer.last_event)
+        if len(self.buffers) == 1 and layer in self.layer_bytes:
+            buffer.resize(self.layer_bytes[layer])
         record = LayerRecord(self, layer, buffer, to_host=to_host, checkpoint=checkpoint)
         self.layer_forwards += not checkpoint
         record.previous = None if is_first_of_chunk else self.last_record
@@ -422,6 +447,7 @@ class OffloadManager:
         self.active = None
         self.last_record = record
         self.largest_layer_bytes = max(self.largest_layer_bytes, record.used_bytes)
+        self.layer_bytes[record.layer] = record.used_bytes
         self.most_stored_tensors = max(self.most_stored_tensors, record.stored_tensors)
         if record.used_bytes and record.to_host:
             record.host_slot = self.host_slots.acquire(record.layer, record.used_bytes)
@@ -538,7 +564,10 @@ class OffloadManager:
         # record's own D2H must be complete, and so must compute that last read the buffer.
         self.engine.wait(buffer.last_event)
         self.engine.wait(record.offload_event)
-        buffer.ensure_capacity(record.used_bytes)
+        if len(self.buffers) == 1:
+            buffer.resize(record.used_bytes)
+        else:
+            buffer.ensure_capacity(record.used_bytes)
         record.prefetch_event = self.engine.prefetch(
             buffer.tensor[: record.used_bytes], record.host_slot[: record.used_bytes],
             after=self.engine.record_compute(),
@@ -561,7 +590,8 @@ class OffloadManager:
 
     def _on_backward_start(self, record: LayerRecord) -> None:
         self._prefetch_if_evicted(record)
-        if record.previous is not None:
+        # One layer ahead needs a second buffer: with one, it is still this layer's.
+        if record.previous is not None and len(self.buffers) > 1:
             self._prefetch_if_evicted(record.previous)
 
     def _on_backward_end(self, record: LayerRecord) -> None:

@@ -3,7 +3,8 @@ pretrain_gpt.py --memo-offload --memo-alpha A give the losses of the same run wi
 --memo-offload to 1e-5 relative, under TP=2+SP, CP=2, and PP=2 with 4 micro-batches in flight
 (MEMO's paper and Megatron's TE offloading both refuse that last case). The default case mixes
 the two offload modes in one run: one offloaded layer per stage checkpoint-offloaded (input on
-host, whole layer recomputed), the others MEMO's token-wise swap at alpha 0.25."""
+host, whole layer recomputed), the others MEMO's token-wise swap at alpha 0.25; it runs each
+layout with one offload buffer or two (--memo-offload-buffers), the other count in -m slow."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ LAYOUTS = {
     # 8 layers: 4 per stage, 2 of them offloaded; global batch 8 / micro batch 2 = 4 in flight.
     "pp2_4microbatches": ["--pipeline-model-parallel-size", "2", "--num-layers", "8"],
 }
+#: The offload buffers of each layout's default case (the slow case runs the other count).
+DEFAULT_BUFFERS = {"tp2_sp": "1", "cp2": "2", "pp2_4microbatches": "1"}
 DEFAULT_ALPHA = "0.25"
 OTHER_ALPHAS = ["0", "0.125", "0.5", "1"]
 
@@ -32,11 +35,11 @@ def baseline(layout: str, tmp_path_factory) -> dict[int, float]:
 
 
 def check_memo_matches(layout: str, alpha: str, tmp_path, tmp_path_factory,
-                       checkpoint_layers: str = "0") -> None:
+                       checkpoint_layers: str = "0", buffers: str = "2") -> None:
     metrics = tmp_path / "metrics.jsonl"
     result = run_torchrun(2, COMMON + LAYOUTS[layout] + [
         "--memo-offload", "--memo-alpha", alpha, "--memo-checkpoint-layers", checkpoint_layers,
-        "--log-metrics-jsonl", str(metrics)])
+        "--memo-offload-buffers", buffers, "--log-metrics-jsonl", str(metrics)])
     assert "> MEMO offload: alpha" in result.stdout
     assert f"{checkpoint_layers} checkpoint-offloaded" in result.stdout
     memo_losses, reference = read_losses(metrics), baseline(layout, tmp_path_factory)
@@ -47,7 +50,16 @@ def check_memo_matches(layout: str, alpha: str, tmp_path, tmp_path_factory,
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_mixed_offload_modes_losses_equal_baseline(layout, tmp_path, tmp_path_factory):
-    check_memo_matches(layout, DEFAULT_ALPHA, tmp_path, tmp_path_factory, checkpoint_layers="1")
+    check_memo_matches(layout, DEFAULT_ALPHA, tmp_path, tmp_path_factory, checkpoint_layers="1",
+                       buffers=DEFAULT_BUFFERS[layout])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mixed_offload_modes_other_buffer_count(layout, tmp_path, tmp_path_factory):
+    other = {"1": "2", "2": "1"}[DEFAULT_BUFFERS[layout]]
+    check_memo_matches(layout, DEFAULT_ALPHA, tmp_path, tmp_path_factory, checkpoint_layers="1",
+                       buffers=other)
 
 
 @pytest.mark.slow

@@ -18,8 +18,9 @@ def cuda_world():
     yield from initialized_megatron(cuda_available=True)
 
 
-@pytest.mark.parametrize("alpha", ["0", "0.5", "1"])
-def test_memo_gradients_match_on_cuda(cuda_world, alpha):
+@pytest.mark.parametrize("alpha,buffers,checkpoint_layers",
+                         [("0", 2, "0"), ("0.5", 2, "0"), ("1", 2, "0"), ("0.25", 1, "2")])
+def test_memo_gradients_match_on_cuda(cuda_world, alpha, buffers, checkpoint_layers):
     from memo_ext.config import OffloadConfig
     from memo_ext.device import CopyEngine
     from memo_ext.offload import MemoOffload
@@ -28,7 +29,9 @@ def test_memo_gradients_match_on_cuda(cuda_world, alpha):
     args = cpu_test.model_args([])
     reference_model = cpu_test.build_model(args).cuda()
     with CopyEngine(torch.device("cuda", torch.cuda.current_device())) as engine:
-        memo = MemoOffload(OffloadConfig(offload=True, alpha=alpha), engine, cpu_test.NUM_LAYERS,
+        config = OffloadConfig(offload=True, alpha=alpha, offload_buffers=buffers,
+                               checkpoint_layers=checkpoint_layers)
+        memo = MemoOffload(config, engine, cpu_test.NUM_LAYERS,
                            1, cpu_test.SHAPE, cpu_test.HOST_BYTES, cpu_test.BANDWIDTH,
                            position_wise_share=cpu_test.SHARE)
         assert engine.alloc_host(16).is_pinned()

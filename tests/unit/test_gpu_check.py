@@ -45,10 +45,10 @@ def test_without_a_gpu_one_line_and_status_2():
 @pytest.mark.parametrize("gpus, data_parallel", [(1, 1), (2, 2), (4, 4), (8, 8), (16, 8)])
 def test_plan_for_the_gpus_present(gpus, data_parallel):
     runs = planned(gpus)
-    assert list(runs) == ["plain", "memo-offload-alpha-auto", "planned-arena", "sppo", "metp",
-                          "telemetry", "stitching-allocator"]
-    for name in ("plain", "memo-offload-alpha-auto", "planned-arena", "telemetry",
-                 "stitching-allocator"):
+    assert list(runs) == ["plain", "memo-offload-alpha-auto", "memo-offload-one-buffer",
+                          "planned-arena", "sppo", "metp", "telemetry", "stitching-allocator"]
+    for name in ("plain", "memo-offload-alpha-auto", "memo-offload-one-buffer",
+                 "planned-arena", "telemetry", "stitching-allocator"):
         run = runs[name]
         assert (run.tp, run.pp, run.dp, run.skip_reason) == (1, 1, data_parallel, None)
         assert run.global_batch == 4 * data_parallel
@@ -223,8 +223,8 @@ def test_end_to_end_under_the_cuda_double(tmp_path, monkeypatch, capsys):
             for line in text.splitlines() if line.startswith("| ") and " | " in line}
     assert status == 1, text
     assert rows["gpu tests"][1] == "PASS"
-    for name in ("plain", "memo-offload-alpha-auto", "planned-arena", "sppo", "metp",
-                 "telemetry"):
+    for name in ("plain", "memo-offload-alpha-auto", "memo-offload-one-buffer",
+                 "planned-arena", "sppo", "metp", "telemetry"):
         cells = rows[name]
         assert cells[1] == "PASS", text
         assert float(cells[3]) > 0 and float(cells[6]) > 0  # measured peak and time

@@ -143,6 +143,70 @@ def test_offload_fp8_halves_host_bytes_and_is_close_not_exact(megatron_world):
     assert 1e-6 < error < 0.1, error
 
 
+class _BufferBytes:
+    """Device bytes of MEMO's rounding buffers alive at once (CopyEngine.alloc_device serves
+    only them), and their peak since :meth:`reset`."""
+
+    def __init__(self, monkeypatch):
+        import weakref
+
+        self.live = self.peak = 0
+        original = CopyEngine.alloc_device
+
+        def counted(engine, nbytes):
+            tensor = original(engine, nbytes)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(tensor.untyped_storage(), self._freed, nbytes)
+            return tensor
+
+        monkeypatch.setattr(CopyEngine, "alloc_device", counted)
+
+    def _freed(self, nbytes):
+        self.live -= nbytes
+
+    def reset(self):
+        self.peak = self.live
+
+
+def _second_iteration_buffer_peak(args, monkeypatch, **config) -> tuple[int, MemoOffload]:
+    """Peak rounding-buffer bytes of a second iteration (the first sizes the buffers)."""
+    buffers = _BufferBytes(monkeypatch)
+    with CopyEngine("cpu") as engine:
+        memo = MemoOffload(OffloadConfig(offload=True, alpha="0.25", **config), engine,
+                           NUM_LAYERS, 1, SHAPE, HOST_BYTES, BANDWIDTH,
+                           log=lambda message: None, position_wise_share=SHARE)
+        model = build_model(args, memo)
+        loss_and_grads(model)
+        buffers.reset()
+        loss_and_grads(model)
+        return buffers.peak, memo
+
+
+@pytest.mark.parametrize("checkpoint_layers", ["0", "2"])
+def test_one_buffer_is_exact_and_holds_one_layer_at_a_time(megatron_world, monkeypatch,
+                                                             checkpoint_layers):
+    """--memo-offload-buffers 1: with slow copies gradients stay exact (each copy is waited
+    for); all but the last layer are offloaded; the device holds one layer's data at a time,
+    sized to that layer, where two buffers hold two of the largest layer's."""
+    args = model_args([])
+    _, reference = loss_and_grads(build_model(args))
+    _, grads, memo = memo_run(args, "0.25", copy_delay_s=0.02, offload_buffers=1,
+                              checkpoint_layers=checkpoint_layers)
+    assert worst_relative_gradient_error(grads, reference) < 1e-6
+    assert len(memo.manager.buffers) == 1 and memo.offloaded_layer_count == NUM_LAYERS - 1
+    one, memo = _second_iteration_buffer_peak(args, monkeypatch, offload_buffers=1,
+                                              checkpoint_layers=checkpoint_layers)
+    two, memo_two = _second_iteration_buffer_peak(args, monkeypatch,
+                                                  checkpoint_layers=checkpoint_layers)
+    assert one == memo.manager.largest_layer_bytes
+    assert two >= 2 * memo_two.manager.largest_layer_bytes
+    if checkpoint_layers != "0":  # (a) and (b) layers: the buffer follows each layer's size
+        sizes = set(memo.manager.layer_bytes.values())
+        assert len(sizes) > 1 and memo.manager.buffers[0].capacity == \
+            memo.manager.layer_bytes[0]
+
+
 def test_slow_copies_still_exact(megatron_world):
     args = model_args([])
     _, reference = loss_and_grads(build_model(args))

@@ -33,7 +33,8 @@ def test_one_flag_per_field_with_help():
     by_flag = {a.option_strings[0]: a for a in group._group_actions}
     assert set(by_flag) == {"--memo-offload", "--memo-alpha", "--memo-host-memory-gb",
                             "--memo-device-memory-gb", "--memo-pcie-gbps",
-                            "--memo-checkpoint-layers", "--memo-offload-fp8"}
+                            "--memo-checkpoint-layers", "--memo-offload-fp8",
+                            "--memo-offload-buffers"}
     for field in dataclasses.fields(OffloadConfig):
         action = by_flag[field.metadata["flag"]]
         assert action.dest == "memo_" + field.name
@@ -44,6 +45,8 @@ def test_one_flag_per_field_with_help():
     assert by_flag["--memo-host-memory-gb"].type is float
     assert by_flag["--memo-pcie-gbps"].type is float
     assert by_flag["--memo-alpha"].type is str
+    assert by_flag["--memo-offload-buffers"].type is int
+    assert by_flag["--memo-offload-buffers"].choices == (1, 2)
     help_text = parser.format_help()
     assert "--memo-host-memory-gb" in help_text and "GB/s" in help_text
 
@@ -105,6 +108,8 @@ def test_host_memory_flag_rejects_non_numbers_at_parse_time():
         (["--memo-checkpoint-layers", "4"], "--memo-checkpoint-layers",
          "has no effect without --memo-offload"),
         (["--memo-offload-fp8"], "--memo-offload-fp8", "has no effect without --memo-offload"),
+        (["--memo-offload-buffers", "1"], "--memo-offload-buffers",
+         "has no effect without --memo-offload"),
     ],
 )
 def test_validate_errors_name_the_flag(argv, flag, fragment):

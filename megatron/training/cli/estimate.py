@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memo-offload-fp8", action="store_true",
                         help="with --policy memo: offload the whole-offloaded tensors in fp8 "
                              "(lossy; the trainer's flag)")
+    parser.add_argument("--memo-offload-buffers", type=int, choices=(1, 2), default=2,
+                        help="with --policy memo: device buffers the offloaded data passes "
+                             "through (the trainer's flag; 1: least device memory, copies "
+                             "exposed; default 2)")
     add_tiling_arguments(parser)
     parser.add_argument("--recompute-num-layers", type=int, default=None,
                         help="with --policy megatron-block: layers recomputed per stage")
@@ -135,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--offload-fp8", choices=("off", "on", "both"), default="off",
                         help="MEMO: search lossy fp8 offload (--memo-offload-fp8) too "
                              "('both'), only, or not (default off: it changes the gradients)")
+    search.add_argument("--offload-buffers", default="1,2",
+                        help="MEMO: offload buffer counts searched (comma-separated, each 1 or "
+                             "2; default 1,2; --memo-offload-buffers)")
     search.add_argument("--mlp-tiles", default="0,16",
                         help="MLP tile counts searched (comma-separated; 0: untiled; default "
                              "0,16): each layer's MLP run in K sequence tiles of the rank's CP "
@@ -367,6 +374,9 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             if any(k < 0 for k in tiles):
                 raise UsageError(f"--mlp-tiles {opts.mlp_tiles}: each 0 (untiled) or a tile "
                                  "count >= 1")
+            buffers = _numbers(opts.offload_buffers, "--offload-buffers", int)
+            if any(b not in (1, 2) for b in buffers):
+                raise UsageError(f"--offload-buffers {opts.offload_buffers}: each 1 or 2")
             checkpoints = _numbers(opts.checkpoint_fractions, "--checkpoint-fractions")
             if any(not 0 <= f <= 1 for f in checkpoints):
                 raise UsageError(f"--checkpoint-fractions {opts.checkpoint_fractions}: each in "
@@ -378,7 +388,8 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                 pipeline_sizes=_numbers(opts.pp_sizes, "--pp-sizes", int),
                 block_fractions=fractions, checkpoint_fractions=checkpoints,
                 offload_fp8={"off": (False,), "on": (True,), "both": (False, True)}[
-                    opts.offload_fp8], mlp_tiles=tuple(tiles)) if traced else ([], [])
+                    opts.offload_fp8], mlp_tiles=tuple(tiles),
+                offload_buffers=tuple(buffers)) if traced else ([], [])
             sppo_models, sppo_dropped = sppo_layout_models(
                 shape, opts.gpus, hardware, global_batch=opts.global_batch_size,
                 host_memory_gb_per_node=opts.host_memory_gb,
@@ -471,13 +482,15 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         if opts.memo_attention_head_chunks < 1 or groups_per_rank % opts.memo_attention_head_chunks:
             raise UsageError(f"--memo-attention-head-chunks {opts.memo_attention_head_chunks}: "
                              f"give a divisor of the {groups_per_rank} query groups per TP rank")
-        if (opts.memo_checkpoint_layers or opts.memo_offload_fp8) and opts.policy != "memo":
-            raise UsageError("--memo-checkpoint-layers and --memo-offload-fp8 apply to "
-                             "--policy memo only")
+        if (opts.memo_checkpoint_layers or opts.memo_offload_fp8
+                or opts.memo_offload_buffers != 2) and opts.policy != "memo":
+            raise UsageError("--memo-checkpoint-layers, --memo-offload-fp8 and "
+                             "--memo-offload-buffers apply to --policy memo only")
         layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
                         opts.micro_batch_size, recompute_layers,
                         checkpoint_layers=opts.memo_checkpoint_layers,
                         offload_fp8=opts.memo_offload_fp8, mlp_tiles=opts.memo_mlp_tiles,
+                        offload_buffers=opts.memo_offload_buffers,
                         projection_tiles=opts.memo_attention_projection_tiles,
                         head_chunks=opts.memo_attention_head_chunks)
         if cpu:

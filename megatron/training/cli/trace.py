@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--memo-offload-fp8", action="store_true",
                           help="Offload the tensors MEMO offloads whole in fp8 (the trainer's "
                                "flag, lossy).")
+    training.add_argument("--memo-offload-buffers", type=int, choices=(1, 2), default=2,
+                          help="Device buffers MEMO's offloaded data passes through (the "
+                               "trainer's flag). Default 2.")
     training.add_argument("--memo-mlp-tile-size", type=int, default=0, metavar="TOKENS",
                           help="Sequence-tiled MLP with tiles of TOKENS (the trainer's flag; "
                                "docs/tiled_mlp.md). Default 0: off.")
@@ -239,6 +242,8 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
                  "--memo-checkpoint-layers", str(opts.memo_checkpoint_layers)]
         if opts.memo_offload_fp8:
             argv.append("--memo-offload-fp8")
+        if opts.memo_offload_buffers != 2:
+            argv += ["--memo-offload-buffers", str(opts.memo_offload_buffers)]
     if opts.memo_mlp_tile_size:
         argv += ["--memo-mlp-tile-size", str(opts.memo_mlp_tile_size)]
     elif opts.memo_mlp_tiles:
@@ -550,6 +555,8 @@ def trace_header(opts, args, coordinates: dict, constants) -> dict:
                     "memo_checkpoint_layers": (opts.memo_checkpoint_layers if opts.memo_offload
                                                else None),
                     "memo_offload_fp8": bool(opts.memo_offload and opts.memo_offload_fp8),
+                    "memo_offload_buffers": (opts.memo_offload_buffers if opts.memo_offload
+                                             else None),
                     "use_distributed_optimizer": bool(args.use_distributed_optimizer),
                     "optimizer": args.optimizer,
                     "grad_buffer_fp32": bool(args.accumulate_allreduce_grads_in_fp32),

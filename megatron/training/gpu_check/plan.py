@@ -76,6 +76,11 @@ MECHANISMS = (
     Mechanism("memo-offload-alpha-auto",
               ("--memo-offload", "--memo-alpha", "auto", "--cross-entropy-loss-fusion",
                "--cross-entropy-fusion-impl", "chunked"), estimator=("memo", "caching")),
+    # One offload buffer: each copy waits, one layer's data on device at a time.
+    Mechanism("memo-offload-one-buffer",
+              ("--memo-offload", "--memo-alpha", "auto", "--memo-offload-buffers", "1",
+               "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "chunked"),
+              estimator=("memo", "caching")),
     Mechanism("planned-arena", ("--memo-plan", "auto"), estimator=("megatron-none", "arena")),
     # SPPO's exactness tests run PP >= 2 (its point is the pipeline), so it needs 2 GPUs.
     Mechanism("sppo", ("--memo-sppo", "--memo-sppo-subsequences", str(SPPO_SUBSEQUENCES),

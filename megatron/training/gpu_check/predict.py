@@ -89,7 +89,11 @@ def _predict_traced(run: PlannedRun, hardware: dict, cache, policy: str, allocat
                                         ("num_attention_heads", "--num-attention-heads"),
                                         ("vocab_size", "--vocab-size"))
                   for arg in (flag, str(shape[key]))]
-    layout = Layout(run.tp, 1, run.pp, run.dp, policy, memo_alpha if policy == "memo" else None)
+    flags = run.mechanism.flags
+    buffers = (int(flags[flags.index("--memo-offload-buffers") + 1])
+               if "--memo-offload-buffers" in flags else 2)
+    layout = Layout(run.tp, 1, run.pp, run.dp, policy, memo_alpha if policy == "memo" else None,
+                    offload_buffers=buffers)
     # Traced at the run's own length (and twice it): a check's short runs sit below the
     # estimator's fitted lengths, where the chunked loss's capped logits buffer breaks the line.
     seq = run.model.seq_length
