@@ -83,11 +83,11 @@ def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
             return min(tiled, key=lambda o: o.mlp_tiles)
     candidates = [o for o in candidates if o.mlp_tiles == layout.mlp_tiles]
     if layout.policy == "memo":
-        # Same checkpoint layers and fp8 choice: checkpoint layers trade host bytes for
+        # Same checkpoint layers, fp8 and buffers: checkpoint layers trade host bytes for
         # recomputation, not device bytes, so no count dominates another.
         frugal = [o for o in candidates if o.policy == "memo" and o.alpha < layout.alpha
-                  and (o.checkpoint_layers, o.offload_fp8)
-                  == (layout.checkpoint_layers, layout.offload_fp8)]
+                  and (o.checkpoint_layers, o.offload_fp8, o.offload_buffers)
+                  == (layout.checkpoint_layers, layout.offload_fp8, layout.offload_buffers)]
         return max(frugal, key=lambda o: o.alpha, default=None)
     recomputed = _recomputed_layers(layout)
     if recomputed is None:

@@ -187,6 +187,10 @@ class MemoTransformerLayer(TransformerLayer):
                 *merged, attention_mask, attn_mask_type=self.self_attention.attn_mask_type,
                 packed_seq_params=documents,
             )
+            # q, k and v are saved by now (offloaded or to be recomputed): held here, they
+            # would stay on device through the MLP.
+            manager.forget(record, merged)
+            del merged, tensor
             attention_output = split.split(core_output)
             del core_output
             manager.register_whole(record, attention_output)

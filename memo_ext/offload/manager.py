@@ -519,6 +519,13 @@ class OffloadManager:
             dropped = merged.numel() * merged.element_size() - (stored.nbytes if stored else 0)
             self.saved_bytes["recomputed"] += dropped
 
+    def forget(self, record: LayerRecord, tensors: Sequence[torch.Tensor]) -> None:
+        """Stop matching saved tensors against ``tensors`` (registered, and saved by now):
+        the layer may then free them, and a later tensor that reuses their memory is not
+        taken for a view of them."""
+        for tensor in tensors:
+            record.registered.pop(_storage_key(tensor), None)
+
     def _describe_view(self, record: LayerRecord, tensor: torch.Tensor) -> _ViewOf:
         entry = record.registered.get(_storage_key(tensor))
         if entry is None or entry.dtype != tensor.dtype:

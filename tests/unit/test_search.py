@@ -107,6 +107,22 @@ def test_untiled_variant_is_dominated_by_its_tiled_one():
     assert dominating(tiled["full"], layouts) is None and dominating(more, layouts) is None
 
 
+def test_two_buffer_variant_is_dominated_by_its_one_buffer_variant():
+    """MEMO with two offload buffers holds a superset of one buffer's bytes: its partner is the
+    same layout with one buffer; the one-buffer variants pair among themselves as before."""
+    from dataclasses import replace
+
+    mine = _variants()
+    single = {name: replace(layout, offload_buffers=1) for name, layout in mine.items()
+              if layout.policy == "memo"}
+    layouts = [*mine.values(), *single.values()]
+    for name in single:
+        assert dominating(mine[name], layouts) == single[name]
+    assert dominating(single["memo1"], layouts) == single["memo.5"]
+    assert dominating(single["memo0"], layouts) is None
+    assert dominating(mine["block2"], layouts) == mine["block4"]
+
+
 def test_search_traces_a_dominated_variant_only_if_it_can_enter_the_table():
     a, b = _variants(tp=2, dp=4), _variants(tp=4, dp=2)
     layouts = [a["full"], a["none"], b["full"], b["none"]]
