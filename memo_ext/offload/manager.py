@@ -26,7 +26,8 @@ waits for the previous layer's copy to host, and a layer's backward prefetches i
 when it starts (nothing is prefetched ahead: the buffer is still the running layer's). The
 buffer is sized to each layer as it takes it (known from the first iteration), so a MEMO (a)
 layer's larger data and a checkpoint (b) layer's smaller input never hold the larger size at
-once: device memory is one layer's data, at the price of copies that no compute hides.
+once: device memory is one layer's data, at the price of copies that no compute hides. It is
+freed when the chunk's first layer's backward ends (nothing needs it until the next forward).
 
 Everything here is written against :class:`memo_ext.device.CopyEngine`, so the same protocol
 runs on CUDA streams and on the CPU copy worker used in tests.
@@ -88,6 +89,11 @@ class RoundingBuffer:
         self.engine.wait(self.last_event)
         self.tensor = None
         self.tensor = self.engine.alloc_device(nbytes)
+
+    def release(self) -> None:
+        """Free the tensor (after the copies that use it)."""
+        self.engine.wait(self.last_event)
+        self.tensor, self.owner = None, None
 
     def resize(self, nbytes: int) -> None:
         """Exactly ``nbytes`` (one buffer shared by layers of different sizes): the old tensor
@@ -602,6 +608,11 @@ class OffloadManager:
             self._prefetch_if_evicted(record.previous)
 
     def _on_backward_end(self, record: LayerRecord) -> None:
+        if len(self.buffers) == 1 and record.previous is None and record.buffer.owner is record:
+            # The chunk's first layer: no layer needs the one buffer until the next forward,
+            # which allocates it at its first layer's size. Freed, it costs nothing through the
+            # optimizer step, and each iteration allocates and frees it alike.
+            record.buffer.release()
         for region in record.regions:
             region.release()
         if record.host_slot is not None:

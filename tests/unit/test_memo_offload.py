@@ -188,7 +188,8 @@ def test_one_buffer_is_exact_and_holds_one_layer_at_a_time(megatron_world, monke
                                                              checkpoint_layers):
     """--memo-offload-buffers 1: with slow copies gradients stay exact (each copy is waited
     for); all but the last layer are offloaded; the device holds one layer's data at a time,
-    sized to that layer, where two buffers hold two of the largest layer's."""
+    sized to that layer, where two buffers hold two of the largest layer's, and nothing after
+    the backward."""
     args = model_args([])
     _, reference = loss_and_grads(build_model(args))
     _, grads, memo = memo_run(args, "0.25", copy_delay_s=0.02, offload_buffers=1,
@@ -201,10 +202,10 @@ def test_one_buffer_is_exact_and_holds_one_layer_at_a_time(megatron_world, monke
                                                   checkpoint_layers=checkpoint_layers)
     assert one == memo.manager.largest_layer_bytes
     assert two >= 2 * memo_two.manager.largest_layer_bytes
+    # Freed once the first layer's backward is done: nothing is held between iterations.
+    assert memo.manager.buffers[0].capacity == 0 and memo_two.manager.buffers[0].capacity > 0
     if checkpoint_layers != "0":  # (a) and (b) layers: the buffer follows each layer's size
-        sizes = set(memo.manager.layer_bytes.values())
-        assert len(sizes) > 1 and memo.manager.buffers[0].capacity == \
-            memo.manager.layer_bytes[0]
+        assert len(set(memo.manager.layer_bytes.values())) > 1
 
 
 def test_slow_copies_still_exact(megatron_world):
