@@ -184,6 +184,21 @@ def test_a_refused_page_lock_names_the_flags_to_change(cuda_double):
     assert cuda_double.cudart.registered == {first.data_ptr(): 4096}
 
 
+def test_telemetry_counts_page_locked_slots_as_host(cuda_double, tmp_path):
+    """A page-locked slot is no aten op's output: the trainer's engine registers it with the
+    tracker, which counts it until its storage dies."""
+    from megatron.training.memo import _LabelledCopyEngine
+
+    telemetry = MemoryTelemetry(TelemetryConfig(telemetry=True, oom_report_dir=str(tmp_path)),
+                                log_interval=1, log=lambda line: None)
+    engine = _LabelledCopyEngine("cuda", telemetry)
+    host = engine.alloc_host(3 * 4096 + 5)
+    assert telemetry.tracker.stats()["current_host_bytes"] == 3 * 4096 + 5
+    del host
+    assert telemetry.tracker.stats()["current_host_bytes"] == 0
+    assert telemetry.tracker.stats()["peak_host_bytes"] == 3 * 4096 + 5
+
+
 def test_collective_buffers_recorded_on_the_nccl_stream_reach_the_allocator(cuda_double):
     allocator = RecordingAllocator()
     device_memory.register_allocator(allocator)
