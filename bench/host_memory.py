@@ -16,13 +16,13 @@ For each configuration (two ranks, this machine is the node):
 2. the trainer runs the trace's own command line (its header's ``trainer_argv``, without the
    tracer's host-capacity and bandwidth stand-ins) under torchrun for two iterations; every
    rank prints, after its first iteration, the slots its HostSlotPool holds
-   (megatron/training/memo.py, ``host_slots_line``): bytes allocated, the same slots as
-   CUDA's pinned allocator would round them, and the process's RSS. The measured node bytes
-   are the sum over the two ranks.
+   (megatron/training/memo.py, ``host_slots_line``): bytes allocated, the same slots in whole
+   pages (what page-locking them takes on CUDA), and the process's RSS. The measured node
+   bytes are the sum over the two ranks.
 
 The comparison is of the offload arena (the model's ``offload_arena`` term): on CPU the
-slots are ordinary tensors of their bytes. The power-of-two column compares the model's
-CUDA arena (pinned=True) with the measured slots rounded as CUDA would. Writes
+slots are ordinary tensors of their bytes. The whole-pages column compares the model's CUDA
+arena (page_locked=True) with the measured slots rounded to pages as CUDA's would be. Writes
 bench/results/host_memory.md (and host_memory.json).
 """
 
@@ -53,7 +53,6 @@ from memo_ext.estimate.host_memory import (  # noqa: E402
     longest_fitting_seq,
     memo_paper_host_limit,
     node_host_memory,
-    pinned_block_bytes,
 )
 from memo_ext.estimate.layout import Layout, TraceCache, build_layout_model  # noqa: E402
 
@@ -69,8 +68,8 @@ ITERATIONS = 2
 TRACE_ONLY_FLAGS = ("--memo-host-memory-gb", "--memo-pcie-gbps", "--train-iters",
                     "--global-batch-size")
 LINE = re.compile(r"^> MEMO host slots \[rank (\d+), pipeline stage (\d+), after iteration "
-                  r"(\d+), alpha ([\d.]+)\]: (\d+) slots, (\d+) B allocated, (\d+) B as "
-                  r"power-of-two blocks.*\| process RSS (\d+) B", re.M)
+                  r"(\d+), alpha ([\d.]+)\]: (\d+) slots, (\d+) B allocated, (\d+) B in "
+                  r"whole pages \| process RSS (\d+) B", re.M)
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,7 @@ def measure(command: list[str], run_dir: Path) -> tuple[list[dict], str]:
                                 "iteration": int(match.group(3)),
                                 "alpha": float(match.group(4)), "slots": int(match.group(5)),
                                 "allocated": int(match.group(6)),
-                                "pow2": int(match.group(7)), "rss": int(match.group(8))})
+                                "pages": int(match.group(7)), "rss": int(match.group(8))})
     return [ranks[r] for r in sorted(ranks)], str(log)
 
 
@@ -151,9 +150,9 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> dict:
     host = prediction.host_memory
     stages = [StageSlots(p.stage.index, p.stage.microbatches_in_flight, p.host_slots)
               for p in prediction.stages]
-    pinned = node_host_memory(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp,
-                              stages=stages, ranks_per_node=prediction.ranks_per_node, seq=SEQ,
-                              micro_batch=layout.micro_batch, pinned=True)
+    cuda = node_host_memory(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp,
+                            stages=stages, ranks_per_node=prediction.ranks_per_node, seq=SEQ,
+                            micro_batch=layout.micro_batch, page_locked=True)
     before = max(p.memory.host_bytes for p in prediction.stages) * prediction.ranks_per_node
     header = model.stages[0].at(SEQ).header
     command = trainer_command(header["trainer_argv"], config)
@@ -163,19 +162,19 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> dict:
         raise SystemExit(f"host_memory.py: {len(ranks)} host-slot lines for {layout.gpus} ranks "
                          f"in {log}")
     measured = sum(r["allocated"] for r in ranks)
-    measured_pow2 = sum(r["pow2"] for r in ranks)
+    measured_pages = sum(r["pages"] for r in ranks)
     predicted = host.terms["offload_arena"]
     return {
         "config": config.name, "description": config.description, "layout": layout.describe(),
         "seq": SEQ, "ranks_per_node": prediction.ranks_per_node,
         "predicted_arena": predicted, "measured_arena": measured,
         "error": predicted / measured - 1,
-        "predicted_pow2": pinned.terms["offload_arena"], "measured_pow2": measured_pow2,
-        "error_pow2": pinned.terms["offload_arena"] / measured_pow2 - 1,
+        "predicted_pages": cuda.terms["offload_arena"], "measured_pages": measured_pages,
+        "error_pages": cuda.terms["offload_arena"] / measured_pages - 1,
         "before": before, "error_before": before / measured - 1,
         "predicted_per_rank": host.arena_per_rank, "stage_slots": {
             p.stage.index: list(p.host_slots) for p in prediction.stages},
-        "ranks": ranks, "cuda_terms": pinned.terms, "command": command[8:], "log": log,
+        "ranks": ranks, "cuda_terms": cuda.terms, "command": command[8:], "log": log,
         "wall_s": time.perf_counter() - started,
     }
 
@@ -186,7 +185,9 @@ PAPER_SEQS = (1024 * 1024, 1152 * 1024)
 
 
 def paper_rows() -> list[dict]:
-    """docs/estimate.md's candidates for 7B on 8 A800s (TP x CP = 8, SP), alpha 0."""
+    """docs/estimate.md's candidates for 7B on 8 A800s (TP x CP = 8, SP), alpha 0: what could
+    have stopped the published MEMO, taken to allocate its slots from PyTorch's pinned
+    (power-of-two, caching) allocator. Our trainer's slots are page-locked at their own size."""
     # The slot of the host model the issue found 2.3-2.6x too long (the attention output was
     # stored twice until commit db32dcc; the paper's case is about that model).
     ours = SlotShape.gpt(4096, 32, 8, attention_copies=2, statistics=True,
@@ -196,8 +197,8 @@ def paper_rows() -> list[dict]:
     process = CUDA_PROCESS_RESIDENT_BYTES
     kernel = int(PAPER_CAPACITY * KERNEL_PAGE_MAP_FRACTION)
     candidates = [
-        ("today's model: alpha 0, exact bytes, n - 2 slots", {"pinned": False}),
-        ("+ power-of-two pinned blocks", {}),
+        ("old model: alpha 0, exact bytes, n - 2 slots", {"pinned": False}),
+        ("+ PyTorch's power-of-two pinned blocks", {}),
         ("+ a slot for all n layers", {"pinned": False, "all_layers": True}),
         ("+ 8 processes (CUDA context, 2.06 GB each) + kernel page map (1/64)",
          {"pinned": False, "process_bytes": process, "os_reserved_bytes": kernel}),
@@ -238,14 +239,14 @@ def write(rows: list[dict], paper: list[dict], path: Path) -> None:
         "`> MEMO host slots` line), summed over the node's two ranks.",
         "",
         "| config | layout | measured B/node | predicted B/node | error | before (max x ranks) "
-        "| its error | measured as pow2 blocks | predicted pinned (CUDA) | error |",
+        "| its error | measured in whole pages | predicted page-locked (CUDA) | error |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['config']} | {r['description']} | {r['measured_arena']:,} | "
                      f"{r['predicted_arena']:,} | {100 * r['error']:+.2f}% | {r['before']:,} | "
-                     f"{100 * r['error_before']:+.1f}% | {r['measured_pow2']:,} | "
-                     f"{r['predicted_pow2']:,} | {100 * r['error_pow2']:+.2f}% |")
+                     f"{100 * r['error_before']:+.1f}% | {r['measured_pages']:,} | "
+                     f"{r['predicted_pages']:,} | {100 * r['error_pages']:+.2f}% |")
     lines += ["", "Per rank (measured: slots, bytes allocated, process RSS after iteration 1; "
               "predicted: the rank's own stage):", "",
               "| config | rank | stage | slots | measured B | predicted B | RSS MiB |",

@@ -14,7 +14,8 @@ Ordering between actors is expressed only through :class:`CopyEvent` objects:
   it reads the prefetched data. Forgetting either is a race, not an error message.
 - ``record_compute()``: an event for "compute issued so far", to hand to a copy as ``after``.
 
-On CUDA this maps one-to-one onto two side streams, ``torch.cuda.Event`` and pinned host memory.
+On CUDA this maps one-to-one onto two side streams, ``torch.cuda.Event`` and page-locked host
+memory.
 On CPU there are no streams, so the protocol would collapse into synchronous copies and a missing
 ``wait`` could never be observed in a test. Instead each direction gets a real single-thread
 worker (``ThreadPoolExecutor(max_workers=1)``, hence FIFO) and an event wraps a ``Future``;
@@ -31,9 +32,12 @@ from __future__ import annotations
 
 import abc
 import math
+import mmap
 import os
 import threading
 import time
+import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -62,6 +66,11 @@ CUDA_FRAGMENTATION_RESERVE = 0.05
 # torch.cuda._sleep counts GPU clock cycles, not seconds; this approximate SM clock (Hz) turns
 # copy_delay_s into cycles on CUDA. The delay is only a test aid, so "roughly" is enough.
 _APPROX_GPU_CLOCK_HZ = 1.5e9
+
+# cudaHostRegisterDefault: with unified virtual addressing (every 64-bit platform CUDA supports)
+# the registered range is portable and mapped for every device (CUDA runtime API,
+# cudaHostRegister).
+_HOST_REGISTER_DEFAULT = 0
 
 OFFLOAD = "offload"    # device -> host (D2H)
 PREFETCH = "prefetch"  # host -> device (H2D)
@@ -166,6 +175,8 @@ class _CpuCopier:
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    alloc_host_cached = alloc_host
+
     def submit(self, direction: str, dst: torch.Tensor, src: torch.Tensor,
                after: CopyEvent | None) -> CopyEvent:
         # The tensors travel in a list the copy empties: the pool's work item keeps its
@@ -211,8 +222,35 @@ class _CpuCopier:
             worker.shutdown(wait=True)
 
 
+class _PageLock:
+    """The page-locked range under one buffer of :meth:`_CudaCopier.alloc_host`."""
+
+    def __init__(self, cudart, ptr: int, mapping: mmap.mmap):
+        self.cudart = cudart
+        self.ptr = ptr
+        self.mapping = mapping  # stays mapped until unregistered
+        self.last_copy: torch.cuda.Event | None = None
+
+    def release(self) -> None:
+        """Unregister once the last copy queued on the range has finished, then unmap it.
+        PyTorch records no event for host memory outside its pinned allocator (its copy
+        kernel ignores CachingHostAllocator_recordEvent's refusal), so the wait is ours."""
+        if self.last_copy is not None:
+            self.last_copy.synchronize()
+        status = self.cudart.cudaHostUnregister(self.ptr)
+        if status != self.cudart.cudaError.success:
+            warnings.warn(f"cudaHostUnregister of a MEMO host buffer failed: "
+                          f"{self.cudart.cudaGetErrorString(status)}")
+        self.mapping = None  # munmap: the pages go back to the OS, nothing is cached
+
+
+def _release_page_lock(page_locks: dict[int, _PageLock], ptr: int) -> None:
+    page_locks.pop(ptr).release()
+
+
 class _CudaCopier:
-    """Two side streams (D2H and H2D) on the engine's device; events and pinned host memory."""
+    """Two side streams (D2H and H2D) on the engine's device; events and page-locked host
+    memory."""
 
     def __init__(self, device: torch.device, delay_s: float, stats: CopyStats,
                  lock: threading.Lock):
@@ -226,8 +264,37 @@ class _CudaCopier:
         }
         # (direction, nbytes, start event, end event) of copies not yet counted in stats.
         self._pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
+        # alloc_host's live buffers by address: what a copy into or out of one must wait for.
+        self._page_locks: dict[int, _PageLock] = {}
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
+        # Not torch.empty(pin_memory=True): PyTorch's pinned CachingHostAllocator rounds every
+        # block up to a power of two and keeps freed blocks (docs/estimate.md, "Host memory"),
+        # so an 8 GiB + 64 MiB slot would hold 16 GiB. An anonymous mapping starts on a page, so
+        # registering it locks exactly its own pages. Tensor.is_pinned() is True for registered
+        # memory (cudaPointerGetAttributes reports it as host memory) and non_blocking copies
+        # from and to it are asynchronous.
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)  # cudaHostRegister refuses an empty range
+        mapping = mmap.mmap(-1, nbytes)
+        # The tensor's storage keeps the object it was made from (torch.frombuffer), here a
+        # memoryview, and drops it when the storage dies: the view's finalizer is the storage's.
+        view = memoryview(mapping)
+        host = torch.frombuffer(view, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        status = cudart.cudaHostRegister(host.data_ptr(), nbytes, _HOST_REGISTER_DEFAULT)
+        if status != cudart.cudaError.success:
+            raise RuntimeError(
+                f"MEMO could not page-lock a host buffer of {nbytes} bytes (cudaHostRegister: "
+                f"{cudart.cudaGetErrorString(status)}); lower --memo-host-memory-gb or raise the "
+                "locked-memory limit (ulimit -l)")
+        self._page_locks[host.data_ptr()] = _PageLock(cudart, host.data_ptr(), mapping)
+        # Not at exit: the driver drops a process's registrations with its context.
+        weakref.finalize(view, _release_page_lock, self._page_locks,
+                         host.data_ptr()).atexit = False
+        return host
+
+    def alloc_host_cached(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def submit(self, direction: str, dst: torch.Tensor, src: torch.Tensor,
@@ -249,11 +316,16 @@ class _CudaCopier:
             dst.copy_(src, non_blocking=True)
             end.record(stream)
         # The caching allocator must not hand the device side to someone else before the copy
-        # stream is done with it. The pinned host side needs nothing: a non_blocking copy records
-        # its own event with PyTorch's pinned host allocator.
-        # A pluggable allocator (--memo-plan, --memo-stitching-allocator) hears of it only
-        # through memo_ext.device_memory.
+        # stream is done with it. A pluggable allocator (--memo-plan,
+        # --memo-stitching-allocator) hears of it only through memo_ext.device_memory.
         record_stream((src if direction == OFFLOAD else dst), stream)
+        # The host side: alloc_host's buffer stays locked and mapped until this copy ends; an
+        # alloc_host_cached one is guarded by the event the copy records with PyTorch's
+        # pinned allocator.
+        host = dst if direction == OFFLOAD else src
+        page_lock = self._page_locks.get(host.untyped_storage().data_ptr())
+        if page_lock is not None:
+            page_lock.last_copy = end
         self.refresh_stats()
         self._pending.append((direction, dst.numel(), start, end))
         return _CudaEvent(end)
@@ -332,9 +404,18 @@ class CopyEngine:
         return torch.empty(_check_nbytes(nbytes), dtype=torch.uint8, device=self.device)
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
-        """An uninitialised uint8 host buffer of ``nbytes`` bytes (pinned on CUDA, so copies can
-        be asynchronous; note PyTorch's pinned allocator rounds blocks up to a power of two)."""
+        """A uint8 host buffer of ``nbytes`` bytes (contents undefined), on CUDA page-locked at
+        its own size (whole pages) so copies can be asynchronous; it goes back to the OS when
+        its storage dies, once the last copy queued on it has finished. For long-lived buffers
+        such as MEMO's host slots: each allocation registers its pages with the driver."""
         return self._copier.alloc_host(_check_nbytes(nbytes))
+
+    def alloc_host_cached(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised uint8 host buffer of ``nbytes`` bytes from PyTorch's pinned
+        CachingHostAllocator on CUDA: each block rounded up to a power of two and, once freed,
+        kept for the next request of its size. For buffers allocated anew every iteration
+        (SPPO's offloaded tensors), where re-registering pages each time would cost more."""
+        return self._copier.alloc_host_cached(_check_nbytes(nbytes))
 
     # --- copies
     def offload(self, dst_host: torch.Tensor, src_device: torch.Tensor,
@@ -433,7 +514,7 @@ def measure_offload_bandwidth(engine: CopyEngine, nbytes: int = DEFAULT_BANDWIDT
                               repeats: int = 3,
                               barrier: Callable[[], None] | None = None) -> float:
     """Achieved device -> host bandwidth in bytes/s: ``repeats`` offloads of ``nbytes`` bytes
-    from a device buffer into a (pinned, on CUDA) host buffer, timed per copy by the engine
+    from a device buffer into a (page-locked, on CUDA) host buffer, timed per copy by the engine
     (``stats``, so ``copy_delay_s`` is not counted).
 
     MEMO's alpha must use the bandwidth a rank gets while every rank of its node copies at once

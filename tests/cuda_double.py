@@ -13,6 +13,9 @@ listed in docs/gpu.md as PyTorch documents them, raising where PyTorch raises:
   recorded), ``Tensor.record_stream``; an NCCL stream (:meth:`CudaDouble.nccl_stream`) stands
   for the internal stream a process group's collectives run on;
 - pinned host memory: ``torch.empty(..., pin_memory=True)`` gives ordinary host memory, counted;
+- page-locked host memory: ``cuda.cudart()``'s ``cudaHostRegister`` / ``cudaHostUnregister``
+  (:class:`FakeCudart`: every call recorded, overlapping or unknown ranges refused with the
+  runtime's error codes, an optional cap on locked bytes as the driver's refusal);
 - memory statistics (``memory_allocated``, ``memory_reserved``, ``max_memory_*``,
   ``reset_peak_memory_stats``, ``memory_stats``, ``empty_cache``,
   ``set_per_process_memory_fraction``) and snapshots (``memory._record_memory_history``,
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import itertools
 import pickle
 import time
@@ -125,6 +129,64 @@ class FakeEvent:
         return (end._time - self._time) * 1e3
 
 
+class FakeCudaError(enum.IntEnum):
+    """``torch.cuda.cudart().cudaError``; PyTorch's binding names only ``success``, the other
+    values come back unnamed from the runtime (driver_types.h)."""
+
+    success = 0
+    invalid_value = 1
+    memory_allocation = 2
+    host_memory_already_registered = 712
+    host_memory_not_registered = 713
+
+
+_CUDA_ERROR_STRINGS = {
+    FakeCudaError.success: "no error",
+    FakeCudaError.invalid_value: "invalid argument",
+    FakeCudaError.memory_allocation: "out of memory",
+    FakeCudaError.host_memory_already_registered:
+        "part or all of the requested memory range is already mapped",
+    FakeCudaError.host_memory_not_registered:
+        "pointer does not correspond to a registered memory region",
+}
+
+
+class FakeCudart:
+    """``torch.cuda.cudart()`` (torch/csrc/cuda/shared/cudart.cpp): host registration returns
+    a ``cudaError`` instead of raising. ``lockable_bytes`` caps the bytes registered at once
+    (None: no cap), standing for the driver refusing to lock more."""
+
+    cudaError = FakeCudaError
+
+    def __init__(self):
+        self.registered: dict[int, int] = {}  # address -> bytes
+        self.register_calls: list[tuple[int, int, int]] = []  # (address, bytes, flags)
+        self.unregister_calls: list[int] = []
+        self.lockable_bytes: Optional[int] = None
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> FakeCudaError:
+        self.register_calls.append((ptr, size, flags))
+        if size == 0:
+            return FakeCudaError.invalid_value
+        if any(ptr < start + length and start < ptr + size
+               for start, length in self.registered.items()):
+            return FakeCudaError.host_memory_already_registered
+        if (self.lockable_bytes is not None
+                and sum(self.registered.values()) + size > self.lockable_bytes):
+            return FakeCudaError.memory_allocation
+        self.registered[ptr] = size
+        return FakeCudaError.success
+
+    def cudaHostUnregister(self, ptr: int) -> FakeCudaError:
+        self.unregister_calls.append(ptr)
+        if self.registered.pop(ptr, None) is None:
+            return FakeCudaError.host_memory_not_registered
+        return FakeCudaError.success
+
+    def cudaGetErrorString(self, error: FakeCudaError) -> str:
+        return _CUDA_ERROR_STRINGS[error]
+
+
 def _index(device) -> int:
     if device is None:
         return torch.cuda.current_device()
@@ -182,6 +244,7 @@ class CudaDouble:
         self.history_enabled = False
         self.memory_fraction = [1.0] * device_count
         self.pinned_bytes = 0
+        self.cudart = FakeCudart()
         self.recorded_streams: list[tuple[int, int]] = []  # (data_ptr, stream) the allocator saw
         self.dropped_record_streams = 0  # record_stream calls a pluggable allocator never saw
         self._default = [FakeStream(d, handle=0) for d in range(device_count)]
@@ -365,6 +428,7 @@ class CudaDouble:
             "reset_peak_memory_stats": self.reset_peak_memory_stats,
             "empty_cache": self.empty_cache,
             "set_per_process_memory_fraction": self.set_per_process_memory_fraction,
+            "cudart": lambda: self.cudart,
         }
         for name, value in patches.items():
             monkeypatch.setattr(cuda, name, value)

@@ -34,7 +34,7 @@ def _all_ranks_minimum(value: float) -> float:
 
 class _LabelledCopyEngine(CopyEngine):
     """A CopyEngine whose device buffers (MEMO's rounding buffers) telemetry counts as
-    "offload"."""
+    "offload", and its host buffers (MEMO's slots) as host."""
 
     def __init__(self, device, telemetry: MemoryTelemetry):
         super().__init__(device)
@@ -43,6 +43,12 @@ class _LabelledCopyEngine(CopyEngine):
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         with self._telemetry.offload_allocations():
             return super().alloc_device(nbytes)
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        # On CUDA the slot is mapped and page-locked, not made by an op the tracker sees.
+        host = super().alloc_host(nbytes)
+        self._telemetry.tracker.mark_host(host)
+        return host
 
 
 def _compute_device() -> torch.device:
@@ -136,23 +142,19 @@ def build_memo_offload(args: argparse.Namespace, log,
 
 def host_slots_line(memo: MemoOffload, iteration: int) -> str:
     """This rank's host slots now (every slot is free between iterations): count, bytes as
-    allocated, bytes as pinned power-of-two blocks (what CUDA's pinned allocator takes for
-    them), on CUDA what that allocator holds (cached blocks included), and the process's
-    resident memory (memo_ext.estimate.host_memory compares its prediction with these)."""
+    allocated, bytes in whole pages (what page-locking them takes on CUDA) and the process's
+    resident memory, which on CUDA includes the locked pages (memo_ext.estimate.host_memory
+    compares its prediction with these)."""
     import psutil
 
-    from memo_ext.estimate.host_memory import pinned_block_bytes
+    from memo_ext.host_pages import page_locked_bytes
 
     slots = [slot.numel() for free in memo.manager.host_slots.free.values() for slot in free]
-    pinned = ""
-    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
-        held = torch.cuda.host_memory_stats().get("allocated_bytes.current")
-        pinned = f" | pinned allocator holds {held} B"
     return (f"> MEMO host slots [rank {dist.get_rank()}, pipeline stage "
             f"{parallel_state.get_pipeline_model_parallel_rank()}, after iteration {iteration}, "
             f"alpha {memo.alpha:.4f}]: {len(slots)} slots, "
             f"{memo.manager.host_slots.allocated_bytes} B allocated, "
-            f"{sum(pinned_block_bytes(n) for n in slots)} B as power-of-two blocks{pinned} | "
+            f"{sum(page_locked_bytes(n) for n in slots)} B in whole pages | "
             f"process RSS {psutil.Process().memory_info().rss} B")
 
 

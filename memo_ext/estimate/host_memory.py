@@ -6,22 +6,15 @@ A node's host memory holds, as separate named terms (:class:`NodeHostMemory`):
     Every local rank's host slots, each rank its own stage's: the slots a trace records in
     pool "host" (memo_ext.planner.trace), i.e. what MEMO's offload allocates at the traced
     alpha, checkpoint-offloaded layers and fp8 choice, one slot per (offloaded layer,
-    micro-batch in flight). On CUDA each slot is one block of PyTorch's pinned
-    ``CachingHostAllocator``, which rounds every block up to a power of two
-    (aten/src/ATen/core/CachingHostAllocator.h, ``allocate``:
-    ``roundSize = c10::llvm::PowerOf2Ceil(size)``; read at pytorch/pytorch
-    04456333a3945434205e77ea1e604a5b51684795). On CPU a slot is an ordinary tensor of its
-    bytes. Ranks differ by pipeline stage (1F1B keeps ``min(PP - s, m)`` micro-batches in
-    flight on stage s; :func:`stage_of_rank` follows megatron's rank order, PP outermost);
-    DP replicas and TP/CP ranks of a stage each hold their own slots.
-``alpha0_cached``
-    Only for ``--memo-alpha auto`` (:func:`cached_pinned_bytes`): its measuring iterations
-    run at alpha 0 and allocate slots of that size; when the LP then raises alpha the pool
-    drops them (``HostSlotPool.reset``) and allocates larger ones. PyTorch's pinned allocator
-    never returns a freed block to the OS (``free`` puts it on its bucket's free list; only
-    ``empty_cache`` frees), and a cached block serves only a request of its own power-of-two
-    bucket (``get_free_block`` looks in one bucket), so a slot that changed bucket is held
-    twice. Zero on CPU, where the dropped tensors go back to the C allocator.
+    micro-batch in flight). On CUDA each slot is mapped at its own size and page-locked
+    (memo_ext.device, ``CopyEngine.alloc_host``), so it takes its bytes rounded up to whole
+    pages (memo_ext.host_pages). On CPU a slot is an ordinary tensor of its bytes. Ranks
+    differ by pipeline stage (1F1B keeps ``min(PP - s, m)`` micro-batches in flight on stage
+    s; :func:`stage_of_rank` follows megatron's rank order, PP outermost); DP replicas and
+    TP/CP ranks of a stage each hold their own slots. Nothing is held beyond the live slots:
+    when ``--memo-alpha auto`` raises alpha after its alpha-0 measuring iterations, the pool
+    drops those slots (``HostSlotPool.reset``), and a dropped slot is unregistered and
+    unmapped, its pages back with the OS, before the larger ones are allocated.
 ``process_resident``
     Per process: the CUDA context, CUDA libraries and PyTorch. ``CUDA_PROCESS_RESIDENT_BYTES``:
     2,056,600 kB maximum RSS of a process that initialised CUDA and created one tensor
@@ -41,13 +34,17 @@ A node's host memory holds, as separate named terms (:class:`NodeHostMemory`):
 :func:`node_host_memory` sums them for the worst node of a layout; the estimator's
 :class:`memo_ext.estimate.layout.Prediction` calls :func:`prediction_host_memory`.
 :func:`memo_paper_host_limit` is the arithmetic of docs/estimate.md's out-of-host-memory case.
+It alone keeps PyTorch's pinned ``CachingHostAllocator`` (:func:`pinned_block_bytes`): the
+published MEMO system is modelled as allocating its slots there, which our trainer no longer
+does.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
+
+from memo_ext.host_pages import page_locked_bytes
 
 GiB = 1 << 30
 
@@ -60,12 +57,10 @@ DEFAULT_PREFETCH_FACTOR = 2
 #: The kernel's page map: sizeof(struct page) / page size on x86-64.
 KERNEL_PAGE_MAP_FRACTION = 64 / 4096
 
-TERMS = ("offload_arena", "alpha0_cached", "process_resident", "data_loader", "os_reserved")
+TERMS = ("offload_arena", "process_resident", "data_loader", "os_reserved")
 SOURCES = {
-    "offload_arena": "trace pool 'host' at the traced alpha; CUDA: each slot rounded to a power "
-                     "of two (PyTorch CachingHostAllocator.h allocate)",
-    "alpha0_cached": "--memo-alpha auto: alpha-0 slots of the measuring iterations kept by the "
-                     "pinned allocator's cache when the slots change bucket",
+    "offload_arena": "trace pool 'host' at the traced alpha; CUDA: each slot page-locked at its "
+                     "own size, whole 4 KiB pages (memo_ext.device alloc_host)",
     "process_resident": "CUDA context + libraries + PyTorch per process, 2.06 GB max RSS "
                         "(pytorch/pytorch#113326)",
     "data_loader": f"{BATCH_BYTES_PER_TOKEN} B per token per micro-batch held, workers' RSS if "
@@ -75,9 +70,11 @@ SOURCES = {
 
 
 def pinned_block_bytes(nbytes: int) -> int:
-    """Bytes a block of PyTorch's pinned host allocator takes for a request of ``nbytes``: the
-    next power of two (``c10::llvm::PowerOf2Ceil``; the LP's memo_ext.offload.alpha.next_pow2,
-    not imported: that package imports megatron, which the estimator does not need)."""
+    """Bytes a block of PyTorch's pinned ``CachingHostAllocator`` takes for a request of
+    ``nbytes``: the next power of two (aten/src/ATen/core/CachingHostAllocator.h, ``allocate``:
+    ``roundSize = c10::llvm::PowerOf2Ceil(size)``; read at pytorch/pytorch
+    04456333a3945434205e77ea1e604a5b51684795). For :func:`memo_paper_host_limit` only: the
+    published MEMO system's slots; ours are page-locked at their own size."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     return 0 if nbytes == 0 else 1 << (int(nbytes) - 1).bit_length()
@@ -104,26 +101,9 @@ def host_slot_bytes(trace) -> list[int]:
     return at_peak
 
 
-def arena_bytes(slots: Iterable[int], pinned: bool) -> int:
-    """Host bytes of ``slots``: each a pinned block (power of two) when ``pinned``."""
-    return sum(pinned_block_bytes(int(s)) if pinned else int(s) for s in slots)
-
-
-def cached_pinned_bytes(phases: Sequence[Sequence[int]]) -> int:
-    """Bytes PyTorch's pinned ``CachingHostAllocator`` holds after ``phases`` of slot requests,
-    every block of a phase freed (cached) before the next starts (HostSlotPool.reset after
-    alpha changed): a request takes a cached block of its own power-of-two bucket if one is
-    free, else a new block is made; no block is ever returned."""
-    held: Counter = Counter()
-    for phase in phases:
-        free = Counter(held)
-        for nbytes in phase:
-            block = pinned_block_bytes(int(nbytes))
-            if free[block]:
-                free[block] -= 1
-            else:
-                held[block] += 1
-    return sum(block * count for block, count in held.items())
+def arena_bytes(slots: Iterable[int], page_locked: bool) -> int:
+    """Host bytes of ``slots``: each in whole pages when ``page_locked`` (CUDA)."""
+    return sum(page_locked_bytes(int(s)) if page_locked else int(s) for s in slots)
 
 
 @dataclass(frozen=True)
@@ -133,7 +113,6 @@ class StageSlots:
     index: int
     microbatches_in_flight: int
     slots: tuple[int, ...]
-    alpha0_slots: Optional[tuple[int, ...]] = None  # --memo-alpha auto: the measuring slots
 
 
 def stage_of_rank(rank: int, tp: int, cp: int, dp: int) -> int:
@@ -141,29 +120,16 @@ def stage_of_rank(rank: int, tp: int, cp: int, dp: int) -> int:
     return rank // (tp * cp * dp)
 
 
-def stage_arena(stage: int, traced: dict[int, StageSlots], pp: int, pinned: bool) -> int:
+def stage_arena(stage: int, traced: dict[int, StageSlots], pp: int, page_locked: bool) -> int:
     """One rank's slot bytes on ``stage``: its own trace's, else (a middle stage) stage 0's
     slots for ``min(PP - s, k0)`` micro-batches in flight instead of k0 (every offloaded layer
     holds one equal slot per micro-batch in flight; with k0 = 1 all stages hold stage 0's)."""
     if stage in traced:
-        return arena_bytes(traced[stage].slots, pinned)
+        return arena_bytes(traced[stage].slots, page_locked)
     first = traced[0]
     k0 = first.microbatches_in_flight
     k = min(pp - stage, k0)
-    return arena_bytes(first.slots, pinned) * k // k0
-
-
-def stage_alpha0_cached(stage: int, traced: dict[int, StageSlots], pp: int) -> int:
-    """--memo-alpha auto on CUDA: bytes the pinned cache holds beyond the stage's arena (the
-    measuring iterations' alpha-0 slots that the alpha slots could not reuse)."""
-    source = traced.get(stage, traced[0])
-    if source.alpha0_slots is None:
-        return 0
-    held = cached_pinned_bytes([source.alpha0_slots, source.slots])
-    extra = held - arena_bytes(source.slots, True)
-    if stage in traced:
-        return extra
-    return extra * min(pp - stage, source.microbatches_in_flight) // source.microbatches_in_flight
+    return arena_bytes(first.slots, page_locked) * k // k0
 
 
 @dataclass
@@ -175,7 +141,7 @@ class NodeHostMemory:
     arena_per_rank: list[int]
     terms: dict[str, int]
     capacity_bytes: Optional[int] = None
-    pinned: bool = True
+    page_locked: bool = True
     sources: dict[str, str] = field(default_factory=lambda: dict(SOURCES))
 
     @property
@@ -184,7 +150,7 @@ class NodeHostMemory:
 
     @property
     def arena_bytes(self) -> int:
-        return self.terms["offload_arena"] + self.terms["alpha0_cached"]
+        return self.terms["offload_arena"]
 
     @property
     def fits(self) -> bool:
@@ -201,29 +167,30 @@ class NodeHostMemory:
 
 
 def node_host_memory(*, tp: int, cp: int, pp: int, dp: int, stages: Sequence[StageSlots],
-                     ranks_per_node: int, seq: int, micro_batch: int = 1, pinned: bool = True,
+                     ranks_per_node: int, seq: int, micro_batch: int = 1,
+                     page_locked: bool = True,
                      capacity_bytes: Optional[int] = None,
                      process_bytes: Optional[int] = None, num_workers: int = 0,
                      prefetch_factor: int = DEFAULT_PREFETCH_FACTOR, worker_bytes: int = 0,
                      os_reserved_bytes: Optional[int] = None) -> NodeHostMemory:
     """Host bytes of the worst node of a layout (the node whose terms sum highest).
 
-    ``stages``: the traced stages (stage 0 always; others as traced). ``pinned``: CUDA's
-    power-of-two pinned blocks (False on CPU). ``process_bytes``: per-process resident memory
-    (default: CUDA_PROCESS_RESIDENT_BYTES when ``pinned``, else 0: on CPU the process is the
-    device too and is not a host term). ``os_reserved_bytes``: default the kernel's page map
-    of ``capacity_bytes`` when ``pinned`` (a GPU node's installed memory; 0 on CPU, whose
-    capacity is the machine's page count, and without a capacity)."""
+    ``stages``: the traced stages (stage 0 always; others as traced). ``page_locked``: a CUDA
+    node, whose slots are page-locked in whole pages (False on CPU). ``process_bytes``:
+    per-process resident memory (default: CUDA_PROCESS_RESIDENT_BYTES on CUDA, else 0: on CPU
+    the process is the device too and is not a host term). ``os_reserved_bytes``: default the
+    kernel's page map of ``capacity_bytes`` on CUDA (a GPU node's installed memory; 0 on CPU,
+    whose capacity is the machine's page count, and without a capacity)."""
     traced = {stage.index: stage for stage in stages}
     if 0 not in traced:
         raise ValueError("node_host_memory needs stage 0's slots")
     gpus = tp * cp * pp * dp
     per_node = max(1, min(ranks_per_node, gpus))
     if process_bytes is None:
-        process_bytes = CUDA_PROCESS_RESIDENT_BYTES if pinned else 0
+        process_bytes = CUDA_PROCESS_RESIDENT_BYTES if page_locked else 0
     if os_reserved_bytes is None:  # a GPU node's capacity is its installed memory; the CPU
         # profile's is this machine's page count, the page map already taken
-        os_reserved_bytes = 0 if capacity_bytes is None or not pinned else \
+        os_reserved_bytes = 0 if capacity_bytes is None or not page_locked else \
             int(capacity_bytes * KERNEL_PAGE_MAP_FRACTION)
     batch = BATCH_BYTES_PER_TOKEN * micro_batch * seq
     loader = batch * (1 + num_workers * prefetch_factor) + num_workers * worker_bytes
@@ -231,12 +198,10 @@ def node_host_memory(*, tp: int, cp: int, pp: int, dp: int, stages: Sequence[Sta
     for node in range(-(-gpus // per_node)):
         ranks = list(range(node * per_node, min(gpus, (node + 1) * per_node)))
         stages_of = [stage_of_rank(rank, tp, cp, dp) for rank in ranks]
-        arenas = [stage_arena(s, traced, pp, pinned) for s in stages_of]
-        cached = sum(stage_alpha0_cached(s, traced, pp) for s in stages_of) if pinned else 0
-        terms = {"offload_arena": sum(arenas), "alpha0_cached": cached,
-                 "process_resident": process_bytes * len(ranks),
+        arenas = [stage_arena(s, traced, pp, page_locked) for s in stages_of]
+        terms = {"offload_arena": sum(arenas), "process_resident": process_bytes * len(ranks),
                  "data_loader": loader * len(ranks), "os_reserved": os_reserved_bytes}
-        candidate = NodeHostMemory(node, ranks, arenas, terms, capacity_bytes, pinned)
+        candidate = NodeHostMemory(node, ranks, arenas, terms, capacity_bytes, page_locked)
         if best is None or candidate.total_bytes > best.total_bytes:
             best = candidate
     return best
@@ -244,7 +209,7 @@ def node_host_memory(*, tp: int, cp: int, pp: int, dp: int, stages: Sequence[Sta
 
 def prediction_host_memory(prediction) -> NodeHostMemory:
     """The host model of a memo_ext.estimate.layout.Prediction: its traced stages' slots
-    (StagePrediction.host_slots), pinned rounding unless the profile is the CPU's."""
+    (StagePrediction.host_slots), page-locked unless the profile is the CPU's."""
     layout = prediction.layout
     stages = [StageSlots(p.stage.index, p.stage.microbatches_in_flight,
                          tuple(getattr(p, "host_slots", ()) or ()))
@@ -255,7 +220,7 @@ def prediction_host_memory(prediction) -> NodeHostMemory:
     return node_host_memory(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp,
                             stages=stages, ranks_per_node=prediction.ranks_per_node,
                             seq=prediction.seq, micro_batch=layout.micro_batch,
-                            pinned=not cpu, capacity_bytes=prediction.host_capacity_bytes)
+                            page_locked=not cpu, capacity_bytes=prediction.host_capacity_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,9 +260,12 @@ def memo_paper_host_limit(shape: SlotShape, seq: int, *, layers: int = 32, ranks
                           process_bytes: int = 0, os_reserved_bytes: int = 0) -> dict:
     """Node host bytes of MEMO at alpha 0 on ``ranks`` ranks of one stage (the paper's 8 GPUs),
     under the candidate mechanisms of docs/estimate.md: ``all_layers`` (a slot for all n
-    layers, not n - 2), ``pinned`` (power-of-two blocks), ``arena_copies`` (2: the alpha-0
-    arena held twice, --memo-alpha auto's cached measuring slots under the LP's new ones),
-    per-process and OS bytes. Returns the terms and whether they fit ``capacity_bytes``."""
+    layers, not n - 2), ``pinned`` (power-of-two blocks of PyTorch's pinned allocator),
+    ``arena_copies`` (2: the alpha-0 arena held twice, measuring slots kept in that
+    allocator's cache under the LP's new ones), per-process and OS bytes. Returns the terms
+    and whether they fit ``capacity_bytes``. The mechanisms are those of a system that
+    allocates its slots with ``torch.empty(pin_memory=True)``, as the published MEMO is taken
+    to; our trainer page-locks its slots at their own size (:func:`node_host_memory`)."""
     slots = layers if all_layers else layers - 2
     slot = shape.at(seq)
     block = pinned_block_bytes(slot) if pinned else slot
@@ -318,6 +286,6 @@ def longest_fitting_seq(fits, step: int = 65536, maximum: int = 8 << 20) -> int:
 
 
 __all__ = ["BATCH_BYTES_PER_TOKEN", "CUDA_PROCESS_RESIDENT_BYTES", "NodeHostMemory",
-           "SlotShape", "StageSlots", "TERMS", "arena_bytes", "cached_pinned_bytes",
+           "SlotShape", "StageSlots", "TERMS", "arena_bytes",
            "host_slot_bytes", "longest_fitting_seq", "memo_paper_host_limit",
            "node_host_memory", "pinned_block_bytes", "prediction_host_memory", "stage_of_rank"]

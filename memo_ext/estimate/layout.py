@@ -392,7 +392,7 @@ class Prediction:
     stages: list[StagePrediction]
     host_capacity_bytes: int
     ranks_per_node: int
-    device_type: str = "cuda"  # "cpu": the CPU trainer (no pinned memory)
+    device_type: str = "cuda"  # "cpu": the CPU trainer (no page-locked memory)
 
     @property
     def worst_stage(self) -> StagePrediction:
@@ -426,7 +426,7 @@ class Prediction:
     @property
     def host_memory(self):
         """The worst node's host bytes by named term (memo_ext.estimate.host_memory): each
-        local rank's own offload slots (pinned power-of-two blocks on CUDA), per-process and
+        local rank's own offload slots (page-locked, whole pages, on CUDA), per-process and
         data-loader memory, the kernel's page map."""
         if getattr(self, "_host_memory", None) is None:
             from memo_ext.estimate.host_memory import prediction_host_memory

@@ -155,7 +155,7 @@ class MemoOffload:
         self.shape = shape
         self.host_memory_bytes = host_memory_bytes
         self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
-        self.pinned_rounding = engine.device.type == "cuda"
+        self.page_locked = engine.device.type == "cuda"  # CopyEngine.alloc_host's slots
         self.log = log
         # Ranks measure slightly different layer times; TP/SP collectives in the token-split
         # forward need every rank to use the same alpha (the trainer passes an all-reduce MIN),
@@ -214,7 +214,7 @@ class MemoOffload:
             host_memory_bytes=self.host_memory_bytes,
             offloaded_layers=self.offloaded_layer_count,
             microbatches_in_flight=self.microbatches_in_flight,
-            pinned_rounding=self.pinned_rounding,
+            page_locked=self.page_locked,
             interior_extra_bytes=self.shape.interior_extra_bytes,
             rounding_buffers=self.config.offload_buffers,
         )

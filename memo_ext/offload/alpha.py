@@ -1,6 +1,7 @@
 """MEMO's linear program for alpha, the fraction of tokens of the alpha-split tensors offloaded.
 
-Per pipeline stage (memo.md "Choosing alpha (LP)", extended for pipelining and pinned memory)::
+Per pipeline stage (memo.md "Choosing alpha (LP)", extended for pipelining and page-locked
+memory)::
 
     max alpha
     s.t. (S_in + S_attn + alpha*S_oth) / B <= T_layer              # copy hides under compute
@@ -31,17 +32,18 @@ Per pipeline stage (memo.md "Choosing alpha (LP)", extended for pipelining and p
   Without either (no way to read the device's capacity, e.g. the CPU stand-in without a
   simulated cap) the row is left out.
 
-Counting host bytes (``cost``). The host arena is allocated as one pinned block per
+Counting host bytes (``cost``). The host arena is allocated as one buffer per
 (layer, in-flight micro-batch) slot, each slot holding one layer's offloaded bytes
-``S(alpha) = S_in + S_attn + ceil(alpha * S_oth)``. With ``pinned_rounding`` the block comes from
-PyTorch's CUDA ``CachingHostAllocator``, which rounds every block up to a power of two, so a
-slot costs ``next_pow2(S(alpha))`` bytes; without it a slot costs ``S(alpha)``. The ceiling makes
-the count conservative: an offload manager that sends ``floor(alpha * s)`` of ``s`` tokens to
-host never needs more than the slot it was sized for.
+``S(alpha) = S_in + S_attn + ceil(alpha * S_oth)``. With ``page_locked`` (CUDA) the slot is
+page-locked at its own size (memo_ext.device, ``CopyEngine.alloc_host``), which takes whole
+pages, so it costs ``page_locked_bytes(S(alpha))``: ``S`` rounded up to HOST_PAGE_BYTES
+(memo_ext.host_pages); without it (CPU) a slot costs ``S(alpha)``. The ceiling makes the
+count conservative: an offload manager that sends ``floor(alpha * s)`` of ``s`` tokens to host
+never needs more than the slot it was sized for.
 
 The closed form (:func:`solve_alpha`) is exact, rounding included: a slot fits a per-slot budget
-``P = M_host // N`` iff ``next_pow2(S) <= P`` iff ``S <= prevpow2(P)`` (largest power of two
-``<= P``), which is again linear in alpha. :func:`solve_alpha_lp` solves the same LP (without
+``P = M_host // N`` iff ``page_locked_bytes(S) <= P`` iff ``S <= P`` rounded down to a whole
+page, which is again linear in alpha. :func:`solve_alpha_lp` solves the same LP (without
 rounding) with HiGHS so the tests can cross-check it.
 
 If even alpha = 0 does not fit host memory, the decision says so
@@ -55,6 +57,8 @@ import math
 from typing import Optional
 from dataclasses import dataclass
 
+from memo_ext.host_pages import HOST_PAGE_BYTES, page_locked_bytes
+
 #: Bytes per GB in logs (10**9, the convention of PCIe GB/s figures).
 _GB = 1e9
 
@@ -63,20 +67,6 @@ LIMITED_BY_BANDWIDTH = "bandwidth"
 LIMITED_BY_HOST_MEMORY = "host_memory"
 LIMITED_BY_DEVICE_MEMORY = "device_memory"
 LIMITED_BY_NOTHING = "none"  # alpha = 1: every token offloaded, both constraints slack
-
-
-def next_pow2(nbytes: int) -> int:
-    """Smallest power of two >= ``nbytes`` (0 for 0): what one pinned host block costs, bytes."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    return 0 if nbytes == 0 else 1 << (int(nbytes) - 1).bit_length()
-
-
-def prev_pow2(nbytes: int) -> int:
-    """Largest power of two <= ``nbytes`` (0 for 0), bytes."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    return 0 if nbytes == 0 else 1 << (int(nbytes).bit_length() - 1)
 
 
 @dataclass(frozen=True)
@@ -94,8 +84,8 @@ class AlphaInputs:
             (see :func:`offloaded_layers`).
         microbatches_in_flight: k, micro-batches whose activations are held at once on this
             stage (see :func:`microbatches_in_flight`), >= 1.
-        pinned_rounding: count each (layer, micro-batch) slot as ``next_pow2`` of its bytes
-            (True for CUDA pinned memory from the CachingHostAllocator).
+        page_locked: count each (layer, micro-batch) slot as its bytes rounded up to whole
+            pages (True on CUDA, where the slots are page-locked at their own size).
         device_memory_bytes: optional device budget M_dev for MEMO's activations: the R
             rounding buffers plus one layer's recompute working set at alpha = 0
             (R*(S_in + S_attn) + S_oth), plus R*alpha*S_oth for the buffers' growth with alpha.
@@ -119,7 +109,7 @@ class AlphaInputs:
     host_memory_bytes: int
     offloaded_layers: int
     microbatches_in_flight: int
-    pinned_rounding: bool
+    page_locked: bool
     device_memory_bytes: Optional[int] = None
     device_headroom_bytes: Optional[int] = None
     interior_extra_bytes: int = 0
@@ -150,7 +140,7 @@ class AlphaInputs:
 
     @property
     def host_slots(self) -> int:
-        """N = (n - 2) * k: pinned host blocks of this rank's arena."""
+        """N = (n - 2) * k: host slots of this rank's arena."""
         return int(self.offloaded_layers) * int(self.microbatches_in_flight)
 
     def slot_bytes(self, alpha: float) -> int:
@@ -160,9 +150,9 @@ class AlphaInputs:
         return self.whole_bytes + extra + math.ceil(alpha * self.other_bytes)
 
     def slot_cost_bytes(self, alpha: float) -> int:
-        """Host bytes one slot occupies at ``alpha`` (rounded to a power of two if pinned_rounding)."""
+        """Host bytes one slot occupies at ``alpha`` (whole pages if page_locked)."""
         nbytes = self.slot_bytes(alpha)
-        return next_pow2(nbytes) if self.pinned_rounding else nbytes
+        return page_locked_bytes(nbytes) if self.page_locked else nbytes
 
     def host_bytes_needed(self, alpha: float) -> int:
         """Host bytes of the whole arena at ``alpha``: N * slot cost."""
@@ -254,9 +244,9 @@ def _host_bound(inputs: AlphaInputs) -> float:
         return math.inf
     # All slots are equal, so N * cost(S) <= M  <=>  cost(S) <= M // N (integers).
     per_slot = int(inputs.host_memory_bytes) // slots
-    if inputs.pinned_rounding:
-        # next_pow2(S) <= per_slot  <=>  S <= prev_pow2(per_slot).
-        per_slot = prev_pow2(per_slot)
+    if inputs.page_locked:
+        # S rounded up to a page <= per_slot  <=>  S <= per_slot rounded down to a page.
+        per_slot -= per_slot % HOST_PAGE_BYTES
     # The budget is an integer, so whole + ceil(alpha*S_oth) <= budget  <=>
     # alpha*S_oth <= budget - whole. (Versus the continuous LP bound (M/N - whole)/S_oth this
     # loses less than 1/S_oth.)
@@ -286,7 +276,7 @@ def host_memory_shortfall(inputs: AlphaInputs) -> int:
 def solve_alpha(inputs: AlphaInputs) -> AlphaDecision:
     """Solve the alpha LP in closed form: alpha = clip01(min(bandwidth bound, host bound)).
 
-    The returned alpha satisfies ``inputs.fits_host(alpha)`` exactly (pinned rounding and the
+    The returned alpha satisfies ``inputs.fits_host(alpha)`` exactly (page rounding and the
     ceil of the slot bytes included) whenever alpha = 0 fits; floating-point rounding of the
     bound is corrected by stepping alpha down to the next representable float.
     """
@@ -322,7 +312,7 @@ def solve_alpha(inputs: AlphaInputs) -> AlphaDecision:
 
 
 def solve_alpha_lp(inputs: AlphaInputs) -> float:
-    """The same LP without pinned rounding (``pinned_rounding`` is ignored), solved by HiGHS.
+    """The same LP without page rounding (``page_locked`` is ignored), solved by HiGHS.
 
     Uses ``pulp.HiGHS(msg=False)``, or CBC (``pulp.PULP_CBC_CMD``) when HiGHS is unavailable.
     Rows are scaled by S_in + S_attn + S_oth so the solver's tolerances are relative. Returns
@@ -384,7 +374,7 @@ def format_alpha_log(inputs: AlphaInputs, decision: AlphaDecision) -> str:
         f"S_oth {inputs.other_bytes / _GB:.3f} GB | B {inputs.bandwidth_bytes_per_s / _GB:.2f} GB/s, "
         f"T_layer {inputs.layer_forward_s * 1e3:.2f} ms | host {inputs.host_memory_bytes / _GB:.3f} GB "
         f"for {inputs.offloaded_layers} layers x {inputs.microbatches_in_flight} micro-batches, "
-        f"pinned pow2 rounding {'on' if inputs.pinned_rounding else 'off'}, "
+        f"slots {'page-locked, whole pages' if inputs.page_locked else 'at their bytes'}, "
         f"needs {decision.host_bytes_needed / _GB:.3f} GB at alpha | device: {_device_text(inputs)}"
     )
 

@@ -18,7 +18,7 @@ with ``c``, the number of (b) layers among a stage's ``N`` offloaded layers::
          the bandwidth and device rows of the alpha LP for the (a) layers (memo_ext.offload.alpha)
 
 with ``f`` the position-wise share of a layer's forward FLOPs (the part (a) recomputes) and
-``cost`` a pinned slot's bytes. For a fixed ``c`` this is the alpha LP with the host budget less
+``cost`` a slot's host bytes (whole pages on CUDA, memo_ext.offload.alpha). For a fixed ``c`` this is the alpha LP with the host budget less
 the (b) slots, solved in closed form (:func:`memo_ext.offload.alpha.solve_alpha`); ``c`` has at
 most a few dozen values, so every one is solved and the cheapest kept (ties: fewer (b) layers).
 Which layers take (b) does not change the cost; they are spread evenly over the stage
@@ -33,10 +33,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from memo_ext.host_pages import page_locked_bytes
 from memo_ext.offload.alpha import (
     AlphaDecision,
     AlphaInputs,
-    next_pow2,
     solve_alpha,
 )
 
@@ -67,8 +67,9 @@ def checkpoint_layer_indices(offloaded_layers: int, count: int) -> frozenset[int
 
 
 def checkpoint_slot_cost(inputs: AlphaInputs, checkpoint_input_bytes: int) -> int:
-    """Host bytes of one (b) slot (the layer input, pinned rounding as for (a) slots)."""
-    return next_pow2(checkpoint_input_bytes) if inputs.pinned_rounding else checkpoint_input_bytes
+    """Host bytes of one (b) slot (the layer input, page-locked as (a) slots are)."""
+    return (page_locked_bytes(checkpoint_input_bytes) if inputs.page_locked
+            else checkpoint_input_bytes)
 
 
 def with_checkpoint_layers(inputs: AlphaInputs, count: int,

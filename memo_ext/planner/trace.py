@@ -37,7 +37,7 @@ Event format (one dict per event; :func:`write_trace` writes gzipped JSON lines)
 ``id`` pairs an alloc with its free; ``bytes`` are requested bytes (no allocator rounding);
 ``layer`` is the global 0-based transformer layer index; ``pool`` "device" goes through the
 caching allocator, "external" is device memory outside it (CUDA context, NCCL), "host" is
-(pinned) host memory (MEMO's offload slots). Allocations alive at the end of the iteration
+host memory (MEMO's offload slots, page-locked on CUDA). Allocations alive at the end of the iteration
 (parameters, gradient buffer, optimizer state, persistent buffers) have no free event.
 """
 

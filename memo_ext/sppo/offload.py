@@ -134,7 +134,7 @@ class SubsequenceOffloader:
                 by_storage[key] = (tensor, tensor)
                 return tensor
             with self.host_allocation_scope():
-                host = self.engine.alloc_host(nbytes)
+                host = self.engine.alloc_host_cached(nbytes)
             source = tensor.detach().reshape(-1).view(torch.uint8)
             handle = _Offloaded(host, self.engine.offload(host, source), tensor.shape,
                                 tensor.stride(), tensor.dtype)

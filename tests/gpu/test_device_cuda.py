@@ -31,6 +31,24 @@ def test_buffers_live_where_they_should(engine):
     assert device.device == engine.device and device.dtype == torch.uint8
 
 
+def test_host_slot_page_locked_at_its_size_round_trips(engine):
+    """alloc_host registers the buffer's own pages (no power-of-two block): is_pinned() sees
+    them and non_blocking copies through them keep every byte; three times over, each buffer
+    dropped (unregistered and unmapped) before the next."""
+    nbytes = (8 << 20) + 4096 + 5  # neither whole pages nor a power of two
+    data = _pattern(nbytes, seed=5).to(engine.device)
+    for _ in range(3):
+        host = engine.alloc_host(nbytes)
+        assert host.is_pinned() and host.numel() == nbytes
+        offloaded = engine.offload(host, data)
+        device = engine.alloc_device(nbytes)
+        engine.wait(engine.prefetch(device, host, after=offloaded))
+        assert torch.equal(device, data)
+        engine.synchronize()
+        assert torch.equal(host, data.cpu())
+        del host
+
+
 def test_round_trip_on_streams(engine):
     nbytes = 1 << 20
     data = _pattern(nbytes, seed=2).to(engine.device)

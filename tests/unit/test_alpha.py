@@ -1,4 +1,4 @@
-"""MEMO's alpha LP: closed form vs HiGHS, pinned power-of-two rounding, shortfall, 1F1B k."""
+"""MEMO's alpha LP: closed form vs HiGHS, page-locked slots' page rounding, shortfall, 1F1B k."""
 
 from __future__ import annotations
 
@@ -7,15 +7,14 @@ import random
 
 import pytest
 
+from memo_ext.host_pages import HOST_PAGE_BYTES, page_locked_bytes
 from memo_ext.offload.alpha import (
     AlphaInputs,
     default_host_memory_bytes,
     format_alpha_log,
     host_memory_shortfall,
     microbatches_in_flight,
-    next_pow2,
     offloaded_layers,
-    prev_pow2,
     solve_alpha,
     solve_alpha_lp,
 )
@@ -29,16 +28,19 @@ def _inputs(**overrides) -> AlphaInputs:
     unit = 128 * 1024 * 4096 * 2 // 8
     values = dict(input_bytes=unit, attention_output_bytes=unit, other_bytes=12 * unit,
                   bandwidth_bytes_per_s=12 * GB, layer_forward_s=0.5, host_memory_bytes=200 * GB,
-                  offloaded_layers=30, microbatches_in_flight=1, pinned_rounding=False)
+                  offloaded_layers=30, microbatches_in_flight=1, page_locked=False)
     values.update(overrides)
     return AlphaInputs(**values)
 
 
-def test_pow2_helpers():
-    assert [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == \
-        [0, 1, 2, 4, 4, 8, 1024, 1024, 2048]
-    assert [prev_pow2(n) for n in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == \
-        [0, 1, 2, 2, 4, 4, 512, 1024, 1024]
+def test_page_locked_bytes_are_whole_pages():
+    assert HOST_PAGE_BYTES == 4096
+    assert [page_locked_bytes(n) for n in (0, 1, 4095, 4096, 4097, 3 * 4096 + 5)] == \
+        [0, 4096, 4096, 4096, 8192, 4 * 4096]
+    # a 4M-token slot of 8 GiB + 64 MiB costs its own bytes, not a 16 GiB block
+    assert page_locked_bytes(8 * 2**30 + 64 * 2**20) == 8 * 2**30 + 64 * 2**20
+    with pytest.raises(ValueError):
+        page_locked_bytes(-1)
 
 
 def test_closed_form_matches_highs_on_random_inputs():
@@ -54,7 +56,7 @@ def test_closed_form_matches_highs_on_random_inputs():
             host_memory_bytes=rng.randint(1 * GB, 2000 * GB),
             offloaded_layers=rng.randint(0, 80),
             microbatches_in_flight=rng.randint(1, 8),
-            pinned_rounding=False,
+            page_locked=False,
         )
         decision = solve_alpha(inputs)
         assert solve_alpha_lp(inputs) == pytest.approx(decision.alpha, abs=1e-6)
@@ -111,33 +113,37 @@ def test_zero_other_bytes():
     assert short.host_bytes_missing_at_alpha0 > 0
 
 
-def test_pinned_rounding_is_respected_exactly():
+def test_page_rounding_is_respected_exactly():
     rng = random.Random(7)
     for _ in range(300):
         inputs = AlphaInputs(
             input_bytes=rng.randint(0, 5 * MB), attention_output_bytes=rng.randint(0, 5 * MB),
             other_bytes=rng.randint(1, 60 * MB), bandwidth_bytes_per_s=1e12, layer_forward_s=1.0,
             host_memory_bytes=rng.randint(1, 4 * GB), offloaded_layers=rng.randint(1, 40),
-            microbatches_in_flight=rng.randint(1, 4), pinned_rounding=True)
+            microbatches_in_flight=rng.randint(1, 4), page_locked=True)
         decision = solve_alpha(inputs)
         if not decision.fits_host_memory:
             assert decision.alpha == 0.0
             continue
         slot = inputs.slot_bytes(decision.alpha)
-        assert inputs.host_slots * next_pow2(slot) <= inputs.host_memory_bytes
-        assert decision.host_bytes_needed == inputs.host_slots * next_pow2(slot)
+        assert inputs.host_slots * page_locked_bytes(slot) <= inputs.host_memory_bytes
+        assert decision.host_bytes_needed == inputs.host_slots * page_locked_bytes(slot)
         if decision.alpha < 1.0:
-            # Maximal: one more byte of offloaded data would need the next power of two.
-            assert inputs.host_slots * next_pow2(slot + 1) > inputs.host_memory_bytes
+            # Maximal: a slot reaching into one more page would not fit.
+            assert inputs.host_slots * page_locked_bytes(page_locked_bytes(slot) + 1) \
+                > inputs.host_memory_bytes
 
 
-def test_rounding_lowers_alpha_versus_plain_count():
-    # Per-slot budget 1.5 GB: plain count allows slots up to 1.5 GB, pinned rounding only 2**30.
-    plain = _inputs(host_memory_bytes=30 * 1500 * MB, layer_forward_s=100.0)
-    rounded = dataclasses.replace(plain, pinned_rounding=True)
+def test_page_rounding_costs_less_than_a_page_per_slot():
+    # Per-slot budget 1.5 GB + 100 B: the plain count fills it to the byte, page rounding to
+    # the last whole page below it (a power-of-two count would have stopped at 2**30).
+    budget = 1500 * MB + 100
+    plain = _inputs(host_memory_bytes=30 * budget, layer_forward_s=100.0)
+    rounded = dataclasses.replace(plain, page_locked=True)
     a_plain, a_rounded = solve_alpha(plain).alpha, solve_alpha(rounded).alpha
     assert a_rounded < a_plain
-    assert rounded.slot_bytes(a_rounded) <= 2**30 < rounded.slot_bytes(a_rounded) + 2
+    assert plain.slot_bytes(a_plain) == budget
+    assert budget - HOST_PAGE_BYTES < rounded.slot_bytes(a_rounded) <= budget - budget % 4096
     assert solve_alpha(rounded).limited_by == "host_memory"
 
 
@@ -150,8 +156,8 @@ def test_shortfall_at_alpha0():
     assert decision.limited_by == "host_memory"
     assert decision.host_bytes_missing_at_alpha0 == need0 - 1 * GB
     assert "fall back to recomputation" in format_alpha_log(inputs, decision)
-    rounded = dataclasses.replace(inputs, pinned_rounding=True)
-    assert host_memory_shortfall(rounded) == 30 * next_pow2(inputs.whole_bytes) - 1 * GB
+    rounded = dataclasses.replace(inputs, page_locked=True)
+    assert host_memory_shortfall(rounded) == 30 * page_locked_bytes(inputs.whole_bytes) - 1 * GB
     assert host_memory_shortfall(_inputs()) == 0
 
 
@@ -186,7 +192,7 @@ def test_format_alpha_log_is_one_line_with_all_inputs():
     assert "\n" not in line
     for fragment in ("alpha=", "limited by bandwidth", "S_in 0.134 GB", "S_oth 1.611 GB",
                      "B 12.00 GB/s", "T_layer 50.00 ms", "host 200.000 GB", "30 layers",
-                     "1 micro-batches", "rounding off"):
+                     "1 micro-batches", "slots at their bytes"):
         assert fragment in line, (fragment, line)
 
 
@@ -205,7 +211,7 @@ def test_device_budget_caps_alpha_and_matches_the_lp():
 
     inputs = AlphaInputs(input_bytes=100, attention_output_bytes=200, other_bytes=1000,
                          bandwidth_bytes_per_s=1e12, layer_forward_s=1.0, host_memory_bytes=10**9,
-                         offloaded_layers=4, microbatches_in_flight=1, pinned_rounding=False,
+                         offloaded_layers=4, microbatches_in_flight=1, page_locked=False,
                          device_memory_bytes=2 * 300 + 1000 + 500)
     decision = solve_alpha(inputs)
     assert decision.alpha == pytest.approx(0.25)
@@ -220,7 +226,7 @@ def test_measured_device_headroom_caps_alpha_and_matches_the_lp():
 
     base = dict(input_bytes=100, attention_output_bytes=200, other_bytes=1000,
                 bandwidth_bytes_per_s=1e12, layer_forward_s=1.0, host_memory_bytes=10**9,
-                offloaded_layers=4, microbatches_in_flight=1, pinned_rounding=False)
+                offloaded_layers=4, microbatches_in_flight=1, page_locked=False)
     inputs = AlphaInputs(**base, device_headroom_bytes=800)
     decision = solve_alpha(inputs)
     assert decision.alpha == pytest.approx(0.4)

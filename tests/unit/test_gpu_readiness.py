@@ -1,7 +1,7 @@
 """The CUDA-only paths of the trainer under tests/cuda_double.py, the CPU test double of
 torch.cuda: memory statistics (the log line, telemetry, MEMO's auto-alpha headroom) with
 PyTorch's caching allocator and with the planned arena's pluggable allocator installed, and the
-offload copy engine's streams, events, pinned memory and record_stream. Each of these raised or
+offload copy engine's streams, events, page-locked and pinned host memory and record_stream. Each of these raised or
 silently lost information on the first GPU run before memo_ext.device_memory existed
 (docs/gpu.md lists the call sites). The arena's hooks run for real, against the fake CUDA
 runtime loaded as PyTorch loads its own."""
@@ -15,6 +15,7 @@ import torch
 from memo_ext import _C, device_memory
 from memo_ext.config import MemoConfigError, TelemetryConfig
 from memo_ext.device import CUDA_FRAGMENTATION_RESERVE, CopyEngine, cuda_memory_headroom
+from memo_ext.offload.manager import HostSlotPool
 from memo_ext.planner.arena import install_cuda_allocator
 from memo_ext.telemetry import MemoryTelemetry
 from megatron.training import metrics
@@ -112,7 +113,8 @@ def test_copy_engine_streams_events_pinned_memory_and_record_stream(cuda_double)
     cuda_double.pluggable = object()  # Tensor.record_stream no longer reaches it, as in PyTorch
     engine = CopyEngine("cuda")
     host = engine.alloc_host(4096)
-    assert cuda_double.pinned_bytes == 4096
+    assert cuda_double.cudart.registered == {host.data_ptr(): 4096}
+    assert engine.alloc_host_cached(4096).numel() == 4096 and cuda_double.pinned_bytes == 4096
     # A host tensor stands for a CUDA buffer, so the copier is driven below the engine's
     # device checks.
     device = torch.arange(4096, dtype=torch.uint8)
@@ -127,6 +129,74 @@ def test_copy_engine_streams_events_pinned_memory_and_record_stream(cuda_double)
     assert cuda_double.dropped_record_streams == 1
     assert engine.stats.offload_bytes == 4096 and engine.stats.offload_seconds >= 0
     engine.close()
+
+
+def test_host_slots_are_page_locked_at_their_own_size_once_and_unlocked_when_dropped(
+        cuda_double):
+    cudart = cuda_double.cudart
+    pool = HostSlotPool(CopyEngine("cuda"))
+    sizes = {0: 3 * 4096 + 5, 1: 5000, 2: 8192 + 1}  # neither pages nor powers of two
+    slots = {layer: pool.acquire(layer, nbytes) for layer, nbytes in sizes.items()}
+    addresses = {layer: slot.data_ptr() for layer, slot in slots.items()}
+    assert cudart.register_calls == [(addresses[layer], nbytes, 0)
+                                     for layer, nbytes in sizes.items()]
+    assert all(address % 4096 == 0 for address in addresses.values())  # whole pages, no more
+    for layer in sizes:
+        pool.release(layer, slots[layer])
+    again = pool.acquire(0, sizes[0])  # a free slot is reused, not registered again
+    assert again.data_ptr() == addresses[0] and len(cudart.register_calls) == 3
+    pool.release(0, again)
+    kept = slots[1][7:]  # a view keeps its slot's storage, and so its pages, alive
+    del slots, again
+    pool.reset()  # alpha changed: every slot dropped
+    assert sorted(cudart.unregister_calls) == sorted([addresses[0], addresses[2]])
+    assert cudart.registered == {addresses[1]: sizes[1]}
+    del kept
+    assert sorted(cudart.unregister_calls) == sorted(addresses.values())
+    assert cudart.registered == {}
+
+
+def test_a_dropped_host_buffer_is_unlocked_after_its_queued_copy(cuda_double, monkeypatch):
+    """PyTorch guards only its own pinned blocks with an event; alloc_host's buffer waits for
+    the last copy queued on it before it is unregistered and unmapped."""
+    engine = CopyEngine("cuda")
+    host = engine.alloc_host(4096)
+    event = engine._copier.submit("offload", host[:1024], torch.ones(1024, dtype=torch.uint8),
+                                  after=None)
+    order = []
+    monkeypatch.setattr(event.event, "synchronize", lambda: order.append("copy finished"))
+    unregister = cuda_double.cudart.cudaHostUnregister
+    monkeypatch.setattr(cuda_double.cudart, "cudaHostUnregister",
+                        lambda ptr: order.append("unregistered") or unregister(ptr))
+    del host
+    assert order == ["copy finished", "unregistered"]
+    engine.close()
+
+
+def test_a_refused_page_lock_names_the_flags_to_change(cuda_double):
+    cuda_double.cudart.lockable_bytes = 8192
+    engine = CopyEngine("cuda")
+    first = engine.alloc_host(4096)
+    with pytest.raises(RuntimeError, match=r"^MEMO could not page-lock a host buffer of 8192 "
+                       r"bytes \(cudaHostRegister: out of memory\); lower "
+                       r"--memo-host-memory-gb or raise the locked-memory limit \(ulimit -l\)$"):
+        engine.alloc_host(8192)
+    assert cuda_double.cudart.registered == {first.data_ptr(): 4096}
+
+
+def test_telemetry_counts_page_locked_slots_as_host(cuda_double, tmp_path):
+    """A page-locked slot is no aten op's output: the trainer's engine registers it with the
+    tracker, which counts it until its storage dies."""
+    from megatron.training.memo import _LabelledCopyEngine
+
+    telemetry = MemoryTelemetry(TelemetryConfig(telemetry=True, oom_report_dir=str(tmp_path)),
+                                log_interval=1, log=lambda line: None)
+    engine = _LabelledCopyEngine("cuda", telemetry)
+    host = engine.alloc_host(3 * 4096 + 5)
+    assert telemetry.tracker.stats()["current_host_bytes"] == 3 * 4096 + 5
+    del host
+    assert telemetry.tracker.stats()["current_host_bytes"] == 0
+    assert telemetry.tracker.stats()["peak_host_bytes"] == 3 * 4096 + 5
 
 
 def test_collective_buffers_recorded_on_the_nccl_stream_reach_the_allocator(cuda_double):

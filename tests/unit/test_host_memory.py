@@ -1,6 +1,6 @@
-"""The node-level host model (memo_ext.estimate.host_memory): pinned power-of-two blocks, the
-pinned cache under --memo-alpha auto, each rank its own stage's slots, DP replicas, nodes, the
-estimator's Prediction using it, and the MEMO paper's out-of-host-memory arithmetic
+"""The node-level host model (memo_ext.estimate.host_memory): page-locked slots in whole pages,
+each rank its own stage's slots, DP replicas, nodes, the estimator's Prediction using it, and
+the MEMO paper's out-of-host-memory arithmetic with PyTorch's power-of-two pinned blocks
 (docs/estimate.md). bench/host_memory.py compares it with the CPU trainer."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from memo_ext.estimate.host_memory import (
     KERNEL_PAGE_MAP_FRACTION,
     SlotShape,
     StageSlots,
+    TERMS,
     arena_bytes,
-    cached_pinned_bytes,
     host_slot_bytes,
     longest_fitting_seq,
     memo_paper_host_limit,
@@ -28,25 +28,17 @@ GiB = 1 << 30
 PAPER_NODE = 2048 * 10**9
 
 
-def test_pinned_blocks_are_the_lps_powers_of_two():
-    from memo_ext.offload.alpha import next_pow2
-
-    for n in [0, 1, 2, 3, 4095, 4096, 4097, 3 * GiB, 2 * GiB, 2 * GiB + 1]:
-        assert pinned_block_bytes(n) == next_pow2(n)
-    assert arena_bytes([3 * GiB, 1000], pinned=True) == 4 * GiB + 1024
-    assert arena_bytes([3 * GiB, 1000], pinned=False) == 3 * GiB + 1000
-
-
-def test_alpha_auto_keeps_the_measuring_slots_when_the_bucket_changes():
-    alpha0 = [3 * GiB] * 30
-    # alpha raised within the 4 GiB bucket: the cached blocks serve the new slots
-    assert cached_pinned_bytes([alpha0, [4 * GiB] * 30]) == 30 * 4 * GiB
-    # alpha raised into the 8 GiB bucket: both generations stay pinned
-    assert cached_pinned_bytes([alpha0, [5 * GiB] * 30]) == 30 * 12 * GiB
-    # a smaller bucket does not reuse a larger block either
-    assert cached_pinned_bytes([[5 * GiB] * 2, [3 * GiB] * 2]) == 2 * 8 * GiB + 2 * 4 * GiB
-    # within one phase every request is a block of its own
-    assert cached_pinned_bytes([[1 * GiB, 1 * GiB]]) == 2 * GiB
+def test_page_locked_slots_take_whole_pages_not_power_of_two_blocks():
+    """The 7B slot at 4M tokens, TP=4 CP=2: layer input 4 GiB, attention output 4 GiB and the
+    log-sum-exp 64 MiB. Page-locked it holds its own bytes; PyTorch's pinned allocator (the
+    paper system's, pinned_block_bytes) would take a 16 GiB block."""
+    slot = 4 * GiB + 4 * GiB + 64 * (1 << 20)
+    assert arena_bytes([slot], page_locked=True) == slot
+    assert pinned_block_bytes(slot) == 16 * GiB
+    assert arena_bytes([3 * GiB, 1000], page_locked=True) == 3 * GiB + 4096
+    assert arena_bytes([3 * GiB, 1000], page_locked=False) == 3 * GiB + 1000
+    assert [pinned_block_bytes(n) for n in (0, 1, 3, 4097, 2 * GiB, 2 * GiB + 1)] == \
+        [0, 1, 4, 8192, 2 * GiB, 4 * GiB]
 
 
 def test_rank_order_puts_pipeline_stages_outermost():
@@ -61,10 +53,9 @@ def test_pipeline_stages_each_count_their_own_slots():
     first = StageSlots(0, 4, tuple([100] * 12))
     last = StageSlots(3, 1, (100,))
     host = node_host_memory(tp=1, cp=1, pp=4, dp=1, stages=[first, last], ranks_per_node=4,
-                            seq=64, pinned=False, process_bytes=0)
+                            seq=64, page_locked=False, process_bytes=0)
     assert host.arena_per_rank == [1200, 900, 600, 100]
     assert host.terms["offload_arena"] == 2800
-    assert host.terms["alpha0_cached"] == 0
 
 
 def test_replicas_and_model_parallel_ranks_each_hold_their_slots():
@@ -72,18 +63,19 @@ def test_replicas_and_model_parallel_ranks_each_hold_their_slots():
     for tp, cp, dp in [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]:
         gpus = tp * cp * dp
         host = node_host_memory(tp=tp, cp=cp, pp=1, dp=dp, stages=[stage], ranks_per_node=8,
-                                seq=64, pinned=True, process_bytes=0)
-        assert host.terms["offload_arena"] == gpus * 2 * 1024
+                                seq=64, page_locked=True, process_bytes=0)
+        assert host.terms["offload_arena"] == gpus * 2 * 4096
 
 
 def test_the_worst_node_is_reported_with_every_term():
     """16 ranks, PP=2, 8 per node: node 0 holds stage 0 (2 in flight), node 1 stage 1."""
-    first = StageSlots(0, 2, tuple([3 * GiB] * 4))
-    last = StageSlots(1, 1, (3 * GiB,))
+    first = StageSlots(0, 2, tuple([3 * GiB + 1] * 4))
+    last = StageSlots(1, 1, (3 * GiB + 1,))
     host = node_host_memory(tp=8, cp=1, pp=2, dp=1, stages=[first, last], ranks_per_node=8,
-                            seq=1 << 20, pinned=True, capacity_bytes=PAPER_NODE)
+                            seq=1 << 20, page_locked=True, capacity_bytes=PAPER_NODE)
     assert host.node == 0 and host.ranks == list(range(8))
-    assert host.terms["offload_arena"] == 8 * 4 * 4 * GiB
+    assert host.terms["offload_arena"] == 8 * 4 * (3 * GiB + 4096)
+    assert tuple(host.terms) == TERMS  # no cache term: a dropped slot's pages are unmapped
     assert host.terms["process_resident"] == 8 * CUDA_PROCESS_RESIDENT_BYTES
     assert host.terms["data_loader"] == 8 * 28 * (1 << 20)
     assert host.terms["os_reserved"] == int(PAPER_NODE * KERNEL_PAGE_MAP_FRACTION)
@@ -92,15 +84,16 @@ def test_the_worst_node_is_reported_with_every_term():
     assert "offload_arena" in host.describe()
 
 
-def test_alpha_auto_term_on_cuda_only():
-    stage = StageSlots(0, 1, tuple([5 * GiB] * 2), alpha0_slots=tuple([3 * GiB] * 2))
+def test_process_and_kernel_terms_on_cuda_only():
+    stage = StageSlots(0, 1, tuple([5 * GiB] * 2))
     cuda = node_host_memory(tp=1, cp=1, pp=1, dp=2, stages=[stage], ranks_per_node=8, seq=1,
-                            pinned=True, process_bytes=0)
-    assert cuda.terms["offload_arena"] == 2 * 2 * 8 * GiB
-    assert cuda.terms["alpha0_cached"] == 2 * 2 * 4 * GiB
+                            page_locked=True, capacity_bytes=PAPER_NODE)
+    assert cuda.terms["offload_arena"] == 2 * 2 * 5 * GiB
+    assert cuda.terms["process_resident"] == 2 * CUDA_PROCESS_RESIDENT_BYTES
+    assert cuda.terms["os_reserved"] == int(PAPER_NODE * KERNEL_PAGE_MAP_FRACTION)
     cpu = node_host_memory(tp=1, cp=1, pp=1, dp=2, stages=[stage], ranks_per_node=8, seq=1,
-                           pinned=False)
-    assert cpu.terms["alpha0_cached"] == 0 and cpu.terms["process_resident"] == 0
+                           page_locked=False, capacity_bytes=PAPER_NODE)
+    assert cpu.terms["process_resident"] == 0 and cpu.terms["os_reserved"] == 0
 
 
 def test_slots_are_read_from_the_traces_host_pool():
@@ -118,7 +111,7 @@ def test_slots_are_read_from_the_traces_host_pool():
 
 def test_prediction_uses_the_node_model():
     """Prediction.host_bytes_per_node sums each local rank's own stage (the traced slots of
-    StagePrediction.host_slots), pinned on CUDA, exact on the CPU profile."""
+    StagePrediction.host_slots), in whole pages on CUDA, exact on the CPU profile."""
     from memo_ext.estimate.layout import Layout, Prediction, Stage, StagePrediction
 
     layout = Layout(1, 1, 2, 1, "memo", 0.0)
@@ -134,15 +127,15 @@ def test_prediction_uses_the_node_model():
 
 
 def test_the_papers_limit_from_first_principles():
-    """docs/estimate.md: 7B on 8 A800s with 2048 GB. Today's model (our slot bytes, alpha 0,
-    exact) holds 874 GB at 1152K and reaches ~2.7M tokens; with the paper's slot (layer input +
-    attention output, exactly 2 GiB at 2^20 tokens) rounded to powers of two and the alpha-0
-    arena held twice (--memo-alpha auto's cached measuring slots), 1024K fits and 1152K does
-    not, as the paper ran."""
+    """docs/estimate.md: 7B on 8 A800s with 2048 GB. The old model (our slot bytes then, alpha
+    0, exact) holds 874 GB at 1152K and reaches ~2.7M tokens; with the paper's slot (layer
+    input + attention output, exactly 2 GiB at 2^20 tokens) in PyTorch's power-of-two pinned
+    blocks and the alpha-0 arena held twice (measuring slots kept in that allocator's cache),
+    1024K fits and 1152K does not, as the paper ran."""
     ours = SlotShape.gpt(4096, 32, 8, attention_copies=2)  # the old model's slot
     paper = SlotShape.gpt(4096, 32, 8, attention_copies=1, statistics=False)
-    today = memo_paper_host_limit(ours, 1152 * 1024, pinned=False)
-    assert today["total_bytes"] / 1e9 == pytest.approx(874, abs=1)
+    old = memo_paper_host_limit(ours, 1152 * 1024, pinned=False)
+    assert old["total_bytes"] / 1e9 == pytest.approx(874, abs=1)
     assert longest_fitting_seq(lambda s: memo_paper_host_limit(ours, s, pinned=False)["fits"]) \
         == 2688 * 1024
     assert paper.at(1 << 20) == 2 * GiB
@@ -151,9 +144,9 @@ def test_the_papers_limit_from_first_principles():
     assert twice[1024 * 1024]["fits"] and not twice[1152 * 1024]["fits"]
     assert longest_fitting_seq(lambda s: memo_paper_host_limit(paper, s, arena_copies=2)[
         "fits"]) == 1024 * 1024
-    # the factor over today's model at 1152K: 2 x 4 GiB against our 3.39 GiB slot
+    # the factor over the old model at 1152K: 2 x 4 GiB against our 3.39 GiB slot
     ratio = memo_paper_host_limit(ours, 1152 * 1024, arena_copies=2)["total_bytes"] \
-        / today["total_bytes"]
+        / old["total_bytes"]
     assert ratio == pytest.approx(2.36, abs=0.01)
     # power-of-two blocks alone do not explain it: 1152K fits with either slot
     assert memo_paper_host_limit(ours, 1152 * 1024)["fits"]

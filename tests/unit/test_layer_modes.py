@@ -29,7 +29,7 @@ def _inputs(rng: random.Random) -> AlphaInputs:
                        host_memory_bytes=rng.randint(1, 400) * UNIT,
                        offloaded_layers=rng.randint(1, 12),
                        microbatches_in_flight=rng.randint(1, 3),
-                       pinned_rounding=rng.random() < 0.5)
+                       page_locked=rng.random() < 0.5)
 
 
 def _cost(inputs, count, alpha, share):
