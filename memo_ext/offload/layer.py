@@ -200,9 +200,11 @@ class MemoTransformerLayer(TransformerLayer):
             if split.kept:
                 outputs.append(self._attention_output_and_mlp(output_kept, input_kept))
             if split.dropped:
+                # Its output is the layer's (part of it), which backward never reads.
                 _, output_dropped = manager.run_drop_region(
                     record, self._attention_output_and_mlp,
                     [output_dropped, input_dropped], small_inputs=[False, False],
+                    keep_outputs=False,
                 )
                 outputs.append(output_dropped)
             output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
