@@ -93,7 +93,7 @@ POLICY_NAMES = {"megatron": "Megatron full recompute", "megatron-none": "Megatro
 BLOCK_RECOMPUTE_FRACTIONS = (0.25, 0.5, 0.75)
 #: MEMO's checkpoint-offloaded layers per stage the recommender tries, as fractions of the
 #: stage's offloaded layers (0: MEMO alone; 1: every offloaded layer checkpointed).
-CHECKPOINT_FRACTIONS = (0.0, 0.5, 1.0)
+CHECKPOINT_FRACTIONS = (0.0, 0.25, 0.5, 1.0)
 
 #: (layers traced, layer copied) of a policy's symbolic traces (memo_ext.estimate.symbolic).
 #: Megatron's layers differ only at the two ends of a section: three layers, the middle one

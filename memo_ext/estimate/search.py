@@ -68,10 +68,15 @@ def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
 
     candidates = [other for other in layouts if same_shape(other) and other != layout]
     if layout.policy == "memo" and layout.offload_buffers == 2:
-        # One buffer holds a subset of two buffers' bytes, the rest of the layer alike.
-        single = replace(layout, offload_buffers=1)
-        if single in candidates:
-            return single
+        # One buffer holds a subset of two buffers' bytes, the rest of the layer alike, and so
+        # does a stage with at least as many layers in (b) (below). One buffer offloads one
+        # layer more, so the same fraction of layers in (b) may be one layer more there.
+        single = [o for o in candidates if o.offload_buffers == 1
+                  and o.checkpoint_layers >= layout.checkpoint_layers
+                  and o == replace(layout, offload_buffers=1,
+                                   checkpoint_layers=o.checkpoint_layers)]
+        if single:
+            return min(single, key=lambda o: o.checkpoint_layers)
     if not layout.mlp_tiles:
         # The tiled layer keeps a subset of the untiled one's tensors (the MLP's and the
         # projections' inputs alone, one tile's intermediates and one head chunk's attention
@@ -83,12 +88,23 @@ def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
             return min(tiled, key=lambda o: o.mlp_tiles)
     candidates = [o for o in candidates if o.mlp_tiles == layout.mlp_tiles]
     if layout.policy == "memo":
-        # Same checkpoint layers, fp8 and buffers: checkpoint layers trade host bytes for
-        # recomputation, not device bytes, so no count dominates another.
-        frugal = [o for o in candidates if o.policy == "memo" and o.alpha < layout.alpha
-                  and (o.checkpoint_layers, o.offload_fp8, o.offload_buffers)
-                  == (layout.checkpoint_layers, layout.offload_fp8, layout.offload_buffers)]
-        return max(frugal, key=lambda o: o.alpha, default=None)
+        same = [o for o in candidates if o.policy == "memo"
+                and (o.offload_fp8, o.offload_buffers)
+                == (layout.offload_fp8, layout.offload_buffers)]
+        frugal = [o for o in same if o.alpha < layout.alpha
+                  and o.checkpoint_layers == layout.checkpoint_layers]
+        if frugal:
+            return max(frugal, key=lambda o: o.alpha)
+        # A stage mixing (a) and (b) layers holds at least what the stage with every layer in
+        # (b) holds: its (a) layers keep their attention output in the buffer where a (b)
+        # layer recomputes it, and its host slots are larger (7B, TP=4 CP=2, one buffer, at
+        # 4.25M tokens: 78.07 against 77.80 GiB per rank, docs/memo_offload_modes.md). The
+        # stage with the most (b) layers bounds the mix's longest length. With no layer in (b)
+        # there is no such bound: (a) alone can hold less.
+        more = [o for o in same if o.checkpoint_layers > layout.checkpoint_layers]
+        if layout.checkpoint_layers and more:
+            return max(more, key=lambda o: o.checkpoint_layers)
+        return None
     recomputed = _recomputed_layers(layout)
     if recomputed is None:
         return None

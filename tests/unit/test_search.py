@@ -123,6 +123,25 @@ def test_two_buffer_variant_is_dominated_by_its_one_buffer_variant():
     assert dominating(mine["block2"], layouts) == mine["block4"]
 
 
+def test_mixed_stage_is_bounded_by_the_stage_with_more_layers_in_b():
+    """A stage mixing (a) and (b) layers pairs with the variant holding the most (b) layers
+    (at its alpha chain's end); two buffers pair with one buffer at the next count up (one
+    buffer offloads one layer more, so its fractions round one layer higher)."""
+    from dataclasses import replace
+
+    base = Layout(4, 2, 1, 1, "memo", 0.0, 1, None, mlp_tiles=16, projection_tiles=16,
+                  head_chunks=8)
+    one = {c: replace(base, checkpoint_layers=c, offload_buffers=1) for c in (0, 8, 16, 31)}
+    two = {c: replace(base, checkpoint_layers=c) for c in (0, 8, 15, 30)}
+    mixed_alpha1 = replace(one[16], alpha=1.0)
+    layouts = [*one.values(), *two.values(), mixed_alpha1]
+    assert dominating(mixed_alpha1, layouts) == one[16]
+    assert dominating(one[8], layouts) == one[31] and dominating(one[16], layouts) == one[31]
+    assert dominating(one[31], layouts) is None and dominating(one[0], layouts) is None
+    assert [dominating(two[c], layouts) for c in (0, 8, 15, 30)] == \
+        [one[0], one[8], one[16], one[31]]
+
+
 def test_search_traces_a_dominated_variant_only_if_it_can_enter_the_table():
     a, b = _variants(tp=2, dp=4), _variants(tp=4, dp=2)
     layouts = [a["full"], a["none"], b["full"], b["none"]]
