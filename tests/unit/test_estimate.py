@@ -322,6 +322,8 @@ def test_json_answer_keeps_stdout_to_itself():
 
 @pytest.mark.parametrize("layout", [
     Layout(4, 2, 1, 1, "memo", 0.0, checkpoint_layers=15, offload_fp8=True, mlp_tiles=16),
+    Layout(4, 2, 1, 1, "memo", 0.0, checkpoint_layers=16, mlp_tiles=16, projection_tiles=16,
+           head_chunks=8, offload_buffers=1),
     Layout(2, 2, 2, 1, "memo", 0.5),
     Layout(8, 1, 1, 1, "megatron"),
     Layout(2, 1, 2, 2, "megatron-block", recompute_layers=4),
@@ -343,5 +345,6 @@ def test_trainer_flags_are_accepted_by_the_trainer(layout):
     if layout.policy == "memo":
         assert int(args.memo_checkpoint_layers) == layout.checkpoint_layers
         assert args.memo_offload_fp8 == layout.offload_fp8
+        assert args.memo_offload_buffers == layout.offload_buffers
     # 16 tiles of this rank's CP shard (1048576 / CP 2 tokens), as fc1 sees them
     assert args.memo_mlp_tile_size == (32768 if layout.mlp_tiles else 0)
