@@ -84,11 +84,8 @@ class RoundingBuffer:
     def reserve(self, nbytes: int) -> None:
         """Grow an idle buffer to at least ``nbytes``, freeing the old one first, so growing
         never holds both (unlike ensure_capacity in the middle of a layer)."""
-        if nbytes <= self.capacity:
-            return
-        self.engine.wait(self.last_event)
-        self.tensor = None
-        self.tensor = self.engine.alloc_device(nbytes)
+        if nbytes > self.capacity:
+            self.resize(nbytes)
 
     def release(self) -> None:
         """Free the tensor (after the copies that use it)."""
@@ -98,11 +95,9 @@ class RoundingBuffer:
     def resize(self, nbytes: int) -> None:
         """Exactly ``nbytes`` (one buffer shared by layers of different sizes): the old tensor
         is freed first, after the copies that use it, so the two are never held at once."""
-        if nbytes == self.capacity:
-            return
-        self.engine.wait(self.last_event)
-        self.tensor = None
-        self.tensor = self.engine.alloc_device(nbytes)
+        if nbytes != self.capacity:
+            self.release()
+            self.tensor = self.engine.alloc_device(nbytes)
 
     def ensure_capacity(self, nbytes: int, keep_bytes: int = 0) -> None:
         """Grow to at least ``nbytes``, preserving the first ``keep_bytes``."""
