@@ -12,7 +12,8 @@ Three things keep a search short (docs/estimate.md, "The recommender"):
   and on the host (MEMO's device peak grows by up to 2 x alpha x its alpha-split tensors, its
   host bytes with alpha), so it fits no longer a sequence. :func:`search_longest`
   traces the dominating variants first and a dominated one only when its dominating variant's
-  answer (or bound) reaches the table; otherwise it cannot enter it.
+  answer (or bound) reaches the table; otherwise it cannot enter it. The dominated ones go
+  best first, those whose dominating variant reaches furthest before the others.
 - **Checks ahead of the solving.** A layout answered from symbolic traces is checked against a
   real trace before it is trusted (LayoutModel.trusted); :class:`SearchChecks` runs the checks
   of the next layouts in bound order while the current one is solved, and only for layouts
@@ -222,30 +223,47 @@ def rank_longest(models: list, step: int, maximum: int, fine_step: Optional[int]
 
 def search_longest(layouts: list[Layout], build: Callable[[list[Layout]], list],
                    ranking: LongestRanking, untraced: list = (),
-                   log: Callable[[str], None] = lambda line: None) -> list:
+                   log: Callable[[str], None] = lambda line: None, batch: int = 4) -> list:
     """``layouts`` (and the ``untraced`` models, e.g. SPPO's analytic ones) ranked at their
-    longest fitting sequences, tracing a layout only when it can enter the table: in rounds,
-    each layout after the variant that dominates it (:func:`dominating`), and not at all when
-    that variant's answer, or its bound, is already below the table. ``build(layouts)``
-    returns their models (layouts it could not predict are left out). Returns the ranking's
-    table."""
+    longest fitting sequences, tracing a layout only when it can enter the table: after the
+    variant that dominates it (:func:`dominating`), and not at all when that variant's answer,
+    or its bound, is already below the table. ``build(layouts)`` returns their models (layouts
+    it could not predict are left out). Returns the ranking's table.
+
+    The undominated layouts are traced first, all at once. After them, best first: of the
+    layouts whose dominating variant is answered, the ``batch`` whose variant reaches the
+    longest length are traced and solved before the next, so the table fills with the longest
+    rows before a shorter shape's variants come up, and those are pruned against it. (Tracing
+    every ready layout at once traced the mixed (a)/(b) stages of 7B's TP=1 CP=8 shape, 2.49M
+    tokens at most, while the table was still being filled; it ended at 3.8M.)"""
     partner = {layout: dominating(layout, layouts) for layout in layouts}
     ranking.add(list(untraced))
     waiting = list(layouts)
+
+    def reach(layout: Layout) -> float:
+        frugal = partner[layout]
+        return math.inf if frugal is None else ranking.upper[frugal]
+
     while waiting:
         ready = [layout for layout in waiting
                  if partner[layout] is None or partner[layout] in ranking.upper]
-        waiting = [layout for layout in waiting if layout not in ready]
-        traced = []
         for layout in ready:
-            frugal = partner[layout]
-            if frugal is not None and ranking.upper[frugal] < ranking.threshold():
+            if reach(layout) < ranking.threshold():
+                frugal = partner[layout]
                 ranking.upper[layout] = ranking.upper[frugal]
                 log(f"not traced: {layout.describe()}: it keeps more than "
                     f"{frugal.describe()}, which fits {ranking.upper[frugal]:.0f} tokens at "
                     "most, below the table")
-            else:
-                traced.append(layout)
+        pruned = [layout for layout in ready if layout in ranking.upper]
+        ready = sorted((layout for layout in ready if layout not in ranking.upper),
+                       key=lambda layout: -reach(layout))  # stable: ties keep their order
+        traced = ready if any(partner[layout] is None for layout in ready) else ready[:batch]
+        waiting = [layout for layout in waiting if layout not in pruned and layout not in traced]
+        if not traced:
+            if not pruned:  # dominating() pairs never cycle; a cycle would loop here forever
+                raise ValueError("layouts wait on each other's answers: "
+                                 f"{[layout.describe() for layout in waiting]}")
+            continue
         models = build(traced)
         built = {model.layout for model in models}
         for layout in traced:  # not predicted: nothing it dominates can be pruned by it

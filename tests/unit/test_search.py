@@ -176,6 +176,31 @@ def test_search_traces_a_dominated_variant_only_if_it_can_enter_the_table():
     assert len(ranked) == 5 - 1  # the untraced model was not given
 
 
+def test_dominated_variants_go_best_first_and_are_pruned_by_the_rows_before_them():
+    """Traced one at a time, the variant of the shape that reaches furthest comes first; its
+    answer raises the table so the other shape's variant, which a round-by-round search would
+    have traced, is pruned."""
+    a, b = _variants(tp=2, dp=4), _variants(tp=4, dp=2)
+    models = {a["full"]: StandIn(a["full"], 524288, 524288),
+              b["full"]: StandIn(b["full"], 1 << 20, 1 << 20),
+              a["none"]: StandIn(a["none"], 262144, 262144),
+              b["none"]: StandIn(b["none"], 786432, 786432)}
+    built, counted = [], []
+
+    def build(wanted):
+        built.append(list(wanted))
+        return [models[layout] for layout in wanted]
+
+    ranked = search_longest([a["full"], a["none"], b["full"], b["none"]], build,
+                            LongestRanking(STEP, MAXIMUM, top=2), batch=1,
+                            log=Progress(4, counted.append))
+    assert built == [[a["full"], b["full"]], [b["none"]]]
+    assert [p.seq for p in ranked] == [1 << 20, 786432, 524288]  # no row for a["none"]
+    assert counted == [f"[1/4] not traced: {a['none'].describe()}: it keeps more than "
+                       f"{a['full'].describe()}, which fits 524288 tokens at most, below the "
+                       "table"]
+
+
 def test_a_layout_that_fails_to_build_leaves_its_dominated_variants_traced():
     a = _variants()
     built = []

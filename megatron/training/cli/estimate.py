@@ -420,7 +420,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                                                  top=opts.top, log=lambda line: say(f"  {line}"),
                                                  checks=checks)
                         ranked = search_longest(layouts, build, ranking, untraced=sppo_models,
-                                                log=progress)
+                                                log=progress, batch=2 * opts.jobs)
                     finally:
                         checks.close()
                 else:
