@@ -66,6 +66,7 @@ from memo_ext.estimate.symbolic import (
     SymbolicTrace,
     live_lines,
 )
+from memo_ext.estimate.symbolic_shape import SymbolicShape, mixed_symbolic_shape
 from memo_ext.estimate.trace_key import tracer_digest
 from memo_ext.offload.alpha import offloaded_layers
 from memo_ext.planner.trace import POOL_DEVICE, POOL_EXTERNAL, POOL_HOST, Trace, read_trace
@@ -217,14 +218,32 @@ class Layout:
                 and self.checkpoint_layers == self.offloaded_per_stage(layers, stage))
 
     def traced_layers_argv(self, model_argv: list[str], stage: Stage, layers: int,
-                           stage_layers: int) -> list[str]:
+                           checkpoint_layers: Optional[int] = None) -> list[str]:
         """The tracer flags of ``stage`` cut to ``layers`` layers per stage (a symbolic trace's
-        few layers, or its check's few + 2), for a stage of ``stage_layers``: with every layer in
-        (b), the cut stage's own offloaded layers all take (b)."""
+        few layers, or its check's), with ``checkpoint_layers`` of them in (b) when given."""
         argv = [*self.trace_argv(model_argv, stage), "--num-layers", str(layers * self.pp)]
-        if self.every_layer_checkpointed(stage_layers, stage):
-            argv += ["--memo-checkpoint-layers", str(self.offloaded_per_stage(layers, stage))]
+        if checkpoint_layers is not None:
+            argv += ["--memo-checkpoint-layers", str(checkpoint_layers)]
         return argv
+
+    def symbolic_shape(self, stage_layers: int, stage: Stage) -> Optional[SymbolicShape]:
+        """How a stage of ``stage_layers`` is traced symbolically, or None (traced whole): the
+        policy's few layers (SYMBOLIC_LAYERS); with every layer in (b), the cut stages' own
+        offloaded layers all in (b); a stage mixing (a) and (b) layers by one period of its
+        pattern (memo_ext.estimate.symbolic_shape)."""
+        if self.policy not in SYMBOLIC_LAYERS:
+            return None
+        layers, copied = SYMBOLIC_LAYERS[self.policy]
+        if self.every_layer_checkpointed(stage_layers, stage):
+            return SymbolicShape(layers, copied,
+                                 checkpoint_layers=self.offloaded_per_stage(layers, stage),
+                                 check_checkpoint_layers=self.offloaded_per_stage(layers + 2,
+                                                                                  stage))
+        if self.policy == "memo" and self.checkpoint_layers:
+            offloaded = self.offloaded_per_stage(stage_layers, stage)
+            return mixed_symbolic_shape(offloaded, self.checkpoint_layers,
+                                        stage_layers - offloaded)
+        return SymbolicShape(layers, copied)
 
     def trainer_flags(self, seq: int, global_batch: int) -> list[str]:
         """The layout's pretrain_gpt.py flags at ``seq`` tokens (the model's own flags, data and
@@ -485,6 +504,7 @@ class StageModel:
     symbolic: Optional[SymbolicTrace] = None
     state: Optional[Trace] = None
     layers: int = 0
+    shape: Optional[SymbolicShape] = None  # how the symbolic trace was cut and is checked
     checked: bool = False  # the symbolic trace matched a real trace (SymbolicTrace.check)
     traced: Optional[tuple[TraceCache, list[str]]] = None  # exhaustive: traced at each length
     _lines: Optional[list] = field(default=None, repr=False)
@@ -570,15 +590,10 @@ class LayoutModel:
             if exhaustive:
                 stages.append(StageModel(stage, None, checked=True, traced=(cache, argv)))
                 continue
-            # A stage mixing MEMO and checkpoint layers has no one layer standing for the rest:
-            # traced whole, as block recompute.
-            mixed = layout.checkpoint_layers and not (
-                stage_layers is not None and layout.every_layer_checkpointed(stage_layers, stage))
-            traced, copied = (None, None) if mixed else \
-                SYMBOLIC_LAYERS.get(layout.policy, (None, None))
-            if symbolic and traced and stage_layers is not None and stage_layers > traced + 2:
-                few = layout.traced_layers_argv(model_argv, stage, traced, stage_layers) \
-                    + gpu_argv(hardware)
+            shape = None if stage_layers is None else layout.symbolic_shape(stage_layers, stage)
+            if symbolic and shape is not None and stage_layers > shape.check_layers:
+                few = layout.traced_layers_argv(model_argv, stage, shape.layers,
+                                                shape.checkpoint_layers) + gpu_argv(hardware)
                 first, second = (cache.trace(few, seq) for seq in fit_seqs)
                 # The persistent state does not depend on the policy (weights, gradients and
                 # optimizer state are the model's): one trace serves every policy of a layout.
@@ -586,10 +601,10 @@ class LayoutModel:
                                micro_batch=layout.micro_batch)
                 state = cache.trace([*plain.trace_argv(model_argv, stage), *gpu_argv(hardware),
                                      "--persistent-only"], fit_seqs[0])
-                trace = SymbolicTrace.from_traces(first, second, copied)
+                trace = SymbolicTrace.from_traces(first, second, shape.copied, shape.period)
                 stages.append(StageModel(
                     stage, WorkLine.from_headers(*trace.work_headers(stage_layers, state)),
-                    symbolic=trace, state=state, layers=stage_layers))
+                    symbolic=trace, state=state, layers=stage_layers, shape=shape))
                 continue
             first, second = (cache.trace(argv, seq) for seq in fit_seqs)
             stages.append(StageModel(stage, WorkLine.from_headers(first.header, second.header),
@@ -606,14 +621,15 @@ class LayoutModel:
         return all(stage.checked for stage in self.stages)
 
     def check(self, cache: TraceCache) -> None:
-        """Compare each symbolic stage with a real trace of two layers more than traced at
-        CHECK_SEQ tokens (SymbolicTrace.check); raises SymbolicError on a mismatch."""
+        """Compare each symbolic stage with a real trace of two layers (or a period) more than
+        traced at CHECK_SEQ tokens (SymbolicTrace.check); raises SymbolicError on a
+        mismatch."""
         for model in self.stages:
             if model.checked:
                 continue
             deeper = self.layout.traced_layers_argv(
-                self.model_argv, model.stage, model.symbolic.layers + 2, model.layers) \
-                + gpu_argv(self.hardware)
+                self.model_argv, model.stage, model.shape.check_layers,
+                model.shape.check_checkpoint_layers) + gpu_argv(self.hardware)
             model.symbolic.check(cache.trace(deeper, CHECK_SEQ - CHECK_SEQ % self.multiple))
             model.checked = True
 

@@ -21,8 +21,13 @@ that block's allocations), so a copy's frees land on its neighbours' copies. Fre
 prefix or tail refer relative to the adjacent layer. Layer indices in the events and module
 names follow the copies.
 
+A stage whose layers are not all alike but repeat a pattern (MEMO with some layers in
+checkpoint mode (b), spread evenly: b a b a ... or a b a a a b a a ...) copies a run of layers,
+one period of the pattern, instead of one layer; the few-layer stage is traced with the same
+pattern (memo_ext.estimate.layout.mixed_symbolic_shape finds it).
+
 Nothing is trusted unchecked: :meth:`SymbolicTrace.check` compares the symbolic trace with a
-real trace of k + 2 layers at a longer length, event by event outside the reduction scratch,
+real trace of k + 2 layers (a period more, for a run) at a longer length, event by event outside the reduction scratch,
 and its work. Any mismatch raises :class:`SymbolicError`, and the estimator traces the whole
 stage instead.
 
@@ -146,22 +151,29 @@ def _shifted_name(name: Optional[str], shift: int) -> Optional[str]:
 
 
 def expand_events(events: list[dict], layers: int, target: int, copied: int = COPIED_LAYER,
-                  stage: int = 0) -> list[tuple[int, dict]]:
+                  stage: int = 0, period: int = 1) -> list[tuple[int, dict]]:
     """The events of ``events`` (pipeline stage ``stage`` of ``layers`` layers) expanded to
     ``target`` layers: [(source row, event)], ids renumbered from 0 in order of allocation.
-    ``copied`` and module names count a stage's layers from 0; events carry the model's
-    layer numbers (stage x layers + local)."""
+    The run of ``period`` layers from ``copied`` is repeated (a stage whose layers differ in
+    a repeating pattern, e.g. MEMO's (a) and (b) modes, copies one period of it). ``copied``
+    and module names count a stage's layers from 0; events carry the model's layer numbers
+    (stage x layers + local)."""
     if target < layers:
         raise SymbolicError(f"cannot shrink a {layers}-layer trace to {target} layers")
-    if not 0 < copied < layers - 1:
-        raise SymbolicError(f"layer {copied} of {layers} is not a middle layer")
+    if not (0 < copied and copied + period < layers):
+        raise SymbolicError(f"layers {copied}..{copied + period - 1} of {layers} are not "
+                            "middle layers")
     extra = target - layers
+    if extra % period:
+        raise SymbolicError(f"{extra} layers added is not a whole number of {period}-layer "
+                            "periods")
+    run = range(copied, copied + period)
     events = [e if e["layer"] is None else {**e, "layer": e["layer"] - stage * layers}
               for e in events]
     parts = _parts(events)
 
     def position(layer: int) -> int:  # where an original (not copied) layer lands
-        return layer if layer <= copied else layer + extra
+        return layer if layer < copied + period else layer + extra
 
     # Each allocation's key: ("fixed", row) or ("block", section, layer, index in block).
     alloc_key: dict[int, tuple] = {}
@@ -190,9 +202,9 @@ def expand_events(events: list[dict], layers: int, target: int, copied: int = CO
         if key[0] == "block":
             _, section, layer, index = key
             if home is None:
-                if layer == copied:
+                if layer in run:
                     raise SymbolicError(f"event {row} outside the layers refers to the copied "
-                                        f"layer {copied}")
+                                        f"layer {layer}")
                 target_layer = position(layer)
             else:
                 target_layer = at + (layer - home)
@@ -223,16 +235,26 @@ def expand_events(events: list[dict], layers: int, target: int, copied: int = CO
             emit(row, None if home is None else position(home))
             row += 1
             continue
-        rows = rows_by_block[(parts.section[row], home)]
-        if home != copied:
+        section = parts.section[row]
+        rows = rows_by_block[(section, home)]
+        if home not in run:
             for r in rows:
                 emit(r, position(home))
-        else:
-            copies = range(copied, copied + extra + 1)
-            for at in (reversed(copies) if parts.section[row] in parts.descending else copies):
-                for r in rows:
-                    emit(r, at)
-        row = rows[-1] + 1
+            row = rows[-1] + 1
+            continue
+        # The section enters the run at its first layer in the section's order and passes
+        # every layer of it, block after block; the run is emitted once per copy.
+        descending = section in parts.descending
+        order = list(reversed(run)) if descending else list(run)
+        if home != order[0] or any((section, layer) not in rows_by_block for layer in run):
+            raise SymbolicError(f"the {events[row]['phase']} section does not pass the copied "
+                                f"layers {copied}..{copied + period - 1} in order")
+        copies = range(0, extra + 1, period)
+        for shift in (reversed(copies) if descending else copies):
+            for layer in order:
+                for r in rows_by_block[(section, layer)]:
+                    emit(r, layer + shift)
+        row = rows_by_block[(section, order[-1])][-1] + 1
     return out
 
 
@@ -298,6 +320,7 @@ class SymbolicTrace:
     persistent: int                    # events of the k-layer persistent state
     fit_headers: tuple[dict, dict]     # the k-layer traces' headers, shorter first (work)
     copied: int = COPIED_LAYER
+    period: int = 1                    # layers from ``copied`` repeated as one run
 
     @property
     def stage(self) -> int:
@@ -305,8 +328,8 @@ class SymbolicTrace:
         return self.line.base.header.get("layout", {}).get("pp_rank", 0)
 
     @classmethod
-    def from_traces(cls, shorter: Trace, longer: Trace,
-                    copied: int = COPIED_LAYER) -> "SymbolicTrace":
+    def from_traces(cls, shorter: Trace, longer: Trace, copied: int = COPIED_LAYER,
+                    period: int = 1) -> "SymbolicTrace":
         """``shorter``/``longer``: the stage with k layers at two lengths."""
         layers = _stage_layers(shorter.header)
         persistent = {t.header.get("persistent_events") for t in (shorter, longer)}
@@ -316,7 +339,7 @@ class SymbolicTrace:
         line = LinearTrace.from_traces(shorter, longer)
         fit_headers = tuple(sorted((shorter.header, longer.header),
                                    key=lambda header: header["model"]["seq_length"]))
-        return cls(line, layers, persistent.pop(), fit_headers, copied)
+        return cls(line, layers, persistent.pop(), fit_headers, copied, period)
 
     # ------------------------------------------------------------------ instantiation
     def coefficients(self, layers: int, state: Trace
@@ -328,7 +351,8 @@ class SymbolicTrace:
         if any(e["action"] != "alloc" for e in persistent):
             raise SymbolicError("the persistent state frees something; not a persistent trace")
         rest = self.line.base.events[self.persistent:]
-        expanded = expand_events(rest, self.layers, layers, self.copied, self.stage)
+        expanded = expand_events(rest, self.layers, layers, self.copied, self.stage,
+                                 self.period)
         offset = len(persistent)
         events = [{**e, "id": number} for number, e in enumerate(persistent)]
         intercepts = [Fraction(e["bytes"]) for e in persistent]
@@ -356,16 +380,19 @@ class SymbolicTrace:
     def work_headers(self, layers: int, state: Trace) -> tuple[dict, dict]:
         """Headers (model.seq_length and work) at the two fitted lengths with ``layers``
         layers, for memo_ext.estimate.cost.WorkLine.from_headers: the k-layer work, the copied
-        layer's times the layers added, and the optimizer phase's from ``state`` (it passes
+        layers' times the copies added, and the optimizer phase's from ``state`` (it passes
         over the gradient buffers, which grow with the depth)."""
         optimizer = _phase_work(state.header["work"], OPTIMIZER_STEP)
-        return tuple({"model": {"seq_length": header["model"]["seq_length"]},
-                      "work": _add_work(_add_work(
-                          _phase_work(header["work"], OPTIMIZER_STEP, keep=False),
-                          _layer_work(header, self.stage * self.layers + self.copied),
-                          layers - self.layers),
-                          optimizer, 1)}
-                     for header in self.fit_headers)
+        copies = (layers - self.layers) // self.period
+        headers = []
+        for header in self.fit_headers:
+            work = _phase_work(header["work"], OPTIMIZER_STEP, keep=False)
+            for layer in range(self.copied, self.copied + self.period):
+                work = _add_work(work, _layer_work(header, self.stage * self.layers + layer),
+                                 copies)
+            headers.append({"model": {"seq_length": header["model"]["seq_length"]},
+                            "work": _add_work(work, optimizer, 1)})
+        return tuple(headers)
 
     def work_at(self, seq: int, layers: int, state: Trace) -> dict:
         from memo_ext.estimate.cost import WorkLine

@@ -386,7 +386,8 @@ def test_tiled_layers_all_in_checkpoint_mode_are_symbolic_and_checked(cache):
     heads: every layer is alike, so the stage is symbolic, and its check against a deeper real
     trace passes: allocations and work. The work needs the tiles' recompute graphs, built by a
     backward node, attributed to its layer (memo_ext.planner.trace graph_tag); outside every
-    layer, the check refused it. A mix of (a) and (b) layers stays traced whole."""
+    layer, the check refused it. A mix of (a) and (b) layers whose pattern no few-layer stage
+    repeats (3 of 6: b a b a a b) stays traced whole."""
     offloaded = 8 - 2  # all but the two layers MEMO keeps on device
     tiled = dict(mlp_tiles=2, projection_tiles=2, head_chunks=2)
     every = Layout(2, 1, 1, 1, "memo", 0.0, checkpoint_layers=offloaded, **tiled)
@@ -398,6 +399,35 @@ def test_tiled_layers_all_in_checkpoint_mode_are_symbolic_and_checked(cache):
                               load_hardware("a800"), global_batch=16, cache=cache,
                               num_layers=8)
     assert all(stage.symbolic is None and stage.line is not None for stage in mixed.stages)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers, count, period", [(12, 6, 2), (16, 4, 4)])
+def test_a_mixed_stage_is_symbolic_by_one_period_of_its_pattern(cache, layers, count, period):
+    """MEMO with ``count`` of a stage's offloaded layers in (b), spread evenly (b a b a ... and
+    a b a a ...), tiled, one buffer: one period of the pattern is copied, the check one period
+    deeper passes, and at a fitted length and one far beyond, the symbolic stage is the stage
+    traced whole event by event, with the same peak and MFU."""
+    mixed = Layout(2, 1, 1, 1, "memo", 0.0, checkpoint_layers=count, offload_buffers=1,
+                   mlp_tiles=2, projection_tiles=2, head_chunks=2)
+    model_argv = ["--num-layers", str(layers), *SHAPE]
+    model, refused = build_layout_model(model_argv, mixed, load_hardware("a800"), cache=cache,
+                                        global_batch=16, num_layers=layers)
+    (stage,) = model.stages
+    assert refused is None and model.checked
+    assert (stage.symbolic.period, stage.shape.check_layers - stage.shape.layers) == \
+        (period, max(2, period))
+    whole = LayoutModel.build(model_argv, mixed, load_hardware("a800"), global_batch=16,
+                              cache=cache, num_layers=layers, symbolic=False)
+    for seq in (FIT[1], 1 << 20):
+        mine, real = stage.at(seq), whole.stages[0].at(seq)
+        mismatch = _first_mismatch(_rows(mine.events), _rows(real.events),
+                                   f"{count} of {layers - 1} in (b) at {seq} tokens")
+        assert mismatch is None, mismatch
+        assert [e["bytes"] for e in mine.events] == [e["bytes"] for e in real.events]
+        ours, theirs = model.predict(seq), whole.predict(seq)
+        assert ours.memory.peak_allocated_bytes == theirs.memory.peak_allocated_bytes
+        assert ours.mfu == pytest.approx(theirs.mfu, rel=1e-9)
 
 
 def test_block_recompute_is_traced_whole(cache, layout_models):
