@@ -602,6 +602,7 @@ class LayoutModel:
                 state = cache.trace([*plain.trace_argv(model_argv, stage), *gpu_argv(hardware),
                                      "--persistent-only"], fit_seqs[0])
                 trace = SymbolicTrace.from_traces(first, second, shape.copied, shape.period)
+                trace.coefficients(stage_layers, state)  # an expansion that fails, fails here
                 stages.append(StageModel(
                     stage, WorkLine.from_headers(*trace.work_headers(stage_layers, state)),
                     symbolic=trace, state=state, layers=stage_layers, shape=shape))

@@ -190,6 +190,7 @@ def expand_events(events: list[dict], layers: int, target: int, copied: int = CO
             alloc_key[event["id"]] = ("fixed", row)
 
     new_ids: dict[tuple, int] = {}
+    freed: set[tuple] = set()
     out: list[tuple[int, dict]] = []
 
     def emit(row: int, at: Optional[int]) -> None:
@@ -215,6 +216,10 @@ def expand_events(events: list[dict], layers: int, target: int, copied: int = CO
             new_ids[key] = len(new_ids)
         elif key not in new_ids:
             raise SymbolicError(f"event {row}: expansion frees {key} before allocating it")
+        elif key in freed:
+            raise SymbolicError(f"event {row}: expansion frees {key} twice")
+        else:
+            freed.add(key)
         if home is None:  # a fixed event: its layer and names point at originals
             layer = None if event["layer"] is None else position(event["layer"])
             module = _rename_layers(event["module"], position)

@@ -25,8 +25,10 @@ from memo_ext.offload.modes import checkpoint_layer_indices
 
 #: The deepest few-layer stage tried (tracing costs grow with its layers).
 MAX_FEW_LAYERS = 12
-#: The longest run of layers copied.
-MAX_PERIOD = 6
+#: The longest run of layers copied. Two is checked (tests/unit/test_symbolic.py); a run of
+#: four (8 of 31 layers in (b): a b a a) expands to a trace that frees a block twice, so such
+#: stages are traced whole until the expansion handles them.
+MAX_PERIOD = 2
 #: Layers each side of the copied run, in the few-layer stage (MEMO's warm-up leaves per-layer
 #: buffers a shorter neighbourhood does not repeat: memo_ext.estimate.layout.SYMBOLIC_LAYERS).
 NEIGHBOURS = 2
