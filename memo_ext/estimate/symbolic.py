@@ -21,14 +21,14 @@ that block's allocations), so a copy's frees land on its neighbours' copies. Fre
 prefix or tail refer relative to the adjacent layer. Layer indices in the events and module
 names follow the copies.
 
-A stage whose layers are not all alike but repeat a pattern (MEMO with some layers in
-checkpoint mode (b), spread evenly: b a b a ... or a b a a a b a a ...) copies a run of layers,
-one period of the pattern, instead of one layer; the few-layer stage is traced with the same
-pattern (memo_ext.estimate.layout.mixed_symbolic_shape finds it).
+A stage whose layers are not all alike but repeat a pattern (MEMO with half its layers in
+checkpoint mode (b), spread evenly: b a b a ...) copies a run of layers, one period of the
+pattern, instead of one layer; the few-layer stage is traced with the same pattern
+(memo_ext.estimate.symbolic_shape finds it).
 
 Nothing is trusted unchecked: :meth:`SymbolicTrace.check` compares the symbolic trace with a
-real trace of k + 2 layers (a period more, for a run) at a longer length, event by event outside the reduction scratch,
-and its work. Any mismatch raises :class:`SymbolicError`, and the estimator traces the whole
+real trace of k + 2 layers (a period more, for a run) at a longer length, event by event
+outside the reduction scratch, and its work. Any mismatch raises :class:`SymbolicError`, and the estimator traces the whole
 stage instead.
 
 The device peak is then a closed form: the live bytes after each event are A + B·s (sizes are

@@ -2,8 +2,8 @@
 
 The trainer spreads a stage's ``count`` checkpoint-mode (b) layers evenly over its ``offloaded``
 layers (memo_ext.offload.modes.checkpoint_layer_indices: the middle of each of ``count`` equal
-runs), so the modes repeat: 16 of 31 is ``b a b a ... b``, 8 of 31 is ``a b a a`` seven times
-and ``a b a``. A stage of a few layers with the same pattern, whose one period is copied to the
+runs), so the modes repeat: 16 of 31 is ``b a b a ... b`` (8 of 31, ``a b a a`` seven times
+and ``a b a``, repeats four layers: longer than MAX_PERIOD). A stage of a few layers with the same pattern, whose one period is copied to the
 stage's depth (memo_ext.estimate.symbolic.expand_events with ``period``), stands for the whole
 stage, and is checked against a stage one period deeper, as a one-layer copy is.
 
