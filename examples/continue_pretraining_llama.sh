@@ -31,6 +31,9 @@
 #   PRECISION [--bf16] ("" for fp32, as the CPU trainer needs)
 #   ESTIMATE_ARGS  more tools/estimate.py flags, word-split, e.g. "--host-memory-gb 2048" or a
 #                  narrower search ("--policies memo")
+#   RECOMMENDED    an answer of the estimator recorded before (its --json output, such as the
+#                  RUN_DIR/recommended.json step 2 writes) to take instead of asking again: the
+#                  full search for an 8B model at 1M tokens takes minutes to an hour on CPU
 #   EXTRA_ARGS     more pretrain_gpt.py flags, word-split; they come last and win, e.g.
 #                  "--rotary-base 8000000" for a longer RoPE wavelength
 #   PYTHON [python]  TORCHRUN [torchrun]
@@ -77,24 +80,39 @@ grep -qx HuggingFaceTokenizer "$CKPT_DIR/model_flags.txt" \
     || memo_die "$CKPT_DIR/model_flags.txt names no tokenizer (the conversion said why); give" \
         "HF_DIR a tokenizer.json and tokenizer_config.json and convert again"
 
-memo_step "2/3 does $SEQ tokens fit on $GPUS x $GPU? (tools/estimate.py --recommend, predicted)"
-ESTIMATE_STATUS=0
-"$PYTHON" "$REPO_ROOT/tools/estimate.py" --model "@$CKPT_DIR/model_flags.txt" --gpu "$GPU" \
-    --gpus "$GPUS" --seq-length "$SEQ" --recommend --json "${MEMO_ESTIMATE_ARGS[@]}" \
-    >"$RUN_DIR/recommended.json" || ESTIMATE_STATUS=$?
-# The best row's pretrain_gpt.py flags, one a line (none when nothing fits).
-mapfile -t LAYOUT_ARGS < <("$PYTHON" -c '
-import json, sys
-rows = json.load(open(sys.argv[1]))["rows"] if sys.argv[2] in ("0", "1") else []
+if [[ -n "${RECOMMENDED:-}" ]]; then
+    memo_step "2/3 the recorded recommendation $RECOMMENDED"
+else
+    memo_step "2/3 does $SEQ tokens fit on $GPUS x $GPU? (tools/estimate.py --recommend," \
+        "predicted)"
+    RECOMMENDED="$RUN_DIR/recommended.json"
+    ESTIMATE_STATUS=0
+    "$PYTHON" "$REPO_ROOT/tools/estimate.py" --model "@$CKPT_DIR/model_flags.txt" --gpu "$GPU" \
+        --gpus "$GPUS" --seq-length "$SEQ" --recommend --json "${MEMO_ESTIMATE_ARGS[@]}" \
+        >"$RECOMMENDED" || ESTIMATE_STATUS=$?
+    # 1: no layout fits (the answer says so); anything else: an error, printed above
+    ((ESTIMATE_STATUS <= 1)) || memo_die "tools/estimate.py failed (status $ESTIMATE_STATUS)"
+fi
+# The best row's pretrain_gpt.py flags, one a line; none when nothing fits.
+LAYOUT_TEXT="$("$PYTHON" - "$RECOMMENDED" "$GPUS" "$SEQ" <<'PY'
+import json
+import sys
+
+path, gpus, seq = sys.argv[1:]
+answer = json.load(open(path))
+if (answer.get("gpus"), answer.get("seq_length")) != (int(gpus), int(seq)):
+    sys.exit(f"continue_pretraining_llama.sh: error: {path} answers --gpus {answer.get('gpus')} "
+             f"--seq-length {answer.get('seq_length')}, not GPUS={gpus} SEQ={seq}; unset "
+             "RECOMMENDED to ask the estimator")
+rows = answer["rows"]
 sys.stdout.write("".join(f"{flag}\n" for flag in (rows[0]["trainer_flags"] if rows else [])))
-' "$RUN_DIR/recommended.json" "$ESTIMATE_STATUS")
-if ((${#LAYOUT_ARGS[@]} == 0)); then
-    ((ESTIMATE_STATUS == 1)) || memo_die "tools/estimate.py failed (status $ESTIMATE_STATUS; its" \
-        "error is above)"
-    memo_die "no layout fits $SEQ tokens on $GPUS x $GPU (predicted); lower SEQ, raise GPUS," \
+PY
+)"
+[[ -n "$LAYOUT_TEXT" ]] \
+    || memo_die "no layout fits $SEQ tokens on $GPUS x $GPU (predicted); lower SEQ, raise GPUS," \
         "or ask for the longest: tools/estimate.py --model @$CKPT_DIR/model_flags.txt --gpu" \
         "$GPU --gpus $GPUS --recommend --max-seq-length"
-fi
+mapfile -t LAYOUT_ARGS <<<"$LAYOUT_TEXT"
 
 # A restart resumes the run's own checkpoints; the first start loads the converted weights.
 LOAD_DIR="$CKPT_DIR"
