@@ -44,7 +44,9 @@ def _flag_file_shape(name: str) -> dict:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     for key, flag in SHAPE_FLAGS.items():
         parser.add_argument(flag, dest=key, type=int)
-    for flag in ("--swiglu", "--group-query-attention"):
+    parser.add_argument("--normalization", default="LayerNorm")
+    for flag in ("--swiglu", "--group-query-attention", "--disable-bias-linear",
+                 "--untie-embeddings-and-output-weights"):
         parser.add_argument(flag, action="store_true")
     try:
         flags, _ = parser.parse_known_args(lines)
@@ -54,14 +56,17 @@ def _flag_file_shape(name: str) -> dict:
              if key in SHAPE_FLAGS and value is not None}
     if not flags.group_query_attention:  # the trainer's rule: groups only with that flag
         shape.pop("num_query_groups", None)
-    shape["swiglu"] = flags.swiglu
+    shape.update(swiglu=flags.swiglu, normalization=flags.normalization,
+                 disable_bias_linear=flags.disable_bias_linear,
+                 tie_embeddings=not flags.untie_embeddings_and_output_weights)
     return shape
 
 
 def model_shape(name: str) -> dict:
     """The shape dict (num_layers, hidden_size, ffn_hidden_size, num_attention_heads,
-    vocab_size, optional num_query_groups/kv_channels/swiglu) of a preset, a JSON file, or
-    ``@FILE`` of pretrain_gpt.py flags."""
+    vocab_size, optional num_query_groups/kv_channels/swiglu/normalization/
+    disable_bias_linear/tie_embeddings) of a preset, a JSON file, or ``@FILE`` of
+    pretrain_gpt.py flags."""
     if name in MODELS:
         layers, hidden, ffn, heads = MODELS[name]
         return {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn,

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="7b, 13b, 30b, 65b (examples/configs), a JSON file with "
-                             + ", ".join(SHAPE_FLAGS) + " (and swiglu: true/false), or "
+                             + ", ".join(SHAPE_FLAGS) + " (and swiglu, disable_bias_linear, "
+                             "tie_embeddings: true/false; normalization: LayerNorm/RMSNorm), or "
                              "@FILE: pretrain_gpt.py flags one a line, as pretrain_gpt.py @FILE "
                              "reads them (a converted checkpoint's model_flags.txt)")
     parser.add_argument("--gpu", required=True,
@@ -197,6 +198,12 @@ def model_argv(name: str) -> tuple[list[str], dict]:
             argv += [flag, str(int(shape[key]))]
     if shape.get("swiglu"):
         argv.append("--swiglu")
+    if shape.get("normalization"):
+        argv += ["--normalization", shape["normalization"]]
+    if shape.get("disable_bias_linear"):
+        argv.append("--disable-bias-linear")
+    if shape.get("tie_embeddings"):
+        argv.append("--tie-embeddings")
     return argv, shape
 
 
