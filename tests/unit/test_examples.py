@@ -449,8 +449,9 @@ def test_continue_pretraining_without_gpu_fails_with_a_clear_message(tiny_llama,
 @pytest.mark.slow
 def test_continue_pretraining_trains_the_converted_llama_on_cpu(tiny_llama, tmp_path):
     """The example end to end on 2 CPU ranks: text tokenized with the model's tokenizer
-    folder; the script converts, asks the estimator (its best 2-GPU row at 256 tokens), trains
-    3 iterations from the converted weights and saves; a second start resumes from that."""
+    folder; a dry run converts and asks the estimator (its best 2-GPU row at 256 tokens); the
+    run trains 3 iterations from the converted weights at that row, less the one flag the CPU
+    trainer refuses (--use-distributed-optimizer), and saves; a second start resumes."""
     from tests.hf_models import TOKENIZER_TEXTS
 
     corpus = tmp_path / "corpus.jsonl"
@@ -463,19 +464,27 @@ def test_continue_pretraining_trains_the_converted_llama_on_cpu(tiny_llama, tmp_
     env = dict(DATA_PATH="corpus_text_document", GPUS="2", SEQ="256", PRECISION="",
                TRAIN_ITERS="3", SAVE_INTERVAL="3", EVAL_ITERS="0", SPLIT="100,0,0",
                TORCHRUN=str(Path(sys.executable).parent / "torchrun"), OMP_NUM_THREADS="1")
+    result = _continue(tmp_path, tiny_llama, timeout=600, MEMO_DRY_RUN="1", **env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "continue_hf"
+    answer = json.loads((run_dir / "recommended.json").read_text())
+    best = answer["rows"][0]
+    print(f"recommended: {best['layout']}")
+    assert "--memo-offload" in best["trainer_flags"]
+    assert _continue_launch(result.stdout)[1][3:3 + len(best["trainer_flags"])] \
+        == best["trainer_flags"]
+    best["trainer_flags"].remove("--use-distributed-optimizer")
+    (tmp_path / "cpu_answer.json").write_text(json.dumps(answer))
+
+    env["RECOMMENDED"] = str(tmp_path / "cpu_answer.json")
     result = _continue(tmp_path, tiny_llama, timeout=600, **env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "holds weights only" in result.stdout
-    run_dir = tmp_path / "runs" / "continue_hf"
-    best = json.loads((run_dir / "recommended.json").read_text())["rows"][0]
-    print(f"recommended: {best['layout']}; trained 3 iterations")
-    assert "--memo-offload" in best["trainer_flags"]
     losses = plot_loss.read_loss_curves(run_dir / "metrics.jsonl").train
     assert [iteration for iteration, _ in losses] == [1, 2, 3]
     tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     assert tracker.read_text().strip() == "3"
-    again = _continue(tmp_path, tiny_llama, MEMO_DRY_RUN="1",
-                      RECOMMENDED=str(run_dir / "recommended.json"), **env)
+    again = _continue(tmp_path, tiny_llama, MEMO_DRY_RUN="1", **env)
     assert _continue_launch(again.stdout)[1][1:3] == ["--load", "runs/continue_hf/checkpoints"]
 
 
