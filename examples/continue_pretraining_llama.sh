@@ -51,10 +51,12 @@ memo_step() {
 }
 
 [[ -f "${HF_DIR:-}/config.json" ]] \
-    || memo_die "HF_DIR='${HF_DIR:-}' has no config.json; export HF_DIR=/path/to/a/Hugging/Face/model"
+    || memo_die "HF_DIR='${HF_DIR:-}' has no config.json; export HF_DIR=/path/to/the/model" \
+        "(a Hugging Face model folder)"
 [[ -n "${DATA_PATH:-}" ]] \
     || memo_die "DATA_PATH is not set; export DATA_PATH=/path/to/prefix_text_document" \
-        "(tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer --tokenizer-model \$HF_DIR)"
+        "(tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer" \
+        "--tokenizer-model \$HF_DIR)"
 [[ -n "${GPU:-}" ]] \
     || memo_die "GPU is not set; export GPU=h100 (a profile of memo_ext/estimate/hardware.json)"
 read -r -a MEMO_DATA_PATHS <<<"$DATA_PATH"

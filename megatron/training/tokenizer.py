@@ -1,6 +1,6 @@
 """Offline tokenizers that megatron-core's GPTDataset accepts.
 
-Three tokenizers cover the CPU workflows of this fork without downloading anything:
+Four tokenizers cover the workflows of this fork without downloading anything:
 
 * ``BytesTokenizer``: UTF-8 bytes 0..255 plus one end-of-document id (256).
 * ``BPETokenizer``: a byte-level BPE model stored as a local HF ``tokenizers`` JSON file, which
@@ -239,9 +239,8 @@ class HuggingFaceTokenizer(_TokenizersFile):
                     "tokenizer.model alone is not read)")
         eos = _eos_token(path.parent, tokenizer_model)
         super().__init__(path, tokenizer_model, eos_token=eos)
-        self._eod = self._special_id(eos, tokenizer_model,
-                                     "its tokenizer_config.json names an eos_token "
-                                     "tokenizer.json does not define")
+        self._eod = self._special_id(eos, tokenizer_model, "it is the folder's eos_token: "
+                                     "give a tokenizer.json and config files that match")
 
     def tokenize(self, text: str) -> list[int]:
         """Encode ``text`` with the tokenizer's special tokens (a Llama bos first)."""
@@ -312,7 +311,8 @@ def build_tokenizer(
         return BytesTokenizer()
     if tokenizer_type in ("BPETokenizer", "HuggingFaceTokenizer"):
         if tokenizer_model is None:
-            raise ValueError(f"--tokenizer-model is required with --tokenizer-type {tokenizer_type}")
+            raise ValueError(
+                f"--tokenizer-model is required with --tokenizer-type {tokenizer_type}")
         return (BPETokenizer if tokenizer_type == "BPETokenizer" else HuggingFaceTokenizer)(
             tokenizer_model)
     if tokenizer_type == "NullTokenizer":

@@ -471,7 +471,7 @@ def test_continue_pretraining_trains_the_converted_llama_on_cpu(tiny_llama, tmp_
     best = answer["rows"][0]
     print(f"recommended: {best['layout']}")
     assert "--memo-offload" in best["trainer_flags"]
-    assert _continue_launch(result.stdout)[1][3:3 + len(best["trainer_flags"])] \
+    assert _continue_launch(result.stdout)[1][5:5 + len(best["trainer_flags"])] \
         == best["trainer_flags"]
     best["trainer_flags"].remove("--use-distributed-optimizer")
     (tmp_path / "cpu_answer.json").write_text(json.dumps(answer))
