@@ -1,6 +1,7 @@
 """Tiny random transformers models, the oracle of the Hugging Face conversion tests
-(tests/unit/test_hf_checkpoint.py, tests/distributed/test_hf_checkpoint_layouts.py), and the
-logits of our model loaded from a converted checkpoint through the trainer's load path."""
+(tests/unit/test_hf_checkpoint.py, tests/distributed/test_hf_checkpoint_layouts.py), a tiny
+Hugging Face tokenizer folder (tests/unit/test_hf_tokenizer.py), and the logits of our model
+loaded from a converted checkpoint through the trainer's load path."""
 
 from __future__ import annotations
 
@@ -40,6 +41,39 @@ def save_tiny_model(directory: Path, family: str, dtype: torch.dtype = torch.flo
                 parameter.normal_(0.0, 0.1 if name.endswith("bias") else 0.05)
     model.to(dtype).save_pretrained(directory)
     return Path(directory)
+
+
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+TOKENIZER_TEXTS = ["The quick brown fox jumps over the lazy dog.",
+                   "Long-context training splits the sequence across ranks.",
+                   "def forward(self, x):\n    return self.linear(x)\n"] * 10
+
+
+def save_tiny_tokenizer(directory: Path) -> Path:
+    """A Llama-3-style tokenizer folder: a byte-level BPE of about 300 ids (below TINY's
+    vocabulary, as Qwen2's tokenizer has fewer ids than its model rows) whose post-processor
+    starts every text with BOS, and a tokenizer_config.json naming EOS as transformers writes
+    it."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(TOKENIZER_TEXTS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[BOS, EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, tokenizer.token_to_id(BOS))])
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+        "model_max_length": 131072}))
+    return directory
 
 
 def tokens(vocab_size: int = TINY["vocab_size"], batch: int = 2,

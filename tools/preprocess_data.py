@@ -13,6 +13,8 @@ code 2.
 Example:
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type BPETokenizer --tokenizer-model tokenizer.json --append-eod --workers 2
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model Meta-Llama-3.1-8B --append-eod
 """
 
 import argparse
@@ -82,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     parser.add_argument(
-        "--tokenizer-model", default=None, help="Tokenizer JSON file (BPETokenizer only)."
+        "--tokenizer-model",
+        default=None,
+        help="BPETokenizer: its JSON file. HuggingFaceTokenizer: a Hugging Face tokenizer folder "
+        "or its tokenizer.json.",
     )
     parser.add_argument(
         "--vocab-size", type=int, default=None, help="Vocabulary size (NullTokenizer only)."
@@ -128,7 +133,9 @@ class _DocumentEncoder:
             if not isinstance(text, str):
                 kind = type(text).__name__
                 raise InputError(f"{where}: value of '{key}' is {kind}, not a string")
-            ids = self.tokenizer.tokenize(text)
+            # Empty text is an empty document, even for a tokenizer that starts every text
+            # with a bos token (HuggingFaceTokenizer of Llama).
+            ids = self.tokenizer.tokenize(text) if text else []
             if ids and self.append_eod:
                 ids.append(self.tokenizer.eod)
             ids_per_key[key] = ids

@@ -40,7 +40,7 @@ from memo_ext.config import (
 from memo_ext.loss.chunked import DEFAULT_CHUNK_BYTES as DEFAULT_CROSS_ENTROPY_CHUNK_BYTES
 from memo_ext.telemetry.monitor import MEMORY_EXIT_STATUS, MemoryBudgetExceeded
 
-TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -274,8 +274,12 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
     group.add_argument("--data-cache-path", default=None)
     group.add_argument("--tokenizer-type", default=None, help=f"One of {', '.join(TOKENIZER_TYPES)}.")
-    group.add_argument("--tokenizer-model", default=None, help="BPETokenizer JSON file.")
-    group.add_argument("--vocab-size", type=int, default=None, help="For NullTokenizer.")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="BPETokenizer: its JSON file. HuggingFaceTokenizer: a Hugging Face "
+                       "tokenizer folder or its tokenizer.json.")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer: its ids. HuggingFaceTokenizer: the model's "
+                       "vocabulary when it has more rows than the tokenizer has ids.")
     group.add_argument("--reset-position-ids", action="store_true")
     group.add_argument("--reset-attention-mask", action="store_true")
     group.add_argument("--eod-mask-loss", action="store_true")
@@ -666,6 +670,13 @@ def _validate_data(args: argparse.Namespace) -> None:
         _require(Path(args.tokenizer_model).is_file(),
                  f"--tokenizer-model {args.tokenizer_model} does not exist; train one with "
                  "tools/prepare_demo_data.py (or train_bpe_tokenizer) or fix the path")
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        _require(args.tokenizer_model is not None,
+                 "--tokenizer-model DIR is required with --tokenizer-type HuggingFaceTokenizer "
+                 "(a Hugging Face tokenizer folder or its tokenizer.json)")
+        _require(Path(args.tokenizer_model).exists(),
+                 f"--tokenizer-model {args.tokenizer_model} does not exist; give a Hugging Face "
+                 "tokenizer folder (tokenizer.json, tokenizer_config.json) or fix the path")
     if args.data_path:
         for prefix in data_path_prefixes(args.data_path):
             for suffix in (".bin", ".idx"):

@@ -238,8 +238,8 @@ def _check_vocabulary(args: argparse.Namespace, common: dict, where: Path) -> No
     if rows is not None and padded is not None and padded < rows:
         raise ArgumentValidationError(
             f"--load {where}: the model has {rows} vocabulary rows but this run pads its "
-            f"vocabulary to {padded}, which would drop rows; use a tokenizer with {rows} ids "
-            f"(--vocab-size {rows} with NullTokenizer)")
+            f"vocabulary to {padded}, which would drop rows; pass --vocab-size {rows} (with "
+            "NullTokenizer or HuggingFaceTokenizer)")
 
 
 def load_checkpoint(args: argparse.Namespace, model: list, optimizer, scheduler):

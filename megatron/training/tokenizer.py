@@ -1,11 +1,14 @@
 """Offline tokenizers that megatron-core's GPTDataset accepts.
 
-Three tokenizers cover the CPU workflows of this fork without downloading anything:
+Four tokenizers cover the workflows of this fork without downloading anything:
 
 * ``BytesTokenizer``: UTF-8 bytes 0..255 plus one end-of-document id (256).
 * ``BPETokenizer``: a byte-level BPE model stored as a local HF ``tokenizers`` JSON file, which
   must contain the special token ``<|endoftext|>`` (used as end of document).
   ``train_bpe_tokenizer`` writes such a file.
+* ``HuggingFaceTokenizer``: a Hugging Face tokenizer folder (Llama, Mistral, Qwen2 ...) read
+  from local disk: its ``tokenizer.json`` through the ``tokenizers`` library, its eos token as
+  end of document (no transformers, no remote code, no network).
 * ``NullTokenizer``: for ``--mock-data`` and pre-tokenized text; its "text" is whitespace-separated
   integer ids.
 
@@ -14,7 +17,8 @@ Each tokenizer exposes ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]``,
 hash naming its cached index files, so two different tokenizers never share a cache entry).
 
 ``build_tokenizer`` maps the command-line flags (--tokenizer-type, --tokenizer-model,
---vocab-size) to a tokenizer; its errors are one-line ``ValueError`` messages naming the flag.
+--vocab-size) to a tokenizer, and ``model_vocab_size`` gives the vocabulary the model is built
+with; their errors are one-line ``ValueError`` messages naming the flag.
 """
 
 import hashlib
@@ -116,36 +120,36 @@ class BytesTokenizer(_OfflineTokenizer):
         return "".join(pieces)
 
 
-class BPETokenizer(_OfflineTokenizer):
-    """A HF ``tokenizers`` JSON file (e.g. from ``train_bpe_tokenizer``) read from local disk.
+class _TokenizersFile(_OfflineTokenizer):
+    """A HF ``tokenizers`` JSON file read from local disk (BPETokenizer, HuggingFaceTokenizer).
 
-    The file must define the special token ``<|endoftext|>``; its id is ``eod``. ``vocab_size``
-    includes added special tokens. The file's SHA-256 is part of ``unique_identifiers`` so that a
-    retrained tokenizer at the same path does not reuse stale dataset caches.
+    ``vocab_size`` includes added special tokens. The file's SHA-256 is part of
+    ``unique_identifiers`` so that a changed tokenizer at the same path does not reuse stale
+    dataset caches.
     """
 
-    def __init__(self, tokenizer_model: str) -> None:
+    def __init__(self, model_path: Path, flag_value: str, **options: Any) -> None:
         from tokenizers import Tokenizer
 
-        model_path = Path(tokenizer_model)
         if not model_path.is_file():
-            raise ValueError(f"--tokenizer-model '{tokenizer_model}' does not exist")
+            raise ValueError(f"--tokenizer-model '{flag_value}' does not exist")
         try:
             self._tokenizer = Tokenizer.from_file(str(model_path))
         except Exception as error:  # tokenizers raises a plain Exception for unreadable files
             reason = " ".join(str(error).split())
             raise ValueError(
-                f"--tokenizer-model '{tokenizer_model}' is not a tokenizers JSON file ({reason})"
+                f"--tokenizer-model '{flag_value}' is not a tokenizers JSON file ({reason})"
             ) from error
-        eod_id = self._tokenizer.token_to_id(EOD_TOKEN)
-        if eod_id is None:
-            raise ValueError(
-                f"--tokenizer-model '{tokenizer_model}' has no special token '{EOD_TOKEN}'; "
-                "train it with megatron.training.tokenizer.train_bpe_tokenizer or add that token"
-            )
-        self._eod = eod_id
         file_digest = hashlib.sha256(model_path.read_bytes()).hexdigest()
-        super().__init__([str(model_path)], sha256=file_digest)
+        super().__init__([str(model_path)], sha256=file_digest, **options)
+
+    def _special_id(self, token: str, flag_value: str, fix: str) -> int:
+        """The id of special token ``token``; a ValueError naming the flag and ``fix`` if the
+        file lacks it."""
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"--tokenizer-model '{flag_value}' has no token '{token}'; {fix}")
+        return token_id
 
     @property
     def vocab(self) -> dict[str, int]:
@@ -164,16 +168,83 @@ class BPETokenizer(_OfflineTokenizer):
 
     @property
     def eod(self) -> int:
-        """Id of ``<|endoftext|>``."""
+        """End-of-document id."""
         return self._eod
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Decode ids back to text, special tokens (EOD) rendered as their text."""
+        return self._tokenizer.decode(self._check_ids(ids), skip_special_tokens=False)
+
+
+class BPETokenizer(_TokenizersFile):
+    """A ``tokenizers`` JSON file (e.g. from ``train_bpe_tokenizer``) whose special token
+    ``<|endoftext|>`` is the end of document; text is encoded without any special token."""
+
+    def __init__(self, tokenizer_model: str) -> None:
+        super().__init__(Path(tokenizer_model), tokenizer_model)
+        self._eod = self._special_id(
+            EOD_TOKEN, tokenizer_model,
+            "train it with megatron.training.tokenizer.train_bpe_tokenizer or add that token")
 
     def tokenize(self, text: str) -> list[int]:
         """Encode ``text``; a literal ``<|endoftext|>`` in it becomes the EOD id."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def detokenize(self, ids: Iterable[int]) -> str:
-        """Decode ids back to text; EOD ids become ``<|endoftext|>``."""
-        return self._tokenizer.decode(self._check_ids(ids), skip_special_tokens=False)
+
+# Files of a Hugging Face tokenizer folder that name its special tokens; transformers reads the
+# eos token from the first, older folders carry it in the second only.
+HF_SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def _eos_token(folder: Path, flag_value: str) -> str:
+    """The eos token's text, from the first of HF_SPECIAL_TOKEN_FILES in ``folder`` that names
+    one (a string, or an AddedToken object with ``content``)."""
+    for name in HF_SPECIAL_TOKEN_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
+        except (ValueError, AttributeError) as error:  # not JSON, or not an object
+            raise ValueError(f"--tokenizer-model '{flag_value}': {path} is not a JSON object "
+                             f"({type(error).__name__}); re-download it") from None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str) and eos:
+            return eos
+    raise ValueError(
+        f"--tokenizer-model '{flag_value}': no eos_token in {' or '.join(HF_SPECIAL_TOKEN_FILES)} "
+        f"of {folder}; the end-of-document id is the eos token, so give the folder those files")
+
+
+class HuggingFaceTokenizer(_TokenizersFile):
+    """A Hugging Face tokenizer folder, or its ``tokenizer.json`` with the folder's
+    tokenizer_config.json / special_tokens_map.json beside it (Megatron-LM's
+    ``--tokenizer-type HuggingFaceTokenizer``, without transformers: only those JSON files are
+    read, so no remote code runs and nothing is downloaded).
+
+    ``eod`` is the eos token (Llama 3's ``<|end_of_text|>``, Qwen2's ``<|endoftext|>``).
+    ``tokenize`` applies the tokenizer's own post-processor, as transformers and Megatron-LM do:
+    a Llama document starts with its bos token; ``--append-eod`` then ends it with eos.
+    """
+
+    def __init__(self, tokenizer_model: str) -> None:
+        path = Path(tokenizer_model)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+            if not path.is_file():
+                raise ValueError(
+                    f"--tokenizer-model '{tokenizer_model}' has no tokenizer.json; give a "
+                    "Hugging Face tokenizer folder that has one (a sentencepiece "
+                    "tokenizer.model alone is not read)")
+        eos = _eos_token(path.parent, tokenizer_model)
+        super().__init__(path, tokenizer_model, eos_token=eos)
+        self._eod = self._special_id(eos, tokenizer_model, "it is the folder's eos_token: "
+                                     "give a tokenizer.json and config files that match")
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode ``text`` with the tokenizer's special tokens (a Llama bos first)."""
+        return self._tokenizer.encode(text).ids
 
 
 class NullTokenizer(_OfflineTokenizer):
@@ -228,19 +299,22 @@ class NullTokenizer(_OfflineTokenizer):
 
 def build_tokenizer(
     tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
-) -> BytesTokenizer | BPETokenizer | NullTokenizer:
+) -> BytesTokenizer | BPETokenizer | HuggingFaceTokenizer | NullTokenizer:
     """Build the tokenizer named by --tokenizer-type.
 
-    ``tokenizer_model`` (a tokenizer JSON path) is required by and only used for BPETokenizer;
-    ``vocab_size`` is required by and only used for NullTokenizer. Raises ValueError with a
-    one-line message naming the offending flag.
+    ``tokenizer_model`` (a tokenizer JSON path, or a Hugging Face tokenizer folder) is required
+    by and only used for BPETokenizer and HuggingFaceTokenizer; ``vocab_size`` is required by
+    and only used for NullTokenizer. Raises ValueError with a one-line message naming the
+    offending flag.
     """
     if tokenizer_type == "BytesTokenizer":
         return BytesTokenizer()
-    if tokenizer_type == "BPETokenizer":
+    if tokenizer_type in ("BPETokenizer", "HuggingFaceTokenizer"):
         if tokenizer_model is None:
-            raise ValueError("--tokenizer-model is required with --tokenizer-type BPETokenizer")
-        return BPETokenizer(tokenizer_model)
+            raise ValueError(
+                f"--tokenizer-model is required with --tokenizer-type {tokenizer_type}")
+        return (BPETokenizer if tokenizer_type == "BPETokenizer" else HuggingFaceTokenizer)(
+            tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
@@ -249,6 +323,22 @@ def build_tokenizer(
         f"--tokenizer-type '{tokenizer_type}' is not supported; "
         f"use one of {', '.join(TOKENIZER_TYPES)}"
     )
+
+
+def model_vocab_size(tokenizer, tokenizer_type: str, vocab_size: int | None) -> int:
+    """Rows of the model's vocabulary before padding: the tokenizer's ids; with
+    HuggingFaceTokenizer, --vocab-size when given (a Hugging Face model may have more rows than
+    its tokenizer has ids: Qwen2.5's config.json vocab_size 152064 for 151665 ids, and a
+    converted checkpoint's model_flags.txt names that count). Fewer rows than ids is a
+    ValueError naming the flag."""
+    if tokenizer_type != "HuggingFaceTokenizer" or vocab_size is None:
+        return tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"--vocab-size {vocab_size} is below the {tokenizer.vocab_size} ids of "
+            f"--tokenizer-model; give the model's vocabulary (config.json's vocab_size) or drop "
+            "--vocab-size")
+    return vocab_size
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_path: str) -> BPETokenizer:

@@ -28,7 +28,7 @@ from megatron.core.utils import get_model_config
 from memo_ext.estimate.flops import gpt_shape, model_flops_per_sequence, parameter_count
 
 from megatron.training import checkpointing, metrics
-from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments import ArgumentValidationError, core_transformer_config_from_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import initialize_megatron
 from megatron.training.memo import (
@@ -40,7 +40,7 @@ from megatron.training.memo import (
     build_memo_telemetry,
 )
 from megatron.training.signal_handler import DistributedSignalHandler
-from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.training.tokenizer import build_tokenizer, model_vocab_size, padded_vocab_size
 
 ModelProvider = Callable[..., torch.nn.Module]
 ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
@@ -302,9 +302,13 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     initialize_megatron(args)
     if extra_initialization is not None:
         extra_initialization(args)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    try:  # a tokenizer file the flags name but cannot be used: one line, as a bad flag
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        vocab_size = model_vocab_size(tokenizer, args.tokenizer_type, args.vocab_size)
+    except ValueError as error:
+        raise ArgumentValidationError(str(error)) from None
     args.padded_vocab_size = padded_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     config = core_transformer_config_from_args(args)
     telemetry = build_memo_telemetry(args, log=print_rank_0)
@@ -322,7 +326,7 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
 
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     # The estimator's P and FLOPs (memo_ext.estimate.flops), from the unpadded vocabulary.
-    shape = gpt_shape(args, tokenizer.vocab_size)
+    shape = gpt_shape(args, vocab_size)
     num_parameters = parameter_count(shape)
     peak_tflops, peak_source = metrics.peak_tflops_per_device(args)
 

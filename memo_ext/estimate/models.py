@@ -3,6 +3,7 @@ tools/sppo_plan.py (one definition; torch-free so planners import it without tor
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -19,24 +20,68 @@ DEFAULT_VOCAB_SIZE = 50257
 REQUIRED_MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
 
+#: pretrain_gpt.py's flags of the shape keys (a --model @FILE of trainer flags).
+SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+               "ffn_hidden_size": "--ffn-hidden-size",
+               "num_attention_heads": "--num-attention-heads",
+               "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
+               "vocab_size": "--vocab-size"}
+
+
 class ModelError(ValueError):
     """A --model argument that names no preset and no usable JSON file (one line)."""
 
 
+def _flag_file_shape(name: str) -> dict:
+    """The shape of ``@FILE``, pretrain_gpt.py flags one a line as ``pretrain_gpt.py @FILE``
+    reads them (a converted checkpoint's model_flags.txt): the model the trainer will build."""
+    path = Path(name[1:])
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ModelError(f"--model {name}: {path} is not a readable flag file "
+                         f"({exc.__class__.__name__})") from None
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    for key, flag in SHAPE_FLAGS.items():
+        parser.add_argument(flag, dest=key, type=int)
+    parser.add_argument("--normalization", default="LayerNorm")
+    for flag in ("--swiglu", "--group-query-attention", "--disable-bias-linear",
+                 "--untie-embeddings-and-output-weights"):
+        parser.add_argument(flag, action="store_true")
+    try:
+        flags, _ = parser.parse_known_args(lines)
+    except argparse.ArgumentError as exc:
+        raise ModelError(f"--model {name}: {exc}") from None
+    shape = {key: value for key, value in vars(flags).items()
+             if key in SHAPE_FLAGS and value is not None}
+    if not flags.group_query_attention:  # the trainer's rule: groups only with that flag
+        shape.pop("num_query_groups", None)
+    shape.update(swiglu=flags.swiglu, normalization=flags.normalization,
+                 disable_bias_linear=flags.disable_bias_linear,
+                 tie_embeddings=not flags.untie_embeddings_and_output_weights)
+    return shape
+
+
 def model_shape(name: str) -> dict:
     """The shape dict (num_layers, hidden_size, ffn_hidden_size, num_attention_heads,
-    vocab_size, optional num_query_groups/kv_channels/swiglu) of a preset or a JSON file."""
+    vocab_size, optional num_query_groups/kv_channels/swiglu/normalization/
+    disable_bias_linear/tie_embeddings) of a preset, a JSON file, or ``@FILE`` of
+    pretrain_gpt.py flags."""
     if name in MODELS:
         layers, hidden, ffn, heads = MODELS[name]
         return {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn,
                 "num_attention_heads": heads, "vocab_size": DEFAULT_VOCAB_SIZE}
-    path = Path(name)
-    try:
-        shape = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"--model {name}: neither {', '.join(MODELS)} nor a readable JSON "
-                         f"file ({exc.__class__.__name__})") from None
-    missing = [key for key in REQUIRED_MODEL_KEYS if key not in shape]
+    if name.startswith("@"):
+        shape = _flag_file_shape(name)
+    else:
+        try:
+            shape = json.loads(Path(name).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelError(f"--model {name}: neither {', '.join(MODELS)}, a readable JSON "
+                             f"file nor @FILE of trainer flags ({exc.__class__.__name__})"
+                             ) from None
+    missing = [SHAPE_FLAGS[key] if name.startswith("@") else key
+               for key in REQUIRED_MODEL_KEYS if key not in shape]
     if missing:
         raise ModelError(f"--model {name}: the file lacks {', '.join(missing)}")
     shape.setdefault("ffn_hidden_size", 4 * shape["hidden_size"])

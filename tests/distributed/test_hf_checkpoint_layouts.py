@@ -3,7 +3,8 @@ vocabulary of 1100 that TP = 1 pads to 1152 and TP = 2 to 1280) loaded by the tr
 layouts on gloo ranks: its logits equal transformers' to 1e-5 relative, and the weights saved at
 that layout export back to the original tensors bit for bit (dist_checkpointing reshards both
 ways). TP = 2 by default; PP = 2 (the output layer on another stage than the embedding it is
-tied to) and TP = 2 x PP = 2 are slow. Slow too: the commands end to end (convert, train 10
+tied to) and TP = 2 x PP = 2 are slow. Slow too: at CP = 2 (a Llama with Llama 3.1 RoPE
+scaling) the logits and loss equal CP = 1's; and the commands end to end (convert, train 10
 iterations at TP = 2 with pretrain_gpt.py @model_flags.txt, export) against transformers."""
 
 from __future__ import annotations
@@ -109,6 +110,73 @@ def test_converted_model_at_other_layouts(layout, tmp_path):
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def _cp_rank(rank: int, world_size: int, checkpoint, ids, out):
+    """This CP rank's positions, logits and per-token losses of the loaded checkpoint, its
+    sequence split as pretrain_gpt.get_batch splits it (2 x CP chunks, rank r keeping chunks r
+    and 2 CP - 1 - r)."""
+    import pretrain_gpt
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron.training import checkpointing
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args
+    from megatron.training.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.tokenizer import padded_vocab_size
+    from megatron.training.training import build_model
+
+    args = parse_args(PLACEHOLDER_FLAGS + hf_oracle.model_flags(checkpoint) + [
+        "--context-parallel-size", str(world_size), "--load", str(checkpoint),
+        "--seq-length", str(ids.shape[1]), "--micro-batch-size", str(ids.shape[0])],
+        world_size=world_size, cuda_available=False)
+    initialize_megatron(args)
+    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                               1)
+    model = build_model(args, core_transformer_config_from_args(args), pretrain_gpt.model_provider)
+    checkpointing.load_checkpoint(args, model, None, None)
+    batch = get_batch_on_this_cp_rank({"tokens": ids, "labels": ids.roll(-1, dims=1),
+                                       "position_ids": torch.arange(ids.shape[1]).expand_as(ids)})
+    model[0].eval()
+    with torch.no_grad():
+        logits = model[0](batch["tokens"], batch["position_ids"], attention_mask=None)
+        losses = model[0](batch["tokens"], batch["position_ids"], attention_mask=None,
+                          labels=batch["labels"])
+    torch.save({"positions": batch["position_ids"][0], "logits": logits, "losses": losses},
+               out / f"cp{world_size}_rank{rank}.pt")
+
+
+def _whole_sequence(out, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CP ranks' logits and per-token losses put back in sequence order."""
+    parts = [torch.load(out / f"cp{cp}_rank{rank}.pt") for rank in range(cp)]
+    order = torch.cat([part["positions"] for part in parts]).argsort()
+    return (torch.cat([part["logits"] for part in parts], dim=1)[:, order],
+            torch.cat([part["losses"] for part in parts], dim=1)[:, order])
+
+
+@pytest.mark.slow
+def test_converted_model_at_context_parallel_2_equals_cp_1(tmp_path):
+    """CP shards no weights: the converted checkpoint loads at CP = 2 (each rank a
+    load-balanced half of the sequence, RoPE at those positions) and gives CP = 1's logits and
+    loss, and transformers' logits."""
+    from megatron.training.hf_checkpoint.convert import import_hf
+
+    hf = hf_oracle.save_tiny_model(tmp_path / "hf", "llama", max_position_embeddings=16384,
+                                   rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    import_hf(hf, tmp_path / "checkpoint", log=lambda _: None)
+    ids = hf_oracle.tokens()
+    for cp in (1, 2):
+        run_ranks(cp, _cp_rank, tmp_path / "checkpoint", ids, tmp_path, timeout=240)
+    (logits_1, losses_1), (logits_2, losses_2) = (_whole_sequence(tmp_path, cp) for cp in (1, 2))
+    logit_error = hf_oracle.relative_error(logits_2, logits_1)
+    loss_error = ((losses_2.mean() - losses_1.mean()).abs() / losses_1.mean()).item()
+    token_error = ((losses_2 - losses_1).abs().max() / losses_1.abs().max()).item()
+    reference = hf_oracle.relative_error(logits_2, hf_oracle.hf_logits(hf, ids))
+    print(f"CP=2 against CP=1: logits {logit_error:.3g}, loss {loss_error:.3g} (per token "
+          f"{token_error:.3g}); against transformers {reference:.3g}")
+    assert max(logit_error, loss_error, token_error, reference) <= TOLERANCE
 
 
 def _convert(*argv: str) -> str:

@@ -104,6 +104,40 @@ def test_cli_refuses_bad_input():
                       "2", "--seq-length", "1024"])[0] == 2
 
 
+def test_model_flag_file_is_the_shape_the_trainer_builds(tmp_path):
+    """--model @FILE of a converted checkpoint's model_flags.txt (Llama 3.1 8B's) gives the
+    shape the trainer's parser builds from the same file: one source of the model."""
+    from memo_ext.estimate.flops import gpt_shape
+    from memo_ext.estimate.models import ModelError, model_shape
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.cli.estimate import model_argv
+    from megatron.training.hf_checkpoint.hf_config import trainer_flags
+    from tests.unit.test_hf_checkpoint import LLAMA_3_1_8B
+
+    flags = tmp_path / "model_flags.txt"
+    flags.write_text("\n".join(trainer_flags(LLAMA_3_1_8B, "config.json")) + "\n")
+    args = parse_args([f"@{flags}", "--seq-length", "8192", "--micro-batch-size", "1",
+                       "--train-iters", "1", "--lr", "1e-4", "--mock-data"],
+                      world_size=1, cuda_available=False)
+    shape = model_shape(f"@{flags}")
+    assert {key: shape[key] for key in gpt_shape(args, 0)} == gpt_shape(args, args.vocab_size)
+    assert shape["num_query_groups"] == 8 and shape["vocab_size"] == 128256
+    assert (shape["normalization"], shape["disable_bias_linear"], shape["tie_embeddings"]) == (
+        args.normalization, not args.add_bias_linear, not args.untie_embeddings_and_output_weights)
+    argv, _ = model_argv(f"@{flags}")  # what tools/trace.py is given
+    assert " ".join(argv) == ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 "
+                              "--num-attention-heads 32 --num-query-groups 8 --kv-channels 128 "
+                              "--vocab-size 128256 --swiglu --normalization RMSNorm "
+                              "--disable-bias-linear")
+    flags.write_text("--hidden-size\n4096\n")
+    with pytest.raises(ModelError, match=r"the file lacks --num-layers, --num-attention-heads, "
+                       "--vocab-size"):
+        model_shape(f"@{flags}")
+    assert run_estimate_cli(["--model", f"@{tmp_path}/missing.txt", "--gpu", "h100",
+                             "--seq-length", "1024"])[0] == 2
+
+
 def test_pipeline_layouts_trace_their_first_and_last_stage():
     assert Layout(2, 1, 1, 4).stages(16) == [Stage(0, 0, 1)]
     # megatron's rank order puts PP outermost: stage 3 starts at rank 3 x TP x CP x DP

@@ -70,7 +70,8 @@ def _clean_env(**overrides: str) -> dict[str, str]:
     read_by_scripts = re.compile(
         r"(SLURM_.*|MEMO_.*|LAYOUT_FLAGS|DATA_PATH|TOKENIZER_MODEL|RUN_DIR|NNODES|"
         r"CHECKPOINT_DIR|TENSORBOARD_DIR|EXTRA_ARGS|MASTER_ADDR|MASTER_PORT|GPUS_PER_NODE|TORCHRUN|"
-        r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT)"
+        r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT|HF_DIR|GPUS?|SEQ|CKPT_DIR|ESTIMATE_ARGS|PRECISION|PYTHON|"
+        r"TRAIN_ITERS|LR|MIN_LR|SAVE_INTERVAL|EVAL_INTERVAL|EVAL_ITERS|LOG_INTERVAL|SPLIT)"
     )
     env = {key: value for key, value in os.environ.items() if not read_by_scripts.fullmatch(key)}
     env.update(overrides)
@@ -347,13 +348,144 @@ def test_shell_script_syntax(script):
 
 def test_every_example_script_is_covered():
     names = {path.name for path in SHELL_SCRIPTS}
-    assert {"cpu_quickstart.sh", "launch_common.sh", "gpt_common.sh"} <= names
+    assert {"cpu_quickstart.sh", "launch_common.sh", "gpt_common.sh",
+            "continue_pretraining_llama.sh"} <= names
     configs = {f"gpt_{stem}.sh" for stem in STEMS.values()}
     sbatches = {f"pretrain_gpt_{stem}.sbatch" for stem in STEMS.values()}
     # every model of Table 2 has a config, and every config and sbatch script is a headline
     assert {f"gpt_{model}.sh" for model in TABLE_2} <= configs
     assert {name for name in names if re.fullmatch(r"gpt_(?!common).*\.sh", name)} == configs
     assert {name for name in names if name.endswith(".sbatch")} == sbatches
+
+
+CONTINUE = EXAMPLES / "continue_pretraining_llama.sh"
+# The narrowest recommender question (MEMO at alpha 0 alone, one variant per layout, one tracer
+# process): the estimator's shortest real answer, still about 20 s of CPU from an empty cache.
+NARROW_SEARCH = ("--policies memo --alphas 0 --checkpoint-fractions 0 --offload-buffers 2 "
+                 "--mlp-tiles 0 --jobs 1")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A random Llama of 4 layers (MEMO keeps 2 per stage on the device and needs more) with
+    a tokenizer folder, as a Hugging Face model directory."""
+    from tests.hf_models import save_tiny_model, save_tiny_tokenizer
+
+    return save_tiny_tokenizer(save_tiny_model(tmp_path_factory.mktemp("llama") / "hf", "llama",
+                                               num_hidden_layers=4))
+
+
+def _continue(tmp_path: Path, hf: Path, timeout: float = 60,
+              **env: str) -> subprocess.CompletedProcess:
+    """examples/continue_pretraining_llama.sh run in ``tmp_path`` (its RUN_DIR default is
+    relative to it), the estimator narrowed and its trace cache there too."""
+    search = f"{NARROW_SEARCH} --cache-dir {tmp_path / 'traces'}"
+    return subprocess.run(
+        ["bash", str(CONTINUE)], capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+        env=_clean_env(**{"HF_DIR": str(hf), "GPU": "h100", "PYTHON": sys.executable,
+                          "ESTIMATE_ARGS": search, **env}))
+
+
+def _continue_launch(stdout: str) -> tuple[list[str], list[str]]:
+    """(launcher, pretrain_gpt.py flags) of the printed launch command (its last line)."""
+    command = shlex.split(stdout.strip().splitlines()[-1])
+    script = command.index(str(REPO_ROOT / "pretrain_gpt.py"))
+    return command[:script], command[script + 1:]
+
+
+def test_continue_pretraining_dry_run_prints_a_launch_the_trainer_accepts(
+        tiny_llama, tmp_path, monkeypatch):
+    """With the conversion done and the estimator's answer recorded (both real, made here;
+    the script asking the estimator itself is the slow test below), the printed launch reads
+    the converted model's flags, loads it, trains on its Hugging Face tokenizer with the answer's
+    layout and --memo-* flags, and pretrain_gpt.py's argument validation accepts it."""
+    from megatron.training.hf_checkpoint.convert import import_hf
+    from memo_ext.estimate.layout import Layout
+
+    checkpoint = tmp_path / "converted"
+    import_hf(tiny_llama, checkpoint, log=lambda _: None)
+    layout = Layout(tp=1, cp=2, pp=1, dp=1, policy="memo", alpha=0.0, checkpoint_layers=1)
+    line = layout.trainer_flags(8192, 16)
+    answer = tmp_path / "answer.json"
+    answer.write_text(json.dumps({"gpus": 2, "seq_length": 8192,
+                                  "rows": [{"trainer_flags": line}]}))
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{suffix}").touch()
+    result = _continue(tmp_path, tiny_llama, CKPT_DIR="converted", RECOMMENDED=str(answer),
+                       DATA_PATH="corpus_text_document", GPUS="2", SEQ="8192", MEMO_DRY_RUN="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    launcher, flags = _continue_launch(result.stdout)
+    assert launcher == ["torchrun", "--standalone", "--nproc-per-node", "2"]
+    assert any(flags[i:i + len(line)] == line for i in range(len(flags))), "flag line missing"
+    assert flags[:3] == ["@converted/model_flags.txt", "--load", "converted"]
+
+    monkeypatch.chdir(tmp_path)  # @FILE, --load and --data-path are the launch directory's
+    args = parse_args(flags, world_size=2, cuda_available=True)
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_query_groups,
+            args.kv_channels, args.vocab_size) == (4, 64, 96, 2, 16, 1000)
+    assert args.normalization == "RMSNorm" and args.swiglu and args.rotary_base == 10000
+    assert args.tokenizer_type == "HuggingFaceTokenizer"
+    assert args.tokenizer_model == str(checkpoint)
+    assert args.context_parallel_size == 2 and args.seq_length == 8192
+    assert args.memo_offload and str(args.memo_checkpoint_layers) == "1" and args.bf16
+    assert args.save == str(Path("runs/continue_hf/checkpoints"))
+
+    result = _continue(tmp_path, tiny_llama, CKPT_DIR="converted", RECOMMENDED=str(answer),
+                       DATA_PATH="corpus_text_document", GPUS="4", MEMO_DRY_RUN="1")
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith(f"error: {answer} answers --gpus 2 --seq-length 8192, "
+                                          "not GPUS=4 SEQ=1048576; unset RECOMMENDED to ask "
+                                          "the estimator")
+
+
+def test_continue_pretraining_without_gpu_fails_with_a_clear_message(tiny_llama, tmp_path):
+    result = _continue(tmp_path, tiny_llama, DATA_PATH="corpus_text_document", GPU="")
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("continue_pretraining_llama.sh: error: GPU is not set; "
+                                     "export GPU=h100 (a profile of "
+                                     "memo_ext/estimate/hardware.json)")
+
+
+@pytest.mark.slow
+def test_continue_pretraining_trains_the_converted_llama_on_cpu(tiny_llama, tmp_path):
+    """The example end to end on 2 CPU ranks: text tokenized with the model's tokenizer
+    folder; a dry run converts and asks the estimator (its best 2-GPU row at 256 tokens); the
+    run trains 3 iterations from the converted weights at that row, less the one flag the CPU
+    trainer refuses (--use-distributed-optimizer), and saves; a second start resumes."""
+    from tests.hf_models import TOKENIZER_TEXTS
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in TOKENIZER_TEXTS))
+    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "preprocess_data.py"),
+                    "--input", str(corpus), "--output-prefix", str(tmp_path / "corpus"),
+                    "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                    str(tiny_llama), "--append-eod"], check=True, capture_output=True,
+                   timeout=120)
+    env = dict(DATA_PATH="corpus_text_document", GPUS="2", SEQ="256", PRECISION="",
+               TRAIN_ITERS="3", SAVE_INTERVAL="3", EVAL_ITERS="0", SPLIT="100,0,0",
+               TORCHRUN=str(Path(sys.executable).parent / "torchrun"), OMP_NUM_THREADS="1")
+    result = _continue(tmp_path, tiny_llama, timeout=600, MEMO_DRY_RUN="1", **env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "continue_hf"
+    answer = json.loads((run_dir / "recommended.json").read_text())
+    best = answer["rows"][0]
+    print(f"recommended: {best['layout']}")
+    assert "--memo-offload" in best["trainer_flags"]
+    assert _continue_launch(result.stdout)[1][5:5 + len(best["trainer_flags"])] \
+        == best["trainer_flags"]
+    best["trainer_flags"].remove("--use-distributed-optimizer")
+    (tmp_path / "cpu_answer.json").write_text(json.dumps(answer))
+
+    env["RECOMMENDED"] = str(tmp_path / "cpu_answer.json")
+    result = _continue(tmp_path, tiny_llama, timeout=600, **env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "holds weights only" in result.stdout
+    losses = plot_loss.read_loss_curves(run_dir / "metrics.jsonl").train
+    assert [iteration for iteration, _ in losses] == [1, 2, 3]
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == "3"
+    again = _continue(tmp_path, tiny_llama, MEMO_DRY_RUN="1", **env)
+    assert _continue_launch(again.stdout)[1][1:3] == ["--load", "runs/continue_hf/checkpoints"]
 
 
 def _write_metrics(path: Path, losses: dict[int, float], validation: dict[int, float]) -> Path:

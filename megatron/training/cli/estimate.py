@@ -40,7 +40,7 @@ from pathlib import Path
 from megatron.training.cli.trace import add_tiling_arguments
 from memo_ext.estimate.cpu_profile import CPU_PROFILE
 from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS, CHECKPOINT_FRACTIONS
-from memo_ext.estimate.models import MODELS, ModelError, model_shape
+from memo_ext.estimate.models import MODELS, SHAPE_FLAGS, ModelError, model_shape
 from memo_ext.estimate.sppo_layouts import (
     SPPOLayoutModel,
     SPPOPrediction,
@@ -48,11 +48,6 @@ from memo_ext.estimate.sppo_layouts import (
 )
 
 GiB = 1 << 30
-#: Keys of a --model JSON file -> tools/trace.py flags.
-MODEL_FILE_KEYS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
-                   "ffn_hidden_size": "--ffn-hidden-size",
-                   "num_attention_heads": "--num-attention-heads",
-                   "num_query_groups": "--num-query-groups", "vocab_size": "--vocab-size"}
 SEARCH_STEP, FINE_STEP = 131072, 16384
 POLICIES = ("megatron", "megatron-none", "megatron-block", "memo", "sppo")
 #: Block recompute multiplies the traced Megatron layouts by its layer counts: opt-in.
@@ -65,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
-                        help="7b, 13b, 30b, 65b (examples/configs) or a JSON file with "
-                             + ", ".join(MODEL_FILE_KEYS) + " (and swiglu: true/false)")
+                        help="7b, 13b, 30b, 65b (examples/configs), a JSON file with "
+                             + ", ".join(SHAPE_FLAGS) + " (and swiglu, disable_bias_linear, "
+                             "tie_embeddings: true/false; normalization: LayerNorm/RMSNorm), or "
+                             "@FILE: pretrain_gpt.py flags one a line, as pretrain_gpt.py @FILE "
+                             "reads them (a converted checkpoint's model_flags.txt)")
     parser.add_argument("--gpu", required=True,
                         help="a profile of memo_ext/estimate/hardware.json, or cpu: this "
                              "machine running the CPU trainer (fp32, one process per rank), "
@@ -195,11 +193,17 @@ def model_argv(name: str) -> tuple[list[str], dict]:
     except ModelError as exc:
         raise UsageError(str(exc)) from None
     argv = []
-    for key, flag in MODEL_FILE_KEYS.items():
+    for key, flag in SHAPE_FLAGS.items():
         if shape.get(key) is not None:
             argv += [flag, str(int(shape[key]))]
     if shape.get("swiglu"):
         argv.append("--swiglu")
+    if shape.get("normalization"):
+        argv += ["--normalization", shape["normalization"]]
+    if shape.get("disable_bias_linear"):
+        argv.append("--disable-bias-linear")
+    if shape.get("tie_embeddings"):
+        argv.append("--tie-embeddings")
     return argv, shape
 
 

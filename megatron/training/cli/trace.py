@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--num-attention-heads", type=int, default=None)
     model.add_argument("--num-query-groups", type=int, default=None,
                        help="Grouped-query attention with this many K/V groups.")
+    model.add_argument("--kv-channels", type=int, default=None,
+                       help="Channels per attention head (default hidden / heads).")
     model.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     model.add_argument("--swiglu", action="store_true")
     model.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
@@ -214,6 +216,8 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
         argv += ["--ffn-hidden-size", str(ffn)]
     if opts.num_query_groups:
         argv += ["--group-query-attention", "--num-query-groups", str(opts.num_query_groups)]
+    if opts.kv_channels:
+        argv += ["--kv-channels", str(opts.kv_channels)]
     if opts.swiglu:
         argv.append("--swiglu")
     if opts.disable_bias_linear:

@@ -41,12 +41,31 @@ from megatron.training.hf_checkpoint.weight_map import (
     to_megatron,
 )
 
-# Files of a Hugging Face model directory that are not weights, copied by an export.
+# Files of a Hugging Face model directory that are not weights, copied into the checkpoint by
+# an import (the trainer's HuggingFaceTokenizer reads them there) and by an export.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "generation_config.json")
 # The flag line, one flag or value a line, beside the checkpoint: pretrain_gpt.py @FILE reads it.
 FLAGS_FILE = "model_flags.txt"
+
+
+def _tokenizer_flags(hf_dir: Path, save_dir: Path, vocab_size: int,
+                     log: Callable[[str], None]) -> list[str]:
+    """The flags that make the trainer read the tokenizer files copied into ``save_dir``
+    (absolute: the launch may run elsewhere), or none when ``hf_dir`` has no tokenizer the
+    trainer can use (said in one line: the checkpoint still trains on pre-tokenized data)."""
+    if not (hf_dir / "tokenizer.json").is_file():
+        return []
+    from megatron.training.tokenizer import HuggingFaceTokenizer, model_vocab_size
+
+    try:
+        model_vocab_size(HuggingFaceTokenizer(str(hf_dir)), "HuggingFaceTokenizer", vocab_size)
+    except ValueError as error:
+        log(f"> {FLAGS_FILE} names no tokenizer: {error}")
+        return []
+    return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+            str(save_dir.absolute())]
 
 
 def _checkpoint_dtype(reader: SafetensorsReader, names: list[str]) -> torch.dtype:
@@ -60,7 +79,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path,
               dtype: Optional[torch.dtype] = None, ignore_sliding_window: bool = False,
               log: Callable[[str], None] = print) -> list[str]:
     """Write the model of ``hf_dir`` as a weights-only trainer checkpoint under ``save_dir``
-    (stored in ``dtype``, default the weights' own); returns the trainer's model flags."""
+    (stored in ``dtype``, default the weights' own), with the tokenizer files beside it;
+    returns the trainer's model flags (and its tokenizer flags when the folder has one)."""
     hf_dir, save_dir = Path(hf_dir), Path(save_dir)
     config = read_config(hf_dir)
     source = str(hf_dir / "config.json")
@@ -86,8 +106,10 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path,
                 parameter.copy_(tensor)
         if parameters:
             raise AssertionError(f"parameters the mapping does not fill: {sorted(parameters)}")
+        flags += _tokenizer_flags(hf_dir, save_dir, arch.vocab_size, log)
         with atomic_directory(save_dir, "--save-dir") as partial:
             checkpointing.save_weights_checkpoint(args, model, partial, hf_config=config)
+            copy_files(hf_dir, partial, TOKENIZER_FILES)
             (partial / FLAGS_FILE).write_text("\n".join(flags) + "\n")
     log(f"> converted {hf_dir} ({arch.model_type}, {str(dtype).removeprefix('torch.')}) to "
         f"{save_dir}")
