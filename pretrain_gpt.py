@@ -53,23 +53,29 @@ def model_provider(config, args: argparse.Namespace, pre_process: bool = True,
     )
 
 
-def get_batch(data_iterator) -> dict:
-    """This rank's slice of the next micro-batch (only the first/last stages read data)."""
+def get_batch(data_iterator, every_stage: bool = False) -> dict:
+    """This rank's slice of the next micro-batch. Only the first and last pipeline stages read
+    data, unless ``every_stage`` (packed documents): then the middle stages read the micro-batch
+    too and keep its document offsets, which their attention needs (every rank's loader reads
+    the micro-batches of its data-parallel rank, the same on every stage of a pipeline)."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron.training.packed_documents import OFFSETS_KEY
 
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-    if not (first or last):
-        return {"tokens": None, "labels": None, "loss_mask": None, "position_ids": None}
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    if not (first or last or every_stage):
+        return dict.fromkeys(keys)
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     offsets = batch.get(OFFSETS_KEY)
-    batch = get_batch_on_this_cp_rank({
-        key: batch[key].to(device, non_blocking=True)
-        for key in ("tokens", "labels", "loss_mask", "position_ids")
-    })
+    if first or last:
+        batch = get_batch_on_this_cp_rank({
+            key: batch[key].to(device, non_blocking=True) for key in keys
+        })
+    else:
+        batch = dict.fromkeys(keys)
     if offsets is not None:  # offsets of the whole sequence: not split by CP rank
         batch[OFFSETS_KEY] = offsets.to(device, non_blocking=True)
     return batch
@@ -85,11 +91,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model):
-    """One micro-batch forward; megatron.core schedules call this."""
+def forward_step(data_iterator, model, packed_documents: bool = False):
+    """One micro-batch forward; megatron.core schedules call this. ``packed_documents``
+    (--reset-attention-mask): every pipeline stage reads the micro-batch's document offsets."""
     from megatron.training.packed_documents import packed_seq_params
 
-    batch = get_batch(data_iterator)
+    batch = get_batch(data_iterator, every_stage=packed_documents)
     output_tensor = model(
         batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
         packed_seq_params=packed_seq_params(batch),
@@ -101,7 +108,8 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     from megatron.training.training import pretrain
 
-    pretrain(args, model_provider, forward_step)
+    pretrain(args, model_provider,
+             partial(forward_step, packed_documents=args.reset_attention_mask))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 SNAPSHOTS = SHARED_DATA / "snapshots"
 MEMORY_REPORT = REPO_ROOT / "tools" / "memory_report.py"
+PRETRAIN_GPT = REPO_ROOT / "pretrain_gpt.py"
 
 # A model small enough for 2-4 CPU processes to run 20 iterations in ~10-25 s.
 TINY_GPT_ARGS = [
@@ -48,12 +49,13 @@ def subprocess_env() -> dict:
     return env
 
 
-def run_torchrun(nproc: int, args: list[str], timeout: float = 300,
-                 check: bool = True) -> subprocess.CompletedProcess:
-    """Run pretrain_gpt.py under torchrun (standalone rendezvous on a free loopback port)."""
+def run_torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
+                 script: Path = PRETRAIN_GPT) -> subprocess.CompletedProcess:
+    """Run pretrain_gpt.py (or another trainer ``script``) under torchrun (standalone
+    rendezvous on a free loopback port)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"), *args,
+        f"--nproc-per-node={nproc}", str(script), *args,
     ]
     result = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
                             text=True, timeout=timeout)
@@ -83,14 +85,15 @@ def _canonical_flags(args: list[str]) -> tuple:
     return tuple(sorted(flags.items()))
 
 
-def training_losses(nproc: int, args: list[str], tmp_path_factory) -> dict[int, float]:
-    """iteration -> lm loss of pretrain_gpt.py ``args`` on ``nproc`` ranks, run once per session
-    for each distinct command line (the tests that compare against the same deterministic
-    baseline share its run)."""
-    key = (nproc, _canonical_flags(args))
+def training_losses(nproc: int, args: list[str], tmp_path_factory,
+                    script: Path = PRETRAIN_GPT) -> dict[int, float]:
+    """iteration -> lm loss of pretrain_gpt.py (or ``script``) ``args`` on ``nproc`` ranks, run
+    once per session for each distinct command line (the tests that compare against the same
+    deterministic baseline share its run)."""
+    key = (nproc, str(script), _canonical_flags(args))
     if key not in _TRAINING_LOSSES:
         metrics = tmp_path_factory.mktemp("baseline") / "metrics.jsonl"
-        run_torchrun(nproc, [*args, "--log-metrics-jsonl", str(metrics)])
+        run_torchrun(nproc, [*args, "--log-metrics-jsonl", str(metrics)], script=script)
         _TRAINING_LOSSES[key] = read_losses(metrics)
     return _TRAINING_LOSSES[key]
 

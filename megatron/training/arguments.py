@@ -736,7 +736,7 @@ def _validate_memo(args: argparse.Namespace) -> None:
         _validate_tiled_mlp(args, tiled_mlp, metp)
     _validate_attention(args, attention, sppo.sppo or metp)
     if args.reset_attention_mask:
-        _validate_packed_documents(args, sppo.sppo, metp)
+        _validate_packed_documents(args, sppo)
     if not offload.offload:
         return
     _require(
@@ -798,17 +798,13 @@ def _validate_tiled_mlp(args: argparse.Namespace, tiled_mlp: TiledMLPConfig, met
         raise ArgumentValidationError(str(error)) from None
 
 
-def _validate_packed_documents(args: argparse.Namespace, sppo: bool, metp: bool) -> None:
-    """--reset-attention-mask: per-document offsets reach memo_ext's core attention
-    (megatron.training.packed_documents), one sequence per micro-batch, on every stage that
-    reads data."""
+def _validate_packed_documents(args: argparse.Namespace, sppo: SPPOConfig) -> None:
+    """--reset-attention-mask: per-document offsets reach the attention of every pipeline stage
+    (megatron.training.packed_documents), one sequence per micro-batch."""
     _require(args.micro_batch_size == 1, "--reset-attention-mask packs documents into one "
              f"sequence per micro-batch; give --micro-batch-size 1, got {args.micro_batch_size}")
-    _require(args.pipeline_model_parallel_size == 1, "--reset-attention-mask needs "
-             "--pipeline-model-parallel-size 1: the middle pipeline stages read no data, so "
-             "they would not know the documents")
-    _require(not (sppo or metp), "--reset-attention-mask is not supported by "
-             f"{'--memo-sppo' if sppo else '--memo-metp'}'s attention; drop one")
+    _require(not sppo.sppo_msp, "--reset-attention-mask is not supported by --memo-sppo-msp "
+             "(its helper stages never see the documents); drop one")
     _require(args.transformer_impl == "local", "--reset-attention-mask needs memo_ext's core "
              f"attention (--transformer-impl local), got {args.transformer_impl}")
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.training.packed_documents import OFFSETS_KEY
 from memo_ext.config import (BYTES_PER_MIB, METPConfig, MemoConfigError, OffloadConfig,
                              PlanConfig, SPPOConfig, StitchingConfig, TelemetryConfig,
                              config_from_args)
@@ -204,7 +205,8 @@ def build_memo_sppo(args: argparse.Namespace, log,
         config, seq_length=args.seq_length, pipeline_size=args.pipeline_model_parallel_size,
         micro_batch_size=args.micro_batch_size, hidden_size=args.hidden_size, layer_flops=flops,
         multiple_of=args.tensor_model_parallel_size if args.sequence_parallel else 1,
-        engine=engine, bandwidth_bytes_per_s=bandwidth, log=log, **offloader_options,
+        engine=engine, bandwidth_bytes_per_s=bandwidth, log=log, whole_keys=(OFFSETS_KEY,),
+        **offloader_options,
         **({} if telemetry is None else {"host_allocation_scope": telemetry.tracker.host_allocations}),
     )
     log(f"> {sppo.describe()}"

@@ -6,8 +6,9 @@ sees nothing up to and including it), which cannot exist at long lengths: 32K to
 2 GiB boolean mask per sample, 1M tokens 1 TiB. Here the data loader gives each sample the
 cumulative offsets of its documents instead (:class:`DocumentOffsets`), and the model's core
 attention (memo_ext.attention, the trainer's one attention) skips the tiles across documents,
-with or without context parallelism, and under MEMO's offload. Rotary embeddings need no reset:
-within a document the scores depend only on the distance between two positions.
+with or without context parallelism, under MEMO's offload, in SPPO's subsequences and METP's
+ring, on every pipeline stage. Rotary embeddings need no reset: within a document the scores
+depend only on the distance between two positions.
 """
 
 from __future__ import annotations

@@ -192,9 +192,7 @@ class CoreAttention(MegatronModule):
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("CoreAttention takes no attention bias")
-        documents = None
-        if packed_seq_params is not None:
-            documents = _document_offsets(packed_seq_params, query)
+        documents = documents_of(packed_seq_params, query)
         dropout_p = self.dropout_p if self.training else 0.0
         query, key, value = (own_storage(t) for t in (query, key, value))
         with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -203,10 +201,14 @@ class CoreAttention(MegatronModule):
         return out.reshape(out.size(0), out.size(1), -1)
 
 
-def _document_offsets(packed_seq_params, query: torch.Tensor) -> list[int]:
-    """Cumulative document offsets over the whole sequence from megatron's PackedSeqParams."""
+def documents_of(packed_seq_params, query: torch.Tensor) -> Optional[list[int]]:
+    """Cumulative document offsets over the whole sequence from megatron's PackedSeqParams
+    (None without them), for ``query`` [s, b, ...] (the trainer's, SPPO's and METP's
+    attention read them so)."""
+    if packed_seq_params is None:
+        return None
     offsets = packed_seq_params.cu_seqlens_q
     if query.size(1) != 1 or not torch.equal(offsets, packed_seq_params.cu_seqlens_kv):
-        raise ValueError("CoreAttention takes packed documents for one sequence (batch 1) with "
+        raise ValueError("packed documents need one sequence per micro-batch (batch 1) with "
                          "equal query and key offsets")
     return [int(x) for x in offsets.tolist()]

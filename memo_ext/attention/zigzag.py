@@ -11,7 +11,8 @@ sequence as one chunk.
 computes against a key shard, merged where the rows or columns are contiguous in local order so
 each ring step is one to three kernel calls: every key chunk at or before a query chunk is
 attended, a chunk against itself with the causal (diagonal) mask, and no mask tensor is built.
-With document offsets (packed sequences) each block is cut further along the documents' bounds.
+With document offsets (packed sequences) each block is cut further along the documents' bounds
+(:func:`within_documents`, which SPPO's subsequence attention uses too).
 """
 
 from __future__ import annotations
@@ -101,28 +102,38 @@ class ZigzagLayout:
     def _within_documents(self, tile: Tile, query_rank: int, key_rank: int,
                           documents: Sequence[int]) -> Iterator[Tile]:
         # A tile's rows (and columns) span at most two chunks; split them per chunk so each piece
-        # is a run of consecutive global positions, then intersect with each document.
+        # is a run of consecutive global positions.
         for rows in self._runs(tile.rows):
             for cols in self._runs(tile.cols):
-                row0 = self._global_start(query_rank, rows.start)
-                col0 = self._global_start(key_rank, cols.start)
-                for begin, end in zip(documents[:-1], documents[1:]):
-                    r0, r1 = max(begin, row0), min(end, row0 + rows.stop - rows.start)
-                    k0, k1 = max(begin, col0), min(end, col0 + cols.stop - cols.start)
-                    if tile.causal:
-                        k1 = min(k1, r1)
-                    if r0 >= r1 or k0 >= k1:
-                        continue
-                    piece_rows = slice(rows.start + r0 - row0, rows.start + r1 - row0)
-                    piece_cols = slice(cols.start + k0 - col0, cols.start + k1 - col0)
-                    if tile.causal and r0 == k0:
-                        yield Tile(piece_rows, piece_cols, True)
-                    elif k1 <= r0:  # every key precedes every query
-                        yield Tile(piece_rows, piece_cols, False)
-                    else:
-                        raise AssertionError("a zigzag tile is either diagonal or wholly earlier")
+                yield from within_documents(Tile(rows, cols, tile.causal),
+                                            self._global_start(query_rank, rows.start),
+                                            self._global_start(key_rank, cols.start), documents)
 
     def _runs(self, local: slice) -> list[slice]:
         cuts = range((local.start // self.chunk + 1) * self.chunk, local.stop, self.chunk)
         bounds = [local.start, *cuts, local.stop]
         return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def within_documents(tile: Tile, row0: int, col0: int,
+                     documents: Sequence[int]) -> Iterator[Tile]:
+    """The pieces of ``tile`` inside each document: its rows are the consecutive global
+    positions from ``row0`` on, its columns those from ``col0`` on, and ``documents`` the
+    cumulative offsets of the whole sequence. A causal tile starts its rows and columns at the
+    same token; any other lies wholly before its rows (zigzag ring steps, SPPO's earlier
+    subsequences)."""
+    for begin, end in zip(documents[:-1], documents[1:]):
+        r0, r1 = max(begin, row0), min(end, row0 + tile.rows.stop - tile.rows.start)
+        k0, k1 = max(begin, col0), min(end, col0 + tile.cols.stop - tile.cols.start)
+        if tile.causal:
+            k1 = min(k1, r1)
+        if r0 >= r1 or k0 >= k1:
+            continue
+        rows = slice(tile.rows.start + r0 - row0, tile.rows.start + r1 - row0)
+        cols = slice(tile.cols.start + k0 - col0, tile.cols.start + k1 - col0)
+        if tile.causal and r0 == k0:
+            yield Tile(rows, cols, True)
+        elif k1 <= r0:  # every key precedes every query
+            yield Tile(rows, cols, False)
+        else:
+            raise AssertionError("a tile is either diagonal or wholly earlier than its rows")

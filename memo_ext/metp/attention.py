@@ -28,6 +28,9 @@ place.
 
 GQA: the ring carries K/V in their query groups and the tile kernels take them so.
 
+Packed documents (--reset-attention-mask): the ring cuts its tiles along the documents' bounds,
+as it does for the trainer's context parallelism.
+
 Written by hand: the paper has no public code, and no library ring attention works on gloo/CPU
 or shares Megatron's weight layout.
 """
@@ -138,7 +141,8 @@ class TwoLevelAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, qkv_weight, qkv_bias, proj_weight, shape: HeadShape,
-                rotary: Optional[Rotary], ring: Ring, layout: ZigzagLayout):
+                rotary: Optional[Rotary], ring: Ring, layout: ZigzagLayout,
+                documents: Optional[list[int]]):
         own = [qkv_weight, qkv_bias, proj_weight]
         broadcast = _WeightBroadcast(FlatPack(own), own, ring)
         length, batch, width = hidden.shape
@@ -147,13 +151,14 @@ class TwoLevelAttentionFunction(torch.autograd.Function):
         for group in range(ring.size):
             weight_qkv, bias_qkv, weight_proj = broadcast.weights(group)
             query, key_value = _project_qkv(hidden, weight_qkv, bias_qkv, shape, rotary)
-            attention, lse = RingAttention(layout, shape.scale, ring).forward(
+            attention, lse = RingAttention(layout, shape.scale, ring, documents).forward(
                 query, key_value, _NO_DROPOUT)
             del query, key_value
             saved += [attention, lse]
             output.addmm_(_merge_heads(attention).view(length * batch, -1), weight_proj.t())
         ctx.save_for_backward(hidden, qkv_weight, qkv_bias, proj_weight, *saved)
         ctx.shape, ctx.rotary, ctx.ring, ctx.layout = shape, rotary, ring, layout
+        ctx.documents = documents
         return output.view(length, batch, width)
 
     @staticmethod
@@ -182,7 +187,7 @@ class TwoLevelAttentionFunction(torch.autograd.Function):
                     leaves.append(bias_qkv.detach().requires_grad_())
                 qkv = _project_qkv(*leaves[:2], leaves[2] if bias_qkv is not None else None,
                                    shape, rotary)
-            grad_qkv = RingAttention(layout, shape.scale, ring).backward(
+            grad_qkv = RingAttention(layout, shape.scale, ring, ctx.documents).backward(
                 grad_attention, *(t.detach() for t in qkv), attention, lse, _NO_DROPOUT)
             input_grads = torch.autograd.grad(qkv, leaves, grad_qkv)
             del qkv, grad_qkv, grad_attention
@@ -203,16 +208,18 @@ class TwoLevelAttentionFunction(torch.autograd.Function):
         previous_reduction.wait()
         grad_weight_qkv, grad_bias_qkv, grad_weight_proj = shard.unpack(own_grads)
         return grad_hidden, grad_weight_qkv, grad_bias_qkv, grad_weight_proj, None, None, None, \
-            None
+            None, None
 
 
 def two_level_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor,
                         qkv_bias: Optional[torch.Tensor], proj_weight: torch.Tensor,
                         shape: HeadShape, ring: Ring, layout: ZigzagLayout,
-                        rotary: Optional[Rotary] = None) -> torch.Tensor:
+                        rotary: Optional[Rotary] = None,
+                        documents: Optional[list[int]] = None) -> torch.Tensor:
     """Causal self-attention of this rank's zigzag sequence shard ``hidden`` [s/p, b, h] ->
     [s/p, b, h] (without the projection bias). Weights are this rank's Megatron shards:
     linear_qkv [(heads + 2 groups) d, h] per rank, linear_proj [h, heads d]. ``rotary`` maps
-    [s/p, b, n, d] to the same shape with this rank's token positions (or None)."""
+    [s/p, b, n, d] to the same shape with this rank's token positions (or None);
+    ``documents``: packed documents' cumulative offsets over the whole sequence (or None)."""
     return TwoLevelAttentionFunction.apply(hidden, qkv_weight, qkv_bias, proj_weight, shape,
-                                           rotary, ring, layout)
+                                           rotary, ring, layout, documents)

@@ -5,7 +5,9 @@ TP+SP), whose forward runs METP's ring functions instead of all-gather / reduce-
 
 Inputs are the sequence-parallel shard [s/p, b, h] in METP's zigzag order (the model's tokens
 are permuted by :meth:`memo_ext.metp.MemoryEfficientTP.attach`): rank r holds sequence chunks r
-and 2p-1-r, and rotary embeddings are taken at those global positions.
+and 2p-1-r, and rotary embeddings are taken at those global positions. Packed documents'
+offsets (megatron's PackedSeqParams) stay those of the whole sequence in its own order: the
+ring maps them onto its zigzag tiles.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 
-from memo_ext.attention import Ring, ZigzagLayout
+from memo_ext.attention import Ring, ZigzagLayout, documents_of
 from memo_ext.metp.attention import HeadShape, two_level_attention
 from memo_ext.metp.mlp import Activation, ring_mlp
 
@@ -72,8 +74,7 @@ class MetpSelfAttention(SelfAttention):
                 packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
         unsupported = {"key_value_states": key_value_states, "inference_context":
                        inference_context or inference_params, "rotary_pos_cos": rotary_pos_cos,
-                       "rotary_pos_cos_sin": rotary_pos_cos_sin, "attention_bias": attention_bias,
-                       "packed_seq_params": packed_seq_params}
+                       "rotary_pos_cos_sin": rotary_pos_cos_sin, "attention_bias": attention_bias}
         given = [name for name, value in unsupported.items() if value is not None]
         if given:
             raise NotImplementedError(f"METP attention supports causal self-attention training "
@@ -93,5 +94,6 @@ class MetpSelfAttention(SelfAttention):
         shape = HeadShape(self.num_attention_heads_per_partition,
                           self.num_query_groups_per_partition, self.hidden_size_per_attention_head)
         output = two_level_attention(hidden_states, self.linear_qkv.weight, self.linear_qkv.bias,
-                                     self.linear_proj.weight, shape, ring, layout, rotary)
+                                     self.linear_proj.weight, shape, ring, layout, rotary,
+                                     documents_of(packed_seq_params, hidden_states))
         return _with_row_bias(output, self.linear_proj)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import contextlib
-from typing import Callable, ContextManager, Optional
+from typing import Callable, Collection, ContextManager, Optional
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -57,6 +57,11 @@ class SubsequenceState:
         """First token of the running subsequence (its offset in the sequence)."""
         return self.boundaries[self.index]
 
+    @property
+    def length(self) -> int:
+        """Tokens of the running subsequence."""
+        return self.boundaries[self.index + 1] - self.start
+
     def enter(self, index: int) -> None:
         self.index = index
 
@@ -86,7 +91,8 @@ class SubsequencePipeline:
 
     ``layer_flops`` gives the FLOPs partition its weights; ``multiple_of`` is the granularity of
     the cuts (the TP size under sequence parallelism). ``engine`` and ``bandwidth_bytes_per_s``
-    are needed only with --memo-sppo-offload other than none.
+    are needed only with --memo-sppo-offload other than none. Batch entries under
+    ``whole_keys`` reach every subsequence whole (packed documents' offsets).
     """
 
     def __init__(self, config: SPPOConfig, *, seq_length: int, pipeline_size: int,
@@ -94,7 +100,8 @@ class SubsequencePipeline:
                  multiple_of: int = 1, engine: Optional[CopyEngine] = None,
                  bandwidth_bytes_per_s: Optional[float] = None,
                  host_allocation_scope: Callable[[], ContextManager] = contextlib.nullcontext,
-                 log: Callable[[str], None] = lambda message: None, **offloader_options):
+                 log: Callable[[str], None] = lambda message: None,
+                 whole_keys: Collection[str] = (), **offloader_options):
         config.validate()
         count = config.subsequences or auto_subsequences(seq_length, pipeline_size, multiple_of)
         try:
@@ -111,6 +118,7 @@ class SubsequencePipeline:
         self.timeline = StageTimeline()
         self.log = log
         self.iterations = 0
+        self.whole_keys = whole_keys
         self.offloader = None
         alpha = config.offload_alpha
         if alpha != 0.0:
@@ -170,7 +178,7 @@ class SubsequencePipeline:
             num_microbatches=num_microbatches, micro_batch_size=self.micro_batch_size,
             hidden_size=self.hidden_size, forward_only=forward_only, subsequences=self.state,
             config=config, offloader=self.offloader, timeline=self.timeline,
-            multiplexer=self.multiplexer)
+            multiplexer=self.multiplexer, whole_keys=self.whole_keys)
 
     def after_iteration(self) -> None:
         """Solve auto's offload shares after the measuring iteration; log what the offloader
@@ -215,5 +223,7 @@ class SubsequencePipeline:
                 or tensor.untyped_storage()._cdata in self._parameter_storages)
 
     def _rotary_offset(self, module, args, kwargs):
+        # The running subsequence's table: from its first token, its length (megatron sizes a
+        # packed batch's table by the whole sequence, PackedSeqParams' max_seqlen).
         kwargs["offset"] = self.state.start
-        return args, kwargs
+        return (self.state.length, *args[1:]), kwargs

@@ -9,6 +9,11 @@ allocations) and the tiles merge by log-sum-exp: :class:`_BlockAttention` saves 
 the output and the log-sum-exp and runs each block's flash backward against them, so
 per-subsequence memory does not grow with the number of earlier blocks.
 
+Packed documents (--reset-attention-mask): the offsets of the whole sequence reach every
+subsequence; each block's tile is cut along the documents' bounds (memo_ext.attention's
+``within_documents``, the cut the trainer's ring applies), so a query sees an earlier
+subsequence's keys only where they are in its own document.
+
 Gradient flow across subsequences: earlier blocks enter subsequence ``i``'s attention as
 detached leaves, so their dK/dV *accumulate* in the leaves' ``.grad`` (the spec's on-device
 accumulators) while later subsequences run backward. Subsequence ``j``'s own K/V pass through
@@ -31,7 +36,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from memo_ext.attention import kernels, own_storage
+from memo_ext.attention import Tile, documents_of, kernels, own_storage, within_documents
 
 
 class SubsequenceOrderError(RuntimeError):
@@ -96,26 +101,57 @@ def _heads_first(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.permute(1, 2, 0, 3)
 
 
+def block_tiles(queries: int, key_lengths: list[int], starts: Optional[list[int]] = None,
+                documents: Optional[list[int]] = None) -> list[list[Tile]]:
+    """Per K/V block, the tiles ``queries`` query rows compute against it: the last block is the
+    queries' own (causal), every earlier one is attended whole. With packed ``documents``
+    (cumulative offsets of the whole sequence) and the blocks' global first tokens ``starts``
+    (the last is the queries' own), each tile is cut along the documents' bounds; a block in
+    other documents than every query gets no tile."""
+    last = len(key_lengths) - 1
+    tiles = [[Tile(slice(0, queries), slice(0, length), j == last)]
+             for j, length in enumerate(key_lengths)]
+    if documents is None:
+        return tiles
+    return [list(within_documents(tile, starts[-1], start, documents))
+            for (tile,), start in zip(tiles, starts)]
+
+
+def _block_gradient(pieces: list, like: torch.Tensor) -> torch.Tensor:
+    """A block's dK (or dV) [b, groups, s_k, d] from its tiles' (columns, gradient) pieces: a
+    tile over the whole block gives it as it is (no packed documents)."""
+    if len(pieces) == 1 and pieces[0][0] == slice(0, like.shape[2]):
+        return pieces[0][1]
+    grad = torch.zeros_like(like)
+    for cols, piece in pieces:
+        grad[:, :, cols] += piece
+    return grad
+
+
 class _BlockAttention(torch.autograd.Function):
-    """softmax(Q·[K_0..K_i]^T·scale, causal in the last block)·[V_0..V_i], one tile per block.
+    """softmax(Q·[K_0..K_i]^T·scale, causal in the last block)·[V_0..V_i], the tiles of
+    :func:`block_tiles` per block.
 
     Inputs in Megatron's [s, b, heads|groups, d] layout; output [s_q, b, heads*d].
     """
 
     @staticmethod
-    def forward(ctx, scale: float, cached: list, query: torch.Tensor, *keys_values: torch.Tensor):
+    def forward(ctx, scale: float, cached: list, tiles: list, query: torch.Tensor,
+                *keys_values: torch.Tensor):
         q = _heads_first(query)
         b, heads, sq, d = q.shape
         output = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         log_sum_exp = torch.full((b, heads, sq), float("-inf"), device=q.device)
-        blocks = len(keys_values) // 2
-        for j in range(blocks):
-            tile_output, tile_lse = torch.ops.memo_attention.tile_forward(
-                q, _heads_first(keys_values[2 * j]), _heads_first(keys_values[2 * j + 1]), scale,
-                j == blocks - 1, 0.0, 0)
-            kernels.merge_into(output, log_sum_exp, tile_output, tile_lse)
+        for j, block in enumerate(tiles):
+            key, value = _heads_first(keys_values[2 * j]), _heads_first(keys_values[2 * j + 1])
+            for tile in block:
+                tile_output, tile_lse = torch.ops.memo_attention.tile_forward(
+                    q[:, :, tile.rows], key[:, :, tile.cols], value[:, :, tile.cols], scale,
+                    tile.causal, 0.0, 0)
+                kernels.merge_into(output[:, :, tile.rows], log_sum_exp[:, :, tile.rows],
+                                   tile_output, tile_lse)
         output = output.to(query.dtype)
-        ctx.scale, ctx.cached = scale, cached
+        ctx.scale, ctx.cached, ctx.tiles = scale, cached, tiles
         for block in cached:
             block.pending_backwards += 1
         ctx.save_for_backward(query, output, log_sum_exp, *keys_values)
@@ -129,18 +165,23 @@ class _BlockAttention(torch.autograd.Function):
         grad_out = grad_output.reshape(sq, b, heads, d).permute(1, 2, 0, 3).to(query.dtype)
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         grads = []
-        blocks = len(keys_values) // 2
-        for j in range(blocks):
-            key, value = keys_values[2 * j], keys_values[2 * j + 1]
-            tile_grad_q, grad_k, grad_v, *workspaces = torch.ops.memo_attention.tile_backward(
-                grad_out, q, _heads_first(key), _heads_first(value), output, log_sum_exp,
-                ctx.scale, j == blocks - 1, 0.0, 0)
-            del workspaces
-            grad_q += tile_grad_q
-            grads += [grad_k.permute(2, 0, 1, 3), grad_v.permute(2, 0, 1, 3)]
+        for j, block in enumerate(ctx.tiles):
+            key, value = _heads_first(keys_values[2 * j]), _heads_first(keys_values[2 * j + 1])
+            key_pieces, value_pieces = [], []
+            for tile in block:
+                tile_grad_q, grad_k, grad_v, *workspaces = torch.ops.memo_attention.tile_backward(
+                    grad_out[:, :, tile.rows], q[:, :, tile.rows], key[:, :, tile.cols],
+                    value[:, :, tile.cols], output[:, :, tile.rows],
+                    log_sum_exp[:, :, tile.rows], ctx.scale, tile.causal, 0.0, 0)
+                del workspaces
+                grad_q[:, :, tile.rows] += tile_grad_q
+                key_pieces.append((tile.cols, grad_k))
+                value_pieces.append((tile.cols, grad_v))
+            grads += [_block_gradient(key_pieces, key).permute(2, 0, 1, 3),
+                      _block_gradient(value_pieces, value).permute(2, 0, 1, 3)]
         for block in ctx.cached:
             block.pending_backwards -= 1
-        return (None, None, grad_q.permute(2, 0, 1, 3).to(query.dtype), *grads)
+        return (None, None, None, grad_q.permute(2, 0, 1, 3).to(query.dtype), *grads)
 
 
 class SubsequenceCoreAttention(MegatronModule):
@@ -177,8 +218,8 @@ class SubsequenceCoreAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("--memo-sppo supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise ValueError("--memo-sppo supports no attention bias")
         if self.subsequences.multiplexed is not None:  # a task of --memo-sppo-msp
             return self.subsequences.multiplexed.attention(self, query, key, value)
         index = self.subsequences.index
@@ -196,5 +237,9 @@ class SubsequenceCoreAttention(MegatronModule):
         self.cache.blocks.append(block)
         self.subsequences.mark_kv(key, value)
         keys_values = [t for cached in earlier for t in (cached.key, cached.value)]
-        return _BlockAttention.apply(self.softmax_scale, earlier, query,
+        # Packed documents: offsets of the whole sequence, each block at its first token.
+        lengths = [cached.key.shape[0] for cached in earlier] + [key.shape[0]]
+        tiles = block_tiles(query.shape[0], lengths, self.subsequences.boundaries[:index + 1],
+                            documents_of(packed_seq_params, query))
+        return _BlockAttention.apply(self.softmax_scale, earlier, tiles, query,
                                      *keys_values, key, value)

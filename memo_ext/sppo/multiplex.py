@@ -59,7 +59,8 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model, make_viewless_tensor
 
 from memo_ext.attention import own_storage
-from memo_ext.sppo.attention import SubsequenceOrderError, _BlockAttention, _CachedBlock
+from memo_ext.sppo.attention import (SubsequenceOrderError, _BlockAttention, _CachedBlock,
+                                     block_tiles)
 from memo_ext.sppo.partition import LayerFlops
 
 #: Dtypes a rotary table may have (megatron keeps it in fp32; Float16Module casts buffers).
@@ -247,8 +248,8 @@ class _Pass:
         # backward takes it back once its recomputation has back-propagated.
         counted = earlier if self.is_owner and not self.recompute else []
         keys_values = [t for pair in kv_earlier + pieces[:self.piece + 1] for t in pair]
-        return _BlockAttention.apply(module.softmax_scale, counted, query,
-                                     *keys_values)
+        tiles = block_tiles(query.shape[0], [t.shape[0] for t in keys_values[::2]])
+        return _BlockAttention.apply(module.softmax_scale, counted, tiles, query, *keys_values)
 
 
 class _GroupKeysValues(torch.autograd.Function):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Collection, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,12 +42,16 @@ from memo_ext.sppo.multiplex import BACKWARD, FORWARD, HELP_BACKWARD, stage_prog
 class SubsequenceBatches:
     """The iterator a forward step reads while subsequence ``i`` of the current sequence runs:
     each ``next()`` returns the current sequence's batch with every [b, s] tensor cut to the
-    subsequence's tokens. The underlying iterator advances once per sequence, when subsequence
-    0 first asks."""
+    subsequence's tokens, except those under ``whole_keys`` (the packed documents' offsets of
+    the whole sequence, which the attention maps itself; a [1, k] tensor of offsets could
+    have k == s). The underlying iterator advances once per sequence, when subsequence 0
+    first asks."""
 
-    def __init__(self, sequences: Iterator, boundaries: list[int]):
+    def __init__(self, sequences: Iterator, boundaries: list[int],
+                 whole_keys: Collection[str] = ()):
         self.sequences = sequences
         self.boundaries = boundaries
+        self.whole_keys = frozenset(whole_keys)
         self.seq_length = boundaries[-1]
         self.index = 0
         self.sequence: Optional[dict] = None
@@ -64,7 +68,8 @@ class SubsequenceBatches:
         if self.sequence is None:
             self.sequence = next(self.sequences)
         begin, end = self.boundaries[self.index], self.boundaries[self.index + 1]
-        return {key: self._cut(value, begin, end) for key, value in self.sequence.items()}
+        return {key: value if key in self.whole_keys else self._cut(value, begin, end)
+                for key, value in self.sequence.items()}
 
     def sequence_tokens(self) -> Optional[torch.Tensor]:
         """Loss tokens of the whole current sequence (None where this stage read no data)."""
@@ -112,11 +117,12 @@ def run_subsequence_pipeline(*, forward_step_func: Callable, data_iterator, mode
                              num_microbatches: int, micro_batch_size: int, hidden_size: int,
                              forward_only: bool, subsequences, config,
                              offloader=None, timeline: Optional[StageTimeline] = None,
-                             multiplexer=None) -> list:
+                             multiplexer=None, whole_keys: Collection[str] = ()) -> list:
     """One global batch: ``num_microbatches`` sequences, each as the subsequences of
     ``subsequences.boundaries``. Returns the loss reports of the last stage (one per
     subsequence), like megatron.core's schedules. With ``multiplexer`` (--memo-sppo-msp) the
-    stage also runs its share of other stages' multiplexed tasks, in slot order."""
+    stage also runs its share of other stages' multiplexed tasks, in slot order. Batch entries
+    under ``whole_keys`` reach every subsequence whole (:class:`SubsequenceBatches`)."""
     if len(model) != 1:
         raise ValueError("--memo-sppo does not support virtual pipeline stages")
     chunk = model[0]
@@ -152,7 +158,7 @@ def run_subsequence_pipeline(*, forward_step_func: Callable, data_iterator, mode
         pending_sends.append((dist.isend(tensor, dst=destination, group=group), tensor))
 
     clock = _Clock(timeline if timeline is not None else StageTimeline())
-    batches = SubsequenceBatches(data_iterator, boundaries)
+    batches = SubsequenceBatches(data_iterator, boundaries, whole_keys)
     reports: list = []
     no_sync = config.no_sync_func if (config.no_sync_func is not None and not forward_only) \
         else None

@@ -2,7 +2,7 @@
 attention (metp.md): output and gradients (input, QKV weight and bias, projection weight) within
 1e-5 mean absolute error in fp32, with zigzag sharding and rotary on global positions; plain
 multi-head and GQA; CPU flash tiles and the explicit-softmax tiles (memo_ext.attention.kernels)
-used off CPU."""
+used off CPU; packed documents against an explicit block-causal mask."""
 
 from __future__ import annotations
 
@@ -33,22 +33,27 @@ def _rotary(positions: torch.Tensor):
     return apply
 
 
-def _reference(x, qkv_weight, qkv_bias, proj_weight, heads, groups):
+def _reference(x, qkv_weight, qkv_bias, proj_weight, heads, groups, documents=None):
     """Causal attention of the whole sequence in one process: [s, b, h] -> [s, b, h], QKV split
-    the way Megatron's SelfAttention splits its fused projection."""
+    the way Megatron's SelfAttention splits its fused projection; with ``documents`` (packed
+    documents' offsets) an explicit block-causal mask."""
     repeat = heads // groups
     mixed = F.linear(x, qkv_weight, qkv_bias).view(SEQ, BATCH, groups, (repeat + 2) * HEAD_DIM)
     query, key, value = torch.split(mixed, [repeat * HEAD_DIM, HEAD_DIM, HEAD_DIM], dim=3)
     rotary = _rotary(torch.arange(SEQ))
     query = rotary(query.reshape(SEQ, BATCH, heads, HEAD_DIM))
     query, key, value = (t.permute(1, 2, 0, 3) for t in (query, rotary(key), value))
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    if documents is not None:
+        document = torch.bucketize(torch.arange(SEQ), torch.tensor(documents[1:-1]), right=True)
+        mask &= document[:, None] == document[None, :]
     attention = F.scaled_dot_product_attention(
         query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1),
-        is_causal=True)
+        attn_mask=mask)
     return F.linear(attention.permute(2, 0, 1, 3).flatten(2), proj_weight)
 
 
-def _check_attention(rank, size, heads, groups, explicit_tiles):
+def _check_attention(rank, size, heads, groups, explicit_tiles, documents=None):
     from memo_ext.attention import Ring, ZigzagLayout, kernels
     from memo_ext.metp.attention import HeadShape, two_level_attention
 
@@ -62,7 +67,7 @@ def _check_attention(rank, size, heads, groups, explicit_tiles):
     grad = torch.randn(SEQ, BATCH, hidden, generator=generator)
 
     full = [t.clone().requires_grad_() for t in (x, qkv_weight, qkv_bias, proj_weight)]
-    reference = _reference(*full, heads, groups)
+    reference = _reference(*full, heads, groups, documents)
     reference.backward(grad)
 
     layout = ZigzagLayout(SEQ, size)
@@ -74,7 +79,7 @@ def _check_attention(rank, size, heads, groups, explicit_tiles):
     shape = HeadShape(heads // size, groups // size, HEAD_DIM)
     # explicit_tiles: the off-CPU tile code, run here on CPU tensors.
     with kernels.forced_kernel("explicit" if explicit_tiles else None):
-        out = two_level_attention(*local, shape, Ring(), layout, _rotary(positions))
+        out = two_level_attention(*local, shape, Ring(), layout, _rotary(positions), documents)
         out.backward(grad[positions])
 
     expected = [reference[positions], full[0].grad[positions], full[1].grad.chunk(size, 0)[rank],
@@ -91,6 +96,9 @@ def _check_attention(rank, size, heads, groups, explicit_tiles):
 def _check_all_cases(rank, size):
     for heads, groups, explicit_tiles in ((8, 8, False), (8, 4, False), (8, 4, True)):
         _check_attention(rank, size, heads, groups, explicit_tiles)
+    # packed documents (--reset-attention-mask): bounds inside and across the zigzag chunks,
+    # a one-token document
+    _check_attention(rank, size, 8, 4, False, documents=[0, 3, 4, 13, 27, SEQ])
 
 
 # p=2 is slow: at p=4 each rank's two ring neighbours differ (at p=2 they are one rank), so p=4
@@ -98,4 +106,6 @@ def _check_all_cases(rank, size):
 # (tests/distributed/test_metp_exactness.py, TP=2).
 @pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_two_level_attention_matches_single_process(world_size):
-    run_ranks(world_size, _check_all_cases)
+    # Four processes starting torch on a busy 2-core machine take most of the time.
+    run_ranks(world_size, _check_all_cases, timeout=240)
+

@@ -95,10 +95,8 @@ def test_each_packed_document_gets_its_logits_alone(megatron_world):
 
 @pytest.mark.parametrize("extra, message", [
     (["--micro-batch-size", "2"], "--micro-batch-size 1"),
-    (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"],
-     "--pipeline-model-parallel-size 1"),
-    (["--memo-metp", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-      "--micro-batch-size", "1"], "--memo-metp"),
+    (["--memo-sppo", "--memo-sppo-msp", "--pipeline-model-parallel-size", "2",
+      "--micro-batch-size", "1"], "--memo-sppo-msp"),
 ])
 def test_unsupported_combinations_are_one_line(extra, message):
     with pytest.raises(ArgumentValidationError, match="--reset-attention-mask") as error:

@@ -1,11 +1,13 @@
 """SPPO in one process: the FLOPs partition, and gradients per parameter of a sequence run as
-N subsequences (K/V cache, reverse-order backward, offloading) equal to the full sequence's."""
+N subsequences (K/V cache, reverse-order backward, offloading, packed documents) equal to the
+full sequence's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megatron.training.packed_documents import OFFSETS_KEY
 from memo_ext.config import MemoConfigError, SPPOConfig
 from memo_ext.device import CopyEngine
 from memo_ext.sppo import LayerFlops, SubsequenceOrderError, SubsequencePipeline
@@ -106,22 +108,34 @@ def sequence():
     }
 
 
-def full_sequence_grads(args):
+def packed_sequence():
+    """sequence()'s first sample with packed documents: bounds inside and across subsequences,
+    a one-token document."""
+    one = {key: value[:1] for key, value in sequence().items()}
+    return {**one, OFFSETS_KEY: torch.tensor([[0, 9, 10, 40, 41, 77, SEQ]], dtype=torch.int32)}
+
+
+def full_sequence_grads(args, batch=None):
+    from megatron.training.packed_documents import packed_seq_params
+
     model, _ = build(args)
-    batch = sequence()
-    loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
+    batch = batch or sequence()
+    loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                 packed_seq_params=packed_seq_params(batch)).sum()
     (loss / batch["loss_mask"].sum()).backward()
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def sppo_run(args, subsequences: int, partition: str = "flops", offload: str = "none",
-             engine=None, tracker=None, host_budget_bytes=None):
+             engine=None, tracker=None, host_budget_bytes=None, batch=None):
     import pretrain_gpt
 
+    batch = batch or sequence()
     config = SPPOConfig(sppo=True, sppo_subsequences=str(subsequences), sppo_partition=partition,
                         sppo_offload=offload)
     sppo = SubsequencePipeline(
-        config, seq_length=SEQ, pipeline_size=1, micro_batch_size=BATCH, hidden_size=HIDDEN,
+        config, seq_length=SEQ, pipeline_size=1, micro_batch_size=batch["tokens"].shape[0],
+        hidden_size=HIDDEN, whole_keys=(OFFSETS_KEY,),
         layer_flops=LayerFlops.of_gpt_layer(HIDDEN, 4 * HIDDEN, 4, 4, 16, False), engine=engine,
         bandwidth_bytes_per_s=1e9, min_offload_bytes=0, host_budget_bytes=host_budget_bytes,
         **({} if tracker is None else {"host_allocation_scope": tracker.host_allocations}))
@@ -135,7 +149,7 @@ def sppo_run(args, subsequences: int, partition: str = "flops", offload: str = "
     with tracker if tracker is not None else torch.autograd.graph.saved_tensors_hooks(
             lambda t: t, lambda t: t):
         reports = sppo.forward_backward(
-            forward_step_func=pretrain_gpt.forward_step, data_iterator=iter([sequence()]),
+            forward_step_func=pretrain_gpt.forward_step, data_iterator=iter([batch]),
             model=[model], num_microbatches=1, forward_only=False, config=config)
     loss = sum(report["lm loss"][0] for report in reports).item()
     return loss, {name: p.grad.clone() for name, p in model.named_parameters()}, sppo
@@ -154,6 +168,22 @@ def test_gradients_per_parameter_equal_the_full_sequence(megatron_world, model_n
     assert set(grads) == set(reference)
     assert worst_relative_gradient_error(grads, reference) < 1e-5
     assert sppo.state.kv_cache_bytes() == 0  # dropped after the sequence
+
+
+@pytest.mark.parametrize("subsequences", [3, 5])
+def test_packed_documents_give_the_full_sequences_gradients(megatron_world, subsequences):
+    """--reset-attention-mask under SPPO: each subsequence's tiles over the earlier ones are
+    cut along the documents of the whole sequence (RoPE and GQA: the rotary table follows the
+    subsequence, not the packed batch's length)."""
+    args = model_args(MODELS["llama_like_rope_swiglu_gqa_rmsnorm"])
+    reference_loss, reference = full_sequence_grads(args, packed_sequence())
+    loss, grads, sppo = sppo_run(args, subsequences, batch=packed_sequence())
+    assert len(sppo.boundaries) == subsequences + 1
+    assert loss == pytest.approx(reference_loss, rel=1e-6)
+    assert worst_relative_gradient_error(grads, reference) < 1e-5
+    # the documents change the gradients: the comparison can fail
+    _, unpacked = full_sequence_grads(args, {**packed_sequence(), OFFSETS_KEY: None})
+    assert worst_relative_gradient_error(unpacked, reference) > 1e-3
 
 
 @pytest.mark.parametrize("offload", ["1", "0.5"])
