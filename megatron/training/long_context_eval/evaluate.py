@@ -97,7 +97,8 @@ def _generate(model: EvalModel, tokens: torch.Tensor, start: int, size: int) -> 
     return tokens[:, start:]
 
 
-def passkey(args: argparse.Namespace, model: EvalModel, tokenizer) -> tuple[list[PasskeyOutcome], int]:
+def passkey(args: argparse.Namespace, model: EvalModel,
+            tokenizer) -> tuple[list[PasskeyOutcome], int]:
     """Every case of --passkey-lengths x --passkey-depths x --passkey-samples (keys from
     --seed) and the number of tokens generated for each; complete on every rank."""
     prompts = PasskeyPrompts(tokenizer)

@@ -64,9 +64,10 @@ def unzigzag(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _gather_sequence(local: torch.Tensor) -> torch.Tensor:
     """[b, s / CP] on each CP rank -> [b, s] in sequence order on every one."""
-    if parallel_state.get_context_parallel_world_size() == 1:
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size == 1:
         return local
-    parts = [torch.empty_like(local) for _ in range(parallel_state.get_context_parallel_world_size())]
+    parts = [torch.empty_like(local) for _ in range(cp_size)]
     dist.all_gather(parts, local.contiguous(), group=parallel_state.get_context_parallel_group())
     return unzigzag(parts)
 

@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 
 HEADER = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
           "memorize them. I will quiz you about the important information there.\n")
-FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+FILLER = (" The grass is green. The sky is blue. The sun is yellow. Here we go. There and back"
+          " again.")
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}"
