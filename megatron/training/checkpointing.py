@@ -88,6 +88,37 @@ def model_args_record(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name, None) for name in MODEL_ARGS}
 
 
+def recorded_model_flags(recorded: dict) -> list[str]:
+    """The flag line that rebuilds the network of a checkpoint's ``model_args`` record
+    (Megatron-LM's --use-checkpoint-args): a value flag for each recorded value, a switch for
+    each recorded True, the rules' own flags only for the RoPE rule in use."""
+    def value(name: str) -> list[str]:
+        return ["--" + name.replace("_", "-"), str(recorded[name])]
+
+    flags = []
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                 "kv_channels", "normalization", "norm_epsilon", "rotary_percent",
+                 "position_embedding_type", "max_position_embeddings", "rotary_base"):
+        flags += value(name)
+    if recorded["num_query_groups"] != recorded["num_attention_heads"]:
+        flags += ["--group-query-attention", *value("num_query_groups")]
+    flags += ["--" + name.replace("_", "-") for name in
+              ("swiglu", "add_qkv_bias", "untie_embeddings_and_output_weights") if recorded[name]]
+    if not recorded["add_bias_linear"]:
+        flags.append("--disable-bias-linear")
+    if recorded["rotary_seq_len_interpolation_factor"] is not None:
+        flags += value("rotary_seq_len_interpolation_factor")
+    if recorded["use_rope_scaling"]:
+        flags += ["--use-rope-scaling", *value("rope_scaling_factor")]
+    if recorded["position_embedding_type"] == "yarn":
+        for name in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
+                     "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow"):
+            flags += value(name)
+        flags.append(("--" if recorded["yarn_correction_range_round_to_int"] else "--no-")
+                     + "yarn-correction-range-round-to-int")
+    return flags
+
+
 def _flag_text(name: str, value) -> str:
     if name == "add_bias_linear":
         return "no --disable-bias-linear" if value else "--disable-bias-linear"
@@ -283,13 +314,18 @@ def load_checkpoint(args: argparse.Namespace, model: list, optimizer, scheduler)
     )
 
 
-def load_weights(root: str | Path, module: torch.nn.Module) -> dict:
+def load_weights(root: str | Path, module: torch.nn.Module,
+                 args: Optional[argparse.Namespace] = None) -> dict:
     """Load the latest checkpoint's model weights under ``root`` into ``module`` (resharded to
-    this process's layout by dist_checkpointing); returns the checkpoint's common state."""
+    this process's layout by dist_checkpointing); returns the checkpoint's common state. With
+    ``args``, the model flags are checked against the checkpoint's first, as a resuming run's."""
     directory, common = latest_checkpoint(root)
     if directory is None:
         raise ValueError(f"--load {root}: no {TRACKER_FILENAME}; point it at a checkpoint "
                          "directory written by the trainer or tools/checkpoint")
+    if args is not None:
+        check_model_args(common["train_state"].get("model_args"), args, directory)
+        _check_vocabulary(args, common, directory)
     loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(directory))
     module.load_state_dict(loaded["model"])
     return common

@@ -29,14 +29,14 @@ def dataset_sample_counts(args: argparse.Namespace) -> list[int]:
     return [train, valid, 0]
 
 
-def check_splits_have_documents(args: argparse.Namespace) -> None:
-    """Refuse a --split that leaves a needed split of a dataset without documents.
+def check_splits_have_documents(args: argparse.Namespace, samples: list[int]) -> None:
+    """Refuse a --split that leaves a split of a dataset that ``samples`` draws from without
+    documents.
 
     megatron.core's GPTDataset loops forever when asked for samples from a split with no
     tokens. The split is cut at round(cumulative weight * documents), as the builder does.
     """
     weights = parse_and_normalize_split(args.split)
-    samples = dataset_sample_counts(args)
     for prefix in data_path_prefixes(args.data_path):
         documents = IndexedDataset(prefix).sequence_lengths.shape[0]
         bounds = [int(round(sum(weights[:i]) * documents)) for i in range(len(weights) + 1)]
@@ -48,10 +48,14 @@ def check_splits_have_documents(args: argparse.Namespace) -> None:
                 )
 
 
-def build_datasets(args: argparse.Namespace, tokenizer) -> list[Optional[torch.utils.data.Dataset]]:
-    """Build [train, valid, test] datasets on every rank (rank 0 first, which fills the cache)."""
+def build_datasets(args: argparse.Namespace, tokenizer,
+                   samples: Optional[list[int]] = None) -> list[Optional[torch.utils.data.Dataset]]:
+    """Build [train, valid, test] datasets on every rank (rank 0 first, which fills the cache)
+    of ``samples`` samples each (default: what the run reads, :func:`dataset_sample_counts`)."""
+    if samples is None:
+        samples = dataset_sample_counts(args)
     if not args.mock_data:
-        check_splits_have_documents(args)
+        check_splits_have_documents(args, samples)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -66,7 +70,7 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> list[Optional[torch.u
     )
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
     datasets = BlendedMegatronDatasetBuilder(
-        dataset_class, dataset_sample_counts(args), lambda: True, config
+        dataset_class, samples, lambda: True, config
     ).build()
     if args.reset_attention_mask:  # per-document offsets, not megatron's [s, s] mask
         datasets = [None if ds is None else DocumentOffsets(ds, tokenizer.eod) for ds in datasets]

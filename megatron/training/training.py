@@ -67,9 +67,10 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
-                memo=None, sppo=None, metp=None) -> list:
-    """This stage's model chunk wrapped in megatron.core DDP (a one-element list)."""
+def build_stage_module(args: argparse.Namespace, config, model_provider: ModelProvider,
+                       memo=None, sppo=None, metp=None) -> torch.nn.Module:
+    """This pipeline stage's model on the device, in fp16/bf16 when asked (no DDP: what
+    evaluation runs; training wraps it in DDP, :func:`build_model`)."""
     model = model_provider(
         config=config,
         args=args,
@@ -85,6 +86,13 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
+    return model
+
+
+def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
+                memo=None, sppo=None, metp=None) -> list:
+    """This stage's model chunk wrapped in megatron.core DDP (a one-element list)."""
+    model = build_stage_module(args, config, model_provider, memo, sppo, metp)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,

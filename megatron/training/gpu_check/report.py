@@ -81,13 +81,13 @@ def render(header: Header, rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it and os.replace, so a
-    reader never sees half a report."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (or bytes) to ``path`` through a temporary file beside it and os.replace,
+    so a reader never sees half a report."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(handle, "w") as out:
+        with os.fdopen(handle, "wb" if isinstance(text, bytes) else "w") as out:
             out.write(text)
         os.replace(temporary, path)
     except BaseException:
