@@ -58,6 +58,7 @@ def test_resume_reproduces_uninterrupted_losses(uninterrupted_losses, tmp_path):
     assert read_losses(first) == {i: uninterrupted_losses[i] for i in range(1, 11)}
 
 
+@pytest.mark.slow  # ~40 s; the default suite keeps the resume test
 def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     log_path = tmp_path / "run.log"

@@ -52,6 +52,7 @@ def test_auto_plan_trains_with_identical_losses_and_serves_the_layers(layout, tm
         assert overlaps == 0
 
 
+@pytest.mark.slow  # ~50 s: a trace, a plan and a refused launch
 def test_a_plan_for_another_run_is_refused_before_training(tmp_path):
     trace = tmp_path / "trace.jsonl.gz"
     plan = tmp_path / "plan.json"

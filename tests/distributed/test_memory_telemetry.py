@@ -78,6 +78,7 @@ def test_tiny_capacity_stops_at_the_first_step_that_does_not_fit_with_a_report(t
     assert re.search(r"error: rank [01]: out of device memory", result.stderr)
 
 
+@pytest.mark.slow  # ~35 s; the default suite keeps the tiny-capacity stop
 def test_capacity_just_above_the_peak_fails_fast_after_warmup(tmp_path):
     reports = tmp_path / "reports"
     result = run_torchrun(4, TINY_GPT_ARGS + TP2_PP2 + [

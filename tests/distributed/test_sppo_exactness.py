@@ -50,7 +50,8 @@ def check_sppo_matches(layout: str, sppo_flags: list[str], tmp_path, tmp_path_fa
 # same schedule, the uneven FLOPs partition and the most subsequences in the default suite.
 @pytest.mark.parametrize("layout, subsequences", [
     pytest.param("pp2", 2, marks=pytest.mark.slow), ("pp2", 4),
-    pytest.param("pp2", 8, marks=pytest.mark.slow), ("pp4", 8)])
+    pytest.param("pp2", 8, marks=pytest.mark.slow),
+    pytest.param("pp4", 8, marks=pytest.mark.slow)])
 def test_sppo_losses_equal_full_sequence_training(layout, subsequences, tmp_path,
                                                   tmp_path_factory):
     stdout = check_sppo_matches(layout, ["--memo-sppo-subsequences", str(subsequences)],
@@ -76,7 +77,8 @@ def test_sppo_offloading_keeps_losses(offload, tmp_path, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout, subsequences", [
-    ("pp2", 4), pytest.param("pp4", 8, marks=pytest.mark.slow)])
+    pytest.param("pp2", 4, marks=pytest.mark.slow),
+    pytest.param("pp4", 8, marks=pytest.mark.slow)])
 def test_msp_losses_equal_full_sequence_training(layout, subsequences, tmp_path,
                                                  tmp_path_factory):
     stdout = check_sppo_matches(layout, ["--memo-sppo-subsequences", str(subsequences),

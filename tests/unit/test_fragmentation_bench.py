@@ -99,6 +99,7 @@ def test_longest_fitting_bisects():
     assert common.longest_fitting(lambda seq: False, 2, 16) == 0
 
 
+@pytest.mark.slow  # ~35 s: the whole quick bench
 def test_quick_run_writes_report_and_plots(tmp_path):
     result = subprocess.run(
         [sys.executable, str(BENCH), "--quick", "--skip-search", "-o", str(tmp_path)],

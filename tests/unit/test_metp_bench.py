@@ -7,11 +7,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO_ROOT, subprocess_env
 
 BENCH = REPO_ROOT / "bench" / "metp_memory.py"
 
 
+@pytest.mark.slow  # ~45 s: the whole quick bench
 def test_quick_run_writes_the_report(tmp_path):
     result = subprocess.run([sys.executable, str(BENCH), "--quick", "-o", str(tmp_path)],
                             cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True,
