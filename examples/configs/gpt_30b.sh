@@ -8,7 +8,7 @@
 # Headline 30b: the recommended layout on 32 GPUs (4 nodes), at the longest sequence it predicts:
 #   tools/estimate.py --model 30b --gpu a800 --gpus 32 --recommend --max-seq-length \
 #       --checkpoint-fractions 0,1 --mlp-tiles 0
-# (no variant that is traced whole: examples/configs/recommend.py, WITHOUT_WHOLE_TRACES)
+# (stages all in (a) or all in (b), untiled: examples/configs/recommend.py, WITHOUT_WHOLE_TRACES)
 # (examples/configs/recommended.md, section 30b).
 
 source "$(dirname "${BASH_SOURCE[0]}")/gpt_common.sh"

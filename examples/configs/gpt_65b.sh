@@ -8,7 +8,7 @@
 # Headline 65b: the recommended layout on 64 GPUs (8 nodes), at the longest sequence it predicts:
 #   tools/estimate.py --model 65b --gpu a800 --gpus 64 --recommend --max-seq-length \
 #       --checkpoint-fractions 0,1 --mlp-tiles 0
-# (no variant that is traced whole: examples/configs/recommend.py, WITHOUT_WHOLE_TRACES)
+# (stages all in (a) or all in (b), untiled: examples/configs/recommend.py, WITHOUT_WHOLE_TRACES)
 # (examples/configs/recommended.md, section 65b).
 
 source "$(dirname "${BASH_SOURCE[0]}")/gpt_common.sh"

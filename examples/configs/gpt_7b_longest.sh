@@ -17,11 +17,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpt_common.sh"
 memo_gpt_model 32     4096   16384  32
 # BEGIN recommended layout: section 7b_longest of examples/configs/recommended.md, written
 # by examples/configs/recommend.py apply; its best row (predicted, not measured):
-#   TP=4 CP=2 PP=1 DP=1 mbs=1 MEMO offload alpha 0 + 15 checkpoint layers, MLP in 16 tiles
+#   TP=4 CP=2 PP=1 DP=1 mbs=1 MEMO offload alpha 0 + 8 checkpoint layers, 1 offload buffer, MLP in 16 tiles, attention projections in 16 tiles, heads in 8 chunks
 memo_layout \
     --tensor-model-parallel-size 4 --sequence-parallel --context-parallel-size 2 \
-    --pipeline-model-parallel-size 1 --use-distributed-optimizer --seq-length 1966080 \
-    --max-position-embeddings 1966080 --micro-batch-size 1 --global-batch-size 16 \
-    --memo-offload --memo-alpha 0 --memo-checkpoint-layers 15 --cross-entropy-loss-fusion \
-    --cross-entropy-fusion-impl chunked --memo-mlp-tile-size 61440
+    --pipeline-model-parallel-size 1 --use-distributed-optimizer --seq-length 4456448 \
+    --max-position-embeddings 4456448 --micro-batch-size 1 --global-batch-size 16 \
+    --memo-offload --memo-alpha 0 --memo-checkpoint-layers 8 --cross-entropy-loss-fusion \
+    --cross-entropy-fusion-impl chunked --memo-offload-buffers 1 --memo-mlp-tile-size 139264 \
+    --memo-attention-projection-tile-size 139264 --memo-attention-head-chunks 8
 # END recommended layout

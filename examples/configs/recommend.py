@@ -61,9 +61,11 @@ def _recommend(model: str, gpus: int, *question: str) -> tuple[str, ...]:
     return ("--model", model, "--gpu", "a800", "--gpus", str(gpus), "--recommend", *question)
 
 
-#: The larger models' searches leave out the MEMO variants the estimator must trace whole at
-#: every probed length (a stage mixing checkpoint and token-wise layers; MEMO with the tiled
-#: MLP, whose symbolic traces fail their check): for 40-80 layers those take hours on CPU.
+#: The larger models' searches keep to stages all in (a) or all in (b), untiled. A quarter of the
+#: layers in (b) repeats every four layers, which the symbolic trace does not copy
+#: (memo_ext.estimate.symbolic_shape.MAX_PERIOD), so such stages are traced whole at every probed
+#: length: for 40-80 layers, hours on CPU. Half in (b) and the tiled MLP are symbolic, but they
+#: multiply the variants traced: left to the 7B searches, to keep each of these near 12 minutes.
 WITHOUT_WHOLE_TRACES = ("--checkpoint-fractions", "0,1", "--mlp-tiles", "0")
 
 HEADLINES: dict[str, Headline] = {
