@@ -361,23 +361,15 @@ class AttributedTracker(DeviceMemoryTracker):
                 self._events.append([event_id, "alloc", entry.nbytes, label,
                                      *self._context_fields(), getattr(self._op, "func", None)])
 
-    def _on_free(self, key: int, token: int) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.token == token:
-                self._forget(entry)
-            super()._on_free(key, token)
+    def _entry_freed(self, entry) -> None:
+        self._forget(entry)
 
-    def _maybe_resized(self, st: torch.UntypedStorage) -> None:
-        with self._lock:
-            entry = self._live_entry(st)
-            old = None if entry is None else entry.nbytes
-            super()._maybe_resized(st)
-            if entry is not None and entry.nbytes != old and entry.category == DEVICE:
-                label = self._labels.get(entry.token, OTHER)
-                self._category_bytes[label] += entry.nbytes - old
-                if self._bytes[DEVICE] >= self._peak[DEVICE]:
-                    self._peak_categories = dict(self._category_bytes)
+    def _entry_resized(self, entry, old_nbytes: int) -> None:
+        if entry.category == DEVICE:
+            label = self._labels.get(entry.token, OTHER)
+            self._category_bytes[label] += entry.nbytes - old_nbytes
+            if self._bytes[DEVICE] >= self._peak[DEVICE]:
+                self._peak_categories = dict(self._category_bytes)
 
     def mark_host(self, tensor: torch.Tensor) -> None:
         st = storage_of(tensor)

@@ -256,11 +256,13 @@ class DeviceMemoryTracker(TorchDispatchMode):
                 return
             nbytes = int(st.nbytes())
             if nbytes != entry.nbytes:
-                delta = nbytes - entry.nbytes
+                old_nbytes = entry.nbytes
+                delta = nbytes - old_nbytes
                 if delta > 0:
                     self._check_capacity(entry.category, delta)
                 entry.nbytes = nbytes
                 self._add(entry.category, delta)
+                self._entry_resized(entry, old_nbytes)
 
     def _on_free(self, key: int, token: int) -> None:
         """Finalizer of a tracked storage (any thread): subtract its bytes."""
@@ -268,5 +270,15 @@ class DeviceMemoryTracker(TorchDispatchMode):
             entry = self._entries.get(key)
             if entry is None or entry.token != token:
                 return
+            self._entry_freed(entry)
             del self._entries[key]
             self._bytes[entry.category] -= entry.nbytes
+
+    # Subclasses that keep their own books on tracked storages (the planner's recorder, the
+    # telemetry's attribution) follow frees and resizes through these two hooks, called under
+    # the lock, so the matching rules above exist once.
+    def _entry_freed(self, entry: _Entry) -> None:
+        """A tracked storage is about to be forgotten (its bytes still counted)."""
+
+    def _entry_resized(self, entry: _Entry, old_nbytes: int) -> None:
+        """A tracked storage changed size in place; ``entry.nbytes`` is the new size."""
