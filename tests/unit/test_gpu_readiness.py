@@ -15,7 +15,7 @@ import torch
 from memo_ext import _C, device_memory
 from memo_ext.config import MemoConfigError, TelemetryConfig
 from memo_ext.device import CUDA_FRAGMENTATION_RESERVE, CopyEngine, cuda_memory_headroom
-from memo_ext.offload.manager import HostSlotPool
+from memo_ext.offload.buffers import HostSlotPool
 from memo_ext.planner.arena import install_cuda_allocator
 from memo_ext.telemetry import MemoryTelemetry
 from megatron.training import metrics
