@@ -225,7 +225,7 @@ def msp_task_bytes(sizes: Sizes, lengths: list[int], index: int) -> dict:
     the later subsequences' share of the own K/V broadcast). An estimate of the traffic the
     schedule simulation leaves out."""
     from memo_ext.sppo import LayerFlops
-    from memo_ext.sppo.multiplex import split_range
+    from memo_ext.sppo.msp_plan import split_range
 
     h, four = sizes.hidden, 4
     flops = LayerFlops.of_gpt_layer(h, 4 * h, sizes.heads, sizes.heads, h // sizes.heads, False)

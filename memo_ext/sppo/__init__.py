@@ -24,8 +24,8 @@ from memo_ext.device import CopyEngine
 from memo_ext.sppo.attention import KVCache, SubsequenceCoreAttention, SubsequenceOrderError
 from memo_ext.sppo.offload import SubsequenceOffloader
 from memo_ext.sppo.partition import LayerFlops, auto_subsequences, partition
-from memo_ext.sppo.multiplex import SequenceMultiplexer, pipeline_bubble_ratio, \
-    plan_multiplexing
+from memo_ext.sppo.msp_plan import pipeline_bubble_ratio, plan_multiplexing
+from memo_ext.sppo.multiplex import SequenceMultiplexer
 from memo_ext.sppo.schedule import StageTimeline, run_subsequence_pipeline
 
 __all__ = ["SubsequencePipeline", "SubsequenceState", "SubsequenceCoreAttention",

@@ -18,7 +18,7 @@ Point-to-point traffic uses torch.distributed isend/irecv on the pipeline group:
 knows every subsequence's shape from the partition, and the order (blocking receives, asynchronous
 sends, no cycles) cannot deadlock.
 
-With --memo-sppo-msp every stage runs :func:`memo_ext.sppo.multiplex.stage_program`: its own
+With --memo-sppo-msp every stage runs :func:`memo_ext.sppo.msp_plan.stage_program`: its own
 steps and its share of other stages' multiplexed tasks, all in the order of the fill-drain
 slots. Dependencies only point to earlier slots and a multiplexed task's members all reach it
 in the same slot, so that order cannot deadlock either (tests/unit/test_sppo_msp.py plays it).
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from memo_ext.sppo.multiplex import BACKWARD, FORWARD, HELP_BACKWARD, stage_program
+from memo_ext.sppo.msp_plan import BACKWARD, FORWARD, HELP_BACKWARD, stage_program
 
 
 class SubsequenceBatches:

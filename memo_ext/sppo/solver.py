@@ -53,7 +53,7 @@ takes ``sum_i tau_i + (p - 1) · max_i tau_i`` (= sppo.md's ``(p-1+N)/N · F(N)`
 one DP all-reduce of the stage's bf16 gradients.
 
 With MSP (``Problem.msp``, ``--memo-sppo-msp``) the pipeline time is the makespan of
-:func:`memo_ext.sppo.multiplex.pipeline_bubble_ratio`'s simulation of the multiplexed order
+:func:`memo_ext.sppo.msp_plan.pipeline_bubble_ratio`'s simulation of the multiplexed order
 (each subsequence's forward and backward, collectives split 1:2 between them, a multiplexed
 backward recomputing its forward), plus the weight traffic of every slot with multiplexed
 tasks, not overlapped: the stage's bf16 parameters broadcast once before a forward slot,
@@ -75,7 +75,7 @@ from memo_ext.estimate.rank_constants import (  # the traced rows' (rows ranked 
     outside_allocator_bytes,
     workspace_bytes,
 )
-from memo_ext.sppo.multiplex import forward_slot, pipeline_bubble_ratio, plan_multiplexing
+from memo_ext.sppo.msp_plan import forward_slot, pipeline_bubble_ratio, plan_multiplexing
 from memo_ext.sppo.offload import solve_alphas
 from memo_ext.sppo.partition import LayerFlops, flops_boundaries
 

@@ -8,7 +8,7 @@ import pytest
 
 from memo_ext.config import MemoConfigError, SPPOConfig
 from memo_ext.sppo import LayerFlops, pipeline_bubble_ratio, plan_multiplexing
-from memo_ext.sppo.multiplex import (
+from memo_ext.sppo.msp_plan import (
     BACKWARD,
     FORWARD,
     HELP_BACKWARD,
