@@ -12,7 +12,7 @@ sequence as N subsequences through SPPO's schedule under
     activation bytes = peak device bytes - static bytes (parameters + gradients).
 
 Offloaded bytes go to host memory (allocated inside ``tracker.host_allocations()``) and do not
-count. Beside it, sppo.md's formula for the unrolled peak:
+count. Beside it, docs/sppo.md's formula for the unrolled peak:
 
     max_i [A_i + sum_{j<i} (1 - alpha_j) A_j] + KV cache
 

@@ -1,7 +1,7 @@
 """Model FLOPs of a GPT, for MFU: one definition for the trainer's log (megatron.training.training)
 and the estimator (memo_ext.estimate.cost, memo_ext.sppo.solver).
 
-MFU follows memo.md: 6·s·P + 6·n·h·s² FLOPs per sequence of s tokens (n layers, hidden size h).
+MFU follows docs/memo.md: 6·s·P + 6·n·h·s² FLOPs per sequence of s tokens (n layers, hidden size h).
 The first term is the GEMMs with weights (forward 2·s·P, backward 4·s·P), the second causal
 attention's score and context GEMMs. Model FLOPs, not hardware FLOPs: recomputation is not
 counted.
