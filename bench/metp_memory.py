@@ -56,12 +56,12 @@ QUICK = Sizes(hidden=64, heads=4, seqs=(64, 512))
 
 
 def spec_ratio(p: int) -> float:
-    """metp.md's attention peak ratio METP / TP+SP."""
+    """docs/metp.md's attention peak ratio METP / TP+SP."""
     return (3 + 2 * p) / (p * (4 + p))
 
 
 def spec_peaks_in_bsh_over_p(p: int) -> dict:
-    """metp.md's attention forward peaks in units of bsh/p: TP+SP bsh + 3bsh/p + bsh/p,
+    """docs/metp.md's attention forward peaks in units of bsh/p: TP+SP bsh + 3bsh/p + bsh/p,
     METP 2bsh/p + 3bsh/p^2."""
     return {"tp_sp": p + 4, "metp": 2 + 3 / p}
 

@@ -53,7 +53,7 @@ def parameter_count(model: dict) -> int:
 
 
 def model_flops_per_sequence(model: dict, seq: int) -> float:
-    """memo.md's MFU numerator: 6·s·P + 6·n·h·s² (causal attention, forward and backward)."""
+    """docs/memo.md's MFU numerator: 6·s·P + 6·n·h·s² (causal attention, forward and backward)."""
     return 6.0 * seq * parameter_count(model) + 6.0 * model["num_layers"] * \
         model["hidden_size"] * seq * seq
 
