@@ -97,9 +97,10 @@ NOT_REFERENCES = {
 def _tracked_text_files() -> list[str]:
     out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True)
     names = [n for n in out.stdout.decode().split("\0") if n]
+    this = Path(__file__).resolve().relative_to(ROOT).as_posix()  # its examples are not references
     return [n for n in names
             if (Path(n).suffix in TEXT_SUFFIXES or Path(n).name in TEXT_NAMES)
-            and (ROOT / n).is_file()]
+            and n != this and (ROOT / n).is_file()]
 
 
 def _norm(text: str) -> str:
