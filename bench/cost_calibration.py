@@ -59,7 +59,7 @@ from memo_ext.estimate.layout import (  # noqa: E402
 RESULTS = REPO_ROOT / "bench" / "results"
 PUBLISHED_RUNS = REPO_ROOT / "bench" / "published_runs.json"
 K = 1024
-#: shared/specs/memo.md, "Calibration figures": (model, GPUs) -> seq -> (Megatron-LM MFU %,
+#: the MEMO paper's MFU table (docs/memo.md "The paper's reported figures"): (model, GPUs) -> seq -> (Megatron-LM MFU %,
 #: MEMO MFU %), None where the system ran out of memory. Measured by the MEMO paper on A800s.
 PAPER = {
     ("7b", 8): {32 * K: (52.75, 52.75), 64 * K: (41.55, 52.34), 128 * K: (24.13, 50.96),
@@ -72,7 +72,7 @@ PAPER = {
 PAPER_LONGEST = {("7b", 8): (640 * K, 1024 * K), ("13b", 16): (640 * K, 1408 * K)}
 SYSTEMS = {"Megatron-LM": ("megatron", "megatron-none"), "MEMO": ("memo",)}
 SEARCH_STEP, SEARCH_MAX = 128 * K, 4096 * K
-#: memo.md's calibration runs: 16 sequences per iteration, 2 TB of host memory per node.
+#: docs/memo.md's calibration runs: 16 sequences per iteration, 2 TB of host memory per node.
 GLOBAL_BATCH, HOST_GB = 16, 2048
 GPUS = {"7b": 8, "13b": 16}
 SHAPES = {"7b": {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 16384,

@@ -66,7 +66,7 @@ PLOT_TIMELINE = "fragmentation.png"
 PLOT_SEQ = "fragmentation_seq.png"
 POLICIES = ("caching", "expandable")
 
-#: Megatron-LM in the MEMO paper (memo.md "Other facts" and its sequence table): 7B on 8 GPUs.
+#: Megatron-LM in the MEMO paper (docs/memo.md "The paper's reported figures"): 7B on 8 GPUs.
 PAPER_REORGANISATIONS = {131072: 6, 262144: 16}
 PAPER_LONGEST_SEQ = 655360
 

@@ -1,6 +1,6 @@
 """Which Megatron-LM did the MEMO paper measure? Megatron-LM's predicted longest sequence and
-MFU with and without context parallelism, beside the paper's figures (memo.md's calibration
-table), and the per-iteration overhead the paper's MFU implies beyond our cost model.
+MFU with and without context parallelism, beside the paper's figures (docs/memo.md "The paper's reported
+figures"), and the per-iteration overhead the paper's MFU implies beyond our cost model.
 
     python bench/megatron_baseline.py
 
@@ -11,8 +11,8 @@ Layouts (Megatron-LM full recompute, uniform 1 layer; and no recompute where it 
 
 For the no-CP layouts the table gives, at each of the paper's lengths, the predicted MFU (the
 better of no recompute and full recompute that fits), the predicted step, the step the paper's
-MFU implies (memo.md's MFU definition, 16 sequences, 312 TFLOPS), the difference, and where
-memo.md gives Megatron-LM's reorganisation counts (7B: 6 per iteration at 128K, 16 at 256K),
+MFU implies (docs/memo.md's MFU definition, 16 sequences, 312 TFLOPS), the difference, and where
+the paper gives Megatron-LM's reorganisation counts (7B: 6 per iteration at 128K, 16 at 256K),
 the seconds per reorganisation that difference would need. Writes
 bench/results/megatron_baseline.md and .png. Every figure of ours is predicted (allocator
 models and the cost model on traces); the paper's were measured on A800s.
@@ -46,7 +46,7 @@ FAMILIES = {
     ("13b", 16): {"without CP": [(8, 1, 2, 1)],
                   "with CP": [(4, 4, 1, 1), (8, 2, 1, 1)]},
 }
-#: memo.md: Megatron-LM's cache reorganisations per iteration (7B, 8 GPUs).
+#: The MEMO paper: Megatron-LM's cache reorganisations per iteration (7B, 8 GPUs).
 PAPER_REORGANISATIONS = {("7b", 8): {128 * K: 6, 256 * K: 16}}
 
 

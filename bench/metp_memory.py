@@ -1,6 +1,6 @@
 """METP memory benchmark: measured peak activation bytes per rank of one transformer layer under
 TP+SP (Megatron's layers, sequence parallel) and METP, at TP p = 2 and 4, over sequence lengths,
-beside metp.md's attention peak ratio r = (3+2p)/(p(4+p)).
+beside docs/metp.md's attention peak ratio r = (3+2p)/(p(4+p)).
 
     python bench/metp_memory.py                    # full run, a few minutes on 2 cores
     python bench/metp_memory.py --quick -o /tmp/m  # smoke test
@@ -18,7 +18,7 @@ i.e. everything the block allocates: TP+SP's all-gathered sequence (Megatron's g
 buffer is replaced by a fresh one per run so it is counted), QKV, scores' flash outputs,
 reduce-scatter inputs; METP's weight double buffers, K/V ring buffers, per-head-group Q/K/V and
 accumulators. The forward peak is read before backward starts; the table's ratios are METP /
-TP+SP of the forward peak of the attention block, which is what metp.md's r describes
+TP+SP of the forward peak of the attention block, which is what docs/metp.md's r describes
 (TP: bsh + 3bsh/p + bsh/p; METP: 2bsh/p + 3bsh/p^2), and of the fwd+bwd peak of the whole layer.
 Values are the maximum over ranks. Dropout is 0 and there is no rotary embedding (neither
 changes the bytes by more than a Q/K copy).
@@ -56,12 +56,12 @@ QUICK = Sizes(hidden=64, heads=4, seqs=(64, 512))
 
 
 def spec_ratio(p: int) -> float:
-    """metp.md's attention peak ratio METP / TP+SP."""
+    """docs/metp.md's attention peak ratio METP / TP+SP."""
     return (3 + 2 * p) / (p * (4 + p))
 
 
 def spec_peaks_in_bsh_over_p(p: int) -> dict:
-    """metp.md's attention forward peaks in units of bsh/p: TP+SP bsh + 3bsh/p + bsh/p,
+    """docs/metp.md's attention forward peaks in units of bsh/p: TP+SP bsh + 3bsh/p + bsh/p,
     METP 2bsh/p + 3bsh/p^2."""
     return {"tp_sp": p + 4, "metp": 2 + 3 / p}
 
@@ -172,7 +172,7 @@ def run_workers(sizes: Sizes, quick: bool, workdir: Path) -> list[dict]:
 
 def comparisons(rows: list[dict]) -> list[dict]:
     """METP / TP+SP per (p, seq): attention forward peak, bytes left after attention forward,
-    whole-layer fwd+bwd peak; beside metp.md's ratios."""
+    whole-layer fwd+bwd peak; beside docs/metp.md's ratios."""
     index = {(r["tp"], r["seq"], r["block"], r["mechanism"]): r for r in rows}
     result = []
     for (p, seq, block, mechanism), metp in sorted(index.items()):
@@ -210,7 +210,7 @@ def write_report(out: Path, sizes: Sizes, rows: list[dict], table: list[dict], s
         f"`python bench/metp_memory.py {' '.join(argv)}`, {seconds:.0f} s on this 2-core CPU "
         f"machine. Measured (DeviceMemoryTracker storage bytes, fp32, max over ranks) with p "
         f"gloo processes; hidden {sizes.hidden}, {sizes.heads} heads, batch 1, one layer. "
-        "The spec columns are metp.md's formulas, not measurements.",
+        "The spec columns are docs/metp.md's formulas, not measurements.",
         "",
         "| p | seq | attn fwd peak TP+SP MiB | attn fwd peak METP MiB | METP / TP+SP | "
         "spec (3+2p)/(p(4+p)) | left after attn fwd METP / TP+SP | spec 2/5 | "
@@ -242,7 +242,7 @@ def write_report(out: Path, sizes: Sizes, rows: list[dict], table: list[dict], s
                if crossover else "METP needs less than TP+SP at every measured length."))
     lines += [
         "",
-        "Which measured ratio the spec's r describes: metp.md derives r from the attention "
+        "Which measured ratio the spec's r describes: docs/metp.md derives r from the attention "
         "block's intermediates, and the issue asks for the peak activation bytes per rank of "
         "one layer. Both are in the table. The whole layer's peak is the quantity a user's "
         "memory budget sees; the attention-forward ratio is the closest to r's derivation, and "
@@ -251,7 +251,7 @@ def write_report(out: Path, sizes: Sizes, rows: list[dict], table: list[dict], s
     ]
     lines += [
         "",
-        "Each mechanism against its own term in metp.md (attention forward peak in units of "
+        "Each mechanism against its own term in docs/metp.md (attention forward peak in units of "
         "bsh/p; spec: TP+SP p+4, METP 2+3/p):",
         "",
         "| p | seq | TP+SP measured | TP+SP spec | METP measured | METP spec |",

@@ -56,7 +56,7 @@ layer, megatron.core local spec + SDPA core attention)::
         (SDPA output, shared with the out-projection input) + LN2 input u + LN2 output u
         + FC1 output 4u + GELU output 4u + LN statistics 4sb + attention log-sum-exp a s b
 
-i.e. memo.md's 16 u plus 2u for the pinned QKV buffer and 4u/a for RoPE. The head (final norm,
+i.e. docs/memo.md's 16 u plus 2u for the pinned QKV buffer and 4u/a for RoPE. The head (final norm,
 logits, cross-entropy) adds about H = 2u + 2 s b V. Then:
 
 - no recompute:        n L + H
@@ -123,7 +123,7 @@ LONG_PATH_CAPACITY_GOAL = 3.0
 LONG_PATH_FLAGS = ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "chunked",
                    "--cross-entropy-chunk-size", "1024", "--memo-mlp-tile-size", "1024")
 #: D2H bandwidth handed to MEMO's alpha LP: the effective per-GPU PCIe bandwidth the paper's
-#: figures imply (memo.md: ~10-14 GB/s on a 32 GB/s link), bytes/s.
+#: figures imply (docs/memo.md: ~10-14 GB/s on a 32 GB/s link), bytes/s.
 LP_BANDWIDTH_BYTES_PER_S = 12e9
 #: Host memory handed to MEMO's alpha LP, bytes (generous: this machine has 24 GiB).
 LP_HOST_MEMORY_BYTES = 8 * 10**9
@@ -667,7 +667,7 @@ FORMULAS = """\
 All figures are fp32 bytes (4 per element); u = s·b·h, a = heads, V = vocabulary, n = layers.
 
 - Per layer saved for backward (profiled on this layer): L = (18 + 4/a)·u + (4 + a)·s·b
-  (memo.md's 16·u, plus 2·u because v is a view of the fused QKV output and pins all 3·u of it,
+  (docs/memo.md's 16·u, plus 2·u because v is a view of the fused QKV output and pins all 3·u of it,
   plus 4·u/a of RoPE cos/sin, plus LayerNorm statistics and the attention log-sum-exp).
 - Head (final norm, logits, cross-entropy): H ≈ 2·u + 2·s·b·V.
 - No recompute: n·L + H.

@@ -12,7 +12,7 @@ sequence as N subsequences through SPPO's schedule under
     activation bytes = peak device bytes - static bytes (parameters + gradients).
 
 Offloaded bytes go to host memory (allocated inside ``tracker.host_allocations()``) and do not
-count. Beside it, sppo.md's formula for the unrolled peak:
+count. Beside it, docs/sppo.md's formula for the unrolled peak:
 
     max_i [A_i + sum_{j<i} (1 - alpha_j) A_j] + KV cache
 
@@ -201,7 +201,7 @@ class Stage:
 
 
 def formula_bytes(lengths: list[int], alphas: list[float], per_token: float, kv: int) -> int:
-    """sppo.md's unrolled peak: max_i [A_i + sum_{j<i}(1-alpha_j) A_j] + KV."""
+    """docs/sppo.md's unrolled peak: max_i [A_i + sum_{j<i}(1-alpha_j) A_j] + KV."""
     activations = [per_token * n for n in lengths]
     peak = max(activations[i] + sum((1 - alphas[j]) * activations[j] for j in range(i))
                for i in range(len(lengths)))

@@ -1,6 +1,6 @@
 """Asynchronous device<->host copies: the overlap protocol behind MEMO's activation offloading.
 
-The protocol (memo.md, "Rounding buffers and streams") has three actors: *compute* (the stream or
+The protocol (docs/memo.md "Rounding buffers and streams") has three actors: *compute* (the stream or
 thread that runs the layers), a *D2H* ("offload") copy queue and an *H2D* ("prefetch") copy queue.
 Each copy queue is FIFO; the two queues run independently of each other and of compute.
 Ordering between actors is expressed only through :class:`CopyEvent` objects:
@@ -269,7 +269,7 @@ class _CudaCopier:
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         # Not torch.empty(pin_memory=True): PyTorch's pinned CachingHostAllocator rounds every
-        # block up to a power of two and keeps freed blocks (docs/estimate.md, "Host memory"),
+        # block up to a power of two and keeps freed blocks (docs/estimate.md "Host memory"),
         # so an 8 GiB + 64 MiB slot would hold 16 GiB. An anonymous mapping starts on a page, so
         # registering it locks exactly its own pages. Tensor.is_pinned() is True for registered
         # memory (cudaPointerGetAttributes reports it as host memory) and non_blocking copies

@@ -1,6 +1,6 @@
 """Point-to-point ring over a tensor-parallel group, and flat packing of several tensors.
 
-METP (metp.md) moves weight shards and their gradient accumulators around the TP group: rank i
+METP (docs/metp.md) moves weight shards and their gradient accumulators around the TP group: rank i
 sends to rank i-1 and receives from rank i+1, so at ring step j rank i holds the shard of rank
 (i+j) % p. Each step posts its transfer with ``torch.distributed.batch_isend_irecv`` *before*
 computing, into the second of two buffers (double buffering), and waits for it after computing:

@@ -17,7 +17,7 @@ measurement (no GPU is involved). Per micro-batch on the traced rank:
   exposed; a send and its matching receive are the same bytes on a full-duplex link, counted
   once;
 * MEMO's offload (forward) and prefetch (backward) over PCIe at e_pcie of the link, overlapped
-  with that phase's compute: only the excess is exposed (memo.md's LP keeps it hidden). A
+  with that phase's compute: only the excess is exposed (docs/memo.md's LP keeps it hidden). A
   profile's ``host_copy_overlap`` (default 1: a GPU's copy engines run beside its SMs) is the
   fraction of a copy's time that can hide at all; the rest is exposed whatever the compute
   (on a CPU the copy thread takes cores from compute). With one offload buffer
@@ -29,7 +29,7 @@ measurement (no GPU is involved). Per micro-batch on the traced rank:
   reorganisations (each a device synchronisation, cudaFree of every cached block and cudaMalloc
   again), which the allocator model counts.
 
-MFU follows memo.md's definition: (6·s·P + 6·n·h·s²) FLOPs per sequence over (GPUs · step time ·
+MFU follows docs/memo.md's definition: (6·s·P + 6·n·h·s²) FLOPs per sequence over (GPUs · step time ·
 peak), so recomputation is not credited; P and the FLOPs are memo_ext.estimate.flops', the
 trainer's log's too.
 

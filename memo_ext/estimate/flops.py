@@ -1,7 +1,7 @@
 """Model FLOPs of a GPT, for MFU: one definition for the trainer's log (megatron.training.training)
 and the estimator (memo_ext.estimate.cost, memo_ext.sppo.solver).
 
-MFU follows memo.md: 6·s·P + 6·n·h·s² FLOPs per sequence of s tokens (n layers, hidden size h).
+MFU follows docs/memo.md: 6·s·P + 6·n·h·s² FLOPs per sequence of s tokens (n layers, hidden size h).
 The first term is the GEMMs with weights (forward 2·s·P, backward 4·s·P), the second causal
 attention's score and context GEMMs. Model FLOPs, not hardware FLOPs: recomputation is not
 counted.
@@ -53,7 +53,7 @@ def parameter_count(model: dict) -> int:
 
 
 def model_flops_per_sequence(model: dict, seq: int) -> float:
-    """memo.md's MFU numerator: 6·s·P + 6·n·h·s² (causal attention, forward and backward)."""
+    """docs/memo.md's MFU numerator: 6·s·P + 6·n·h·s² (causal attention, forward and backward)."""
     return 6.0 * seq * parameter_count(model) + 6.0 * model["num_layers"] * \
         model["hidden_size"] * seq * seq
 

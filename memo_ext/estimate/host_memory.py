@@ -1,4 +1,4 @@
-"""Host memory of one node as MEMO's trainer uses it (docs/estimate.md, "Host memory").
+"""Host memory of one node as MEMO's trainer uses it (docs/estimate.md "Host memory").
 
 A node's host memory holds, as separate named terms (:class:`NodeHostMemory`):
 
@@ -243,7 +243,7 @@ class SlotShape:
         times (ours at alpha 0: once, the out-projection's input being the core attention's
         saved output; before commit db32dcc twice) and, with
         ``statistics``, the attention's fp32 log-sum-exp (one value per head and token); the
-        alpha-split tensors are memo.md's 14 h per token (LN1 output, q/k/v, residual, LN2
+        alpha-split tensors are docs/memo.md's 14 h per token (LN1 output, q/k/v, residual, LN2
         output, FC1 and activation outputs)."""
         whole = 2 * hidden * (1 + attention_copies) / model_parallel
         if statistics:

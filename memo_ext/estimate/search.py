@@ -1,6 +1,6 @@
 """The recommender's search over layouts: each layout at its longest fitting length, ranked.
 
-Three things keep a search short (docs/estimate.md, "The recommender"):
+Three things keep a search short (docs/estimate.md "The recommender"):
 
 - **Bounds before replays.** A layout's allocated-peak bounds (LayoutModel.bound_fits, closed
   form over the whole grid) give the longest length it could fit without any replay. Layouts

@@ -1,4 +1,4 @@
-"""METP: memory-efficient tensor parallelism (metp.md; docs/metp.md).
+"""METP: memory-efficient tensor parallelism (docs/metp.md).
 
 Public entry point: :class:`MemoryEfficientTP`. The trainer builds one from a
 :class:`memo_ext.config.METPConfig`, builds the model from :meth:`MemoryEfficientTP.layer_spec`
@@ -37,7 +37,7 @@ class MemoryEfficientTP:
     def describe(self) -> str:
         p = self.layout.size
         return (f"METP: ring P2P tensor parallelism over {p} ranks | zigzag sequence shards of "
-                f"2 x {self.layout.chunk} tokens | attention peak vs TP+SP (metp.md) "
+                f"2 x {self.layout.chunk} tokens | attention peak vs TP+SP (docs/metp.md) "
                 f"(3+2p)/(p(4+p)) = {(3 + 2 * p) / (p * (4 + p)):.3f}")
 
     def layer_spec(self, spec: ModuleSpec) -> ModuleSpec:

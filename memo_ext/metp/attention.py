@@ -1,4 +1,4 @@
-"""METP's two-level causal self-attention (metp.md, "Attention (two-level)").
+"""METP's two-level causal self-attention (docs/metp.md "Attention (two-level)").
 
 Outer loop over head groups: at step j rank j broadcasts its QKV and projection shards (the
 ColumnParallelLinear / RowParallelLinear weights Megatron gives TP rank j) and every rank computes

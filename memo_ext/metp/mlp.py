@@ -1,4 +1,4 @@
-"""METP's MLP: O = f(A·B)·C over the TP ring (metp.md, "O = f(AB)C").
+"""METP's MLP: O = f(A·B)·C over the TP ring (docs/metp.md "O = f(AB)C").
 
 Rank i holds A_i, its sequence shard of the input ([s/p, b, h], the sequence-parallel layout),
 B's column shard (ColumnParallelLinear fc1: weight [k/p, h], bias [k/p]) and C's row shard

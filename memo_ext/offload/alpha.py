@@ -1,6 +1,6 @@
 """MEMO's linear program for alpha, the fraction of tokens of the alpha-split tensors offloaded.
 
-Per pipeline stage (memo.md "Choosing alpha (LP)", extended for pipelining and page-locked
+Per pipeline stage (docs/memo.md "Choosing alpha (LP)", extended for pipelining and page-locked
 memory)::
 
     max alpha

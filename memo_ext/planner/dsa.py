@@ -1,7 +1,7 @@
 """Offline dynamic storage allocation (DSA): give every request of a known sequence a byte offset
 so that requests alive at the same time never overlap, with the smallest arena.
 
-MEMO's formulation (memo.md "Bi-level memory planning"), n requests of S_i bytes, E the pairs
+MEMO's formulation (docs/memo.md "Bi-level memory planning"), n requests of S_i bytes, E the pairs
 whose lifetimes overlap, A_i offsets, z_ij binary, M the arena::
 
     min M   s.t.  A_i + S_i <= M

@@ -1,6 +1,6 @@
 """MEMO's bi-level memory plan of one training iteration, from a phase-tagged trace.
 
-Level 1 (memo.md "Bi-level memory planning"): each transformer layer's forward, and separately
+Level 1 (docs/memo.md "Bi-level memory planning"): each transformer layer's forward, and separately
 its backward (its recomputation included), is a *layer phase*: the rows of the trace from its
 first to its last event. A request allocated and freed inside its own layer phase is
 *transient*. Layer phases whose transient request sequences are equal (same sizes, same order of

@@ -1,4 +1,4 @@
-"""SPPO: subsequence pipeline parallelism with sequence-aware offloading (sppo.md).
+"""SPPO: subsequence pipeline parallelism with sequence-aware offloading (docs/sppo.md).
 
 Public entry point: :class:`SubsequencePipeline`; with ``--memo-sppo-msp`` it runs the
 multiplexed sequence partitioning of :mod:`memo_ext.sppo.multiplex`. The trainer builds one per

@@ -1,6 +1,6 @@
 """Causal attention of one subsequence over the K/V of itself and every earlier subsequence.
 
-SPPO runs a sequence as N subsequences, forward 0..N-1 and backward N-1..0 (sppo.md). Each
+SPPO runs a sequence as N subsequences, forward 0..N-1 and backward N-1..0 (docs/sppo.md). Each
 layer keeps the K/V of the subsequences already run (:class:`KVCache`, on device for the whole
 pass), and subsequence ``i``'s queries attend to blocks ``0..i``: earlier blocks fully, its own
 block with the causal (bottom-right aligned) mask. Each block is one attention tile of

@@ -1,4 +1,4 @@
-"""Multiplexed sequence partitioning (MSP, sppo.md "Pipeline and solver"): pipeline stages that
+"""Multiplexed sequence partitioning (MSP, docs/sppo.md "Pipeline and solver"): pipeline stages that
 would idle during a sequence's warm-up and cool-down help the stages that are busy then.
 
 Where the idle slots are. SPPO's fill-drain order (schedule.py) runs forward ``i`` on stage
@@ -8,10 +8,10 @@ tail ``t >= N`` stages ``< t - N + 1`` are done and wait for backward; backward 
 the same busy tasks and the same idle stages. :func:`plan_multiplexing` hands the idle stages of
 every such slot out to its busy tasks, one at a time to the task with the most work per member,
 and a task keeps its group for its forward and its backward. For p=4, N=8 all 8 tasks with
-helpers lie in sppo.md's left and right sets; forward 0 of stage 0 runs on all four stages
+helpers lie in docs/sppo.md's left and right sets; forward 0 of stage 0 runs on all four stages
 (tests/unit/test_sppo_msp.py lists them).
 
-How a group runs a task (the gaps sppo.md leaves are filled as in docs/sppo.md "MSP"):
+How a group runs a task (the gaps docs/sppo.md leaves are filled as in docs/sppo.md "Multiplexed sequence partitioning"):
 
 - **Layers only.** The owner stage keeps its embedding, final norm, output layer and loss; only
   its transformer layers are multiplexed. Every stage of a pipeline has the same layers (same

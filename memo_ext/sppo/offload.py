@@ -1,4 +1,4 @@
-"""SPPO's sequence-aware offloading (sppo.md "Sequence-aware offloading").
+"""SPPO's sequence-aware offloading (docs/sppo.md "Sequence-aware offloading").
 
 While subsequence ``i`` runs forward, the tensors autograd saves for its backward are packed by
 :class:`SubsequenceOffloader` (a ``saved_tensors_hooks`` pair): a share ``alpha_i`` of their
@@ -201,7 +201,7 @@ class SubsequenceOffloader:
 
 def solve_alphas(offloadable_bytes: list[int], forward_seconds: list[float],
                  bandwidth_bytes_per_s: float) -> list[float]:
-    """alpha_i = min(1, BW * T_{i+1} / A_i); 0 for the last subsequence (sppo.md)."""
+    """alpha_i = min(1, BW * T_{i+1} / A_i); 0 for the last subsequence (docs/sppo.md)."""
     count = len(offloadable_bytes)
     alphas = []
     for i in range(count):

@@ -1,4 +1,4 @@
-"""Where a sequence is cut into SPPO's subsequences (sppo.md "Subsequences and causal attention").
+"""Where a sequence is cut into SPPO's subsequences (docs/sppo.md "Subsequences and causal attention").
 
 Under causal attention a token late in the sequence attends to more keys than an early one, so
 equal-length subsequences do unequal work and the pipeline's stages wait for the slowest. The

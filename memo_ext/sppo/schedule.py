@@ -6,7 +6,7 @@ output on -- then backward on N-1..0, receiving output gradients from the next s
 input gradients back. Backward must run in reverse subsequence order (a subsequence's dK/dV
 collects contributions from every later one), so a stage cannot start backward before its last
 forward: the schedule is fill-drain per sequence, and with equal-work (FLOPs-balanced)
-subsequences its bubble ratio is (p-1)/N (sppo.md "Pipeline and solver").
+subsequences its bubble ratio is (p-1)/N (docs/sppo.md "Pipeline and solver").
 
 megatron.core's 1F1B schedules run backward in forward order and assume one tensor shape for
 every micro-batch; FLOPs-balanced subsequences have different lengths. Hence this schedule; it
@@ -92,7 +92,7 @@ class StageTimeline:
     wall_seconds: float = 0.0
 
     def bubble_ratio(self) -> float:
-        """Idle time / busy time, the definition behind sppo.md's (p-1)/N."""
+        """Idle time / busy time, the definition behind docs/sppo.md's (p-1)/N."""
         busy = sum(end - begin for begin, end in self.busy)
         return (self.wall_seconds - busy) / busy if busy else 0.0
 

@@ -1,4 +1,4 @@
-"""SPPO's heuristic solver (sppo.md "Pipeline and solver"): pick the SP/TP size ``t``, the
+"""SPPO's heuristic solver (docs/sppo.md "Pipeline and solver"): pick the SP/TP size ``t``, the
 pipeline size ``p``, DP = GPUs / (t·p) and the subsequence count ``N`` minimising the predicted
 step time, subject to device memory per GPU and host memory per node.
 
@@ -17,10 +17,10 @@ Memory per GPU (bytes), the terms of :class:`Memory`:
   evenly: a simplification), sharded over ``t``. Without ``distributed_optimizer`` (Megatron's
   default, assumed) nothing is sharded over DP; with it the 12 optimizer bytes are divided by
   DP.
-- ``kv_cache``: K and V of the whole sequence stay on device for the whole pass (sppo.md
+- ``kv_cache``: K and V of the whole sequence stay on device for the whole pass (docs/sppo.md
   "Subsequences and causal attention"): ``layers_per_stage · 2 · S · kv_width · 2 bytes / t``.
 - ``activations``: the offloadable activations of subsequence ``i`` are
-  ``A_i = layers_per_stage · 36 · s_i · h / t`` bytes (sppo.md: "the paper counts them as
+  ``A_i = layers_per_stage · 36 · s_i · h / t`` bytes (docs/sppo.md: "the paper counts them as
   36·B·S·H bytes"); the unrolled peak is ``max_i [A_i + sum_{j<i} (1 - alpha_j) A_j]``.
 - ``dkv_accumulators``: dK/dV of subsequences ``0..i`` live on device during ``i``'s backward
   (bf16, the ``.grad`` of the cached K/V leaves in memo_ext/sppo/attention.py): the size of the
@@ -48,7 +48,7 @@ layer forward (all-gather before attention and MLP, reduce-scatter after each) a
 backward, each of ``s_i · h · 2`` bytes over NVLink (ring: (t-1)/t of it on the wire), not
 overlapped. Each stage boundary moves ``s_i · h · 2 / t`` bytes forward and the same gradient
 backward (IB or NVLink, see placement). Stage time per subsequence ``tau_i``; the pipeline
-takes ``sum_i tau_i + (p - 1) · max_i tau_i`` (= sppo.md's ``(p-1+N)/N · F(N)`` when the
+takes ``sum_i tau_i + (p - 1) · max_i tau_i`` (= docs/sppo.md's ``(p-1+N)/N · F(N)`` when the
 ``tau_i`` are equal), plus offload time not hidden under the next subsequence's forward, plus
 one DP all-reduce of the stage's bf16 gradients.
 
@@ -82,7 +82,7 @@ from memo_ext.sppo.partition import LayerFlops, flops_boundaries
 GiB = 1 << 30
 GB = 10**9
 
-#: Offloadable activation bytes per token per hidden unit per layer (sppo.md, from the paper).
+#: Offloadable activation bytes per token per hidden unit per layer (docs/sppo.md, from the paper).
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 36
 BF16_BYTES = 2
 FP32_BYTES = 4

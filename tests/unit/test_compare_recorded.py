@@ -3,7 +3,7 @@ snapshots must make the segment decisions the recording allocator made.
 
 Real snapshots come from shared/data/snapshots beside the repository (see its README); tests
 that need them skip where that folder is absent. The hand-made snapshots at the top run
-everywhere. Expected counts were read off the files (docs/allocator_models.md, "Match table").
+everywhere. Expected counts were read off the files (docs/allocator_models.md "Match table").
 """
 import functools
 

@@ -1,5 +1,5 @@
 """memo_ext.planner.cuda_rules through the recorder: each CUDA allocation rule changes a fake
-recording exactly as the CUDA kernel it encodes allocates (docs/tracing.md, "CUDA allocation
+recording exactly as the CUDA kernel it encodes allocates (docs/tracing.md "CUDA allocation
 rules"; the evidence is bench/trace_fidelity.py against real snapshots)."""
 
 import pytest

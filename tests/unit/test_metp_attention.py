@@ -1,5 +1,5 @@
 """METP's two-level causal attention on 2 and 4 gloo ranks against a single-process causal
-attention (metp.md): output and gradients (input, QKV weight and bias, projection weight) within
+attention (docs/metp.md): output and gradients (input, QKV weight and bias, projection weight) within
 1e-5 mean absolute error in fp32, with zigzag sharding and rotary on global positions; plain
 multi-head and GQA; CPU flash tiles and the explicit-softmax tiles (memo_ext.attention.kernels)
 used off CPU; packed documents against an explicit block-causal mask."""

@@ -1,5 +1,5 @@
 """bench/metp_memory.py --quick: per-rank peak bytes of one layer under TP+SP and METP at p=2
-and p=4 measured by the tracker, with metp.md's ratio beside them; report, JSON, PNG."""
+and p=4 measured by the tracker, with docs/metp.md's ratio beside them; report, JSON, PNG."""
 
 from __future__ import annotations
 

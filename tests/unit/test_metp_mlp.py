@@ -1,4 +1,4 @@
-"""METP's ring MLP on 2 and 4 gloo ranks against a single-process reference (metp.md): output
+"""METP's ring MLP on 2 and 4 gloo ranks against a single-process reference (docs/metp.md): output
 and gradients (input, fc1 weight and bias, fc2 weight) within 1e-5 mean absolute error in fp32,
 for GeLU and SwiGLU (gated halves interleaved per shard as Megatron shards them)."""
 

@@ -29,7 +29,7 @@ def test_plan_for_four_stages_and_eight_subsequences():
         (1, 7): (0,), (2, 7): (0,), (3, 6): (1,),  # the forward tail, mirrored
         (3, 7): (0, 1, 2),
     }
-    # sppo.md's sets: every multiplexed task is bubble-adjacent (left or right of the steady
+    # docs/sppo.md's sets: every multiplexed task is bubble-adjacent (left or right of the steady
     # part) on its stage: S0 {0,1,2} | -, S1 {0,1} | {7}, S2 {0} | {6,7}, S3 - | {5,6,7}.
     adjacent = {0: {0, 1, 2}, 1: {0, 1, 7}, 2: {0, 6, 7}, 3: {5, 6, 7}}
     assert all(index in adjacent[stage] for stage, index in tasks)

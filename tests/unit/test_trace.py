@@ -49,7 +49,7 @@ def event_keys(trace):
 
 
 def expected_layer_skeletal_bytes(b, s, h, heads, tp, cp, element=2, cuda_semantics=True):
-    """memo.md's 16*b*s*h/(TP*CP) plus the documented differences (docs/tracing.md): layer-norm
+    """docs/memo.md's 16*b*s*h/(TP*CP) plus the documented differences (docs/tracing.md): layer-norm
     mean/rstd (2 norms x 2 statistics per token, fp32 on CUDA), megatron's unfused RoPE cos/sin
     (bf16 [s/CP, 1, 1, head_dim], for q and for k), flash attention's fp32 log-sum-exp."""
     formula = T.skeletal_formula_bytes(b, s, h, tp, cp, element)
