@@ -54,10 +54,15 @@ TRAINING = ["--seq-length", str(SEQ_LENGTH), "--micro-batch-size", "16",
             "--seed", "1234"]
 
 
-def tokenizer_flags() -> list[str]:
+def demo_tokenizer() -> Path:
+    """The demo BPE tokenizer's file, prepared first where `make demo` has not run."""
     if not (DEMO / "manifest.json").is_file():
         subprocess.run([sys.executable, "tools/prepare_demo_data.py"], cwd=REPO, check=True)
-    return ["--tokenizer-type", "BPETokenizer", "--tokenizer-model", str(DEMO / "tokenizer.json")]
+    return DEMO / "tokenizer.json"
+
+
+def tokenizer_flags() -> list[str]:
+    return ["--tokenizer-type", "BPETokenizer", "--tokenizer-model", str(demo_tokenizer())]
 
 
 def write_corpus(prefix: Path, documents: int, seq_length: int, held_out: set[str],
@@ -72,7 +77,7 @@ def write_corpus(prefix: Path, documents: int, seq_length: int, held_out: set[st
     from megatron.training.long_context_eval.passkey import PasskeyPrompts, draw_keys
     from megatron.training.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer("BPETokenizer", str(DEMO / "tokenizer.json"))
+    tokenizer = build_tokenizer("BPETokenizer", str(demo_tokenizer()))
     prompts = PasskeyPrompts(tokenizer)
     rng = random.Random(seed)
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
