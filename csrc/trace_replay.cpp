@@ -149,8 +149,8 @@ py::dict replay_live_bytes(const Int64Array& actions, const Int64Array& addrs,
 
 }  // namespace
 
-// Defined in allocator_models.cpp, planned_arena.cpp and stitching_host.cpp (every csrc/*.cpp
-// builds into this one module).
+// Defined in allocator_models/bindings.cpp, planned_arena.cpp and stitching_host.cpp (every
+// csrc/*.cpp and csrc/allocator_models/*.cpp builds into this one module).
 void register_allocator_models(py::module_& m);
 void register_planned_arena(py::module_& m);
 void register_stitching_allocator(py::module_& m);
