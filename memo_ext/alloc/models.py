@@ -11,9 +11,9 @@ C++, csrc/allocator_models/, called through ``memo_ext._C.replay_allocator``):
 - ``arena``: a planned arena (offsets from a plan file; mismatches take the caching path).
 
 This module is the replay: :func:`replay` and :func:`replay_policies` and their results
-(:class:`ReplayResult`). Its inputs live beside it: :class:`Trace` and the trace formats in
+(:class:`ReplayResult`). Its inputs live beside it: :class:`Trace` and the trace files in
 memo_ext.alloc.traces, arena plans in memo_ext.alloc.plans; memo_ext.alloc.recorded reads
-snapshots as traces and compares a replay with what the recording allocator did. All sizes are bytes.
+snapshots as traces and compares a replay with what the recording allocator did. Bytes throughout.
 """
 from __future__ import annotations
 
