@@ -34,10 +34,11 @@ setup(
     ext_modules=[
         Pybind11Extension(
             "memo_ext._C",
-            sorted(glob("csrc/*.cpp")),
+            # csrc/allocator_models/: the allocator models, one header per policy
+            sorted(glob("csrc/*.cpp") + glob("csrc/allocator_models/*.cpp")),
             cxx_std=17,
             extra_compile_args=["-O3"],
-            depends=sorted(glob("csrc/*.h")),
+            depends=sorted(glob("csrc/*.h") + glob("csrc/allocator_models/*.h")),
         )
     ],
     cmdclass={"build_ext": build_ext, "build_py": BuildPyWithStitchingSources},

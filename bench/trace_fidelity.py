@@ -476,7 +476,7 @@ def snapshot_window(program: Program, snapshot: dict) -> tuple[list, list[Alloc]
 # ------------------------------------------------------------------------------ compare
 
 def block(size: int) -> int:
-    """The caching allocator's rounding of a request (memo_ext.alloc.models._round_request)."""
+    """The caching allocator's rounding of a request (memo_ext.alloc.recorded._round_request)."""
     return max(KMIN_BLOCK, -(-size // KMIN_BLOCK) * KMIN_BLOCK)
 
 

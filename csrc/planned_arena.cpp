@@ -11,7 +11,13 @@
 //   - a request larger than planned (a different sequence length or model than planned);
 //   - a planned range that overlaps a block still in use (the sequence drifted from the plan
 //     so that two live requests would share bytes): the live blocks are kept in an ordered map
-//     and every placement is checked against it.
+//     and every placement is checked against it (csrc/arena_ranges.h, the rule the "arena"
+//     allocator model, csrc/allocator_models/arena.h, applies too).
+// Why two arenas: this one serves a running program phase by phase (tables per layer-phase kind,
+// the resync window, refusals the caller handles); the model replays a recorded trace with one
+// planned offset per event and a modelled caching allocator behind it. They share the placement
+// rule above and agree on which requests a plan places where
+// (tests/unit/test_arena_agreement.py).
 // A request larger than its position's entry looks at the next kResyncWindow entries for one of
 // exactly its size and continues from there; with none it is refused *without* using up the
 // position. On a GPU kernels allocate workspaces that the tracer (a dispatch mode, which sees op
@@ -45,6 +51,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "arena_ranges.h"
+#include "caching_rules.h"
 #include "cuda_runtime_subset.h"
 #include "int64_columns.h"
 
@@ -55,13 +63,11 @@ namespace {
 using memo_columns::Int64Array;
 using memo_columns::require_1d;
 
-constexpr int64_t kAlignment = 512;
 // How far ahead a request that does not fit its position looks for its own entry.
 constexpr size_t kResyncWindow = 8;
 
-int64_t aligned(int64_t nbytes) {
-  return std::max(kAlignment, (nbytes + kAlignment - 1) / kAlignment * kAlignment);
-}
+// A request's bytes as planned: rounded like the caching allocator rounds them (512 bytes).
+int64_t aligned(int64_t nbytes) { return memo_caching::round_request(nbytes); }
 
 struct Entry {
   int64_t bytes;
@@ -136,12 +142,8 @@ class PlannedArena {
     next_ = k + 1;
     const Entry& e = (*current_)[k];
     if (e.offset < 0) return refuse(unplanned_);
-    auto after = live_.lower_bound(e.offset + e.bytes);  // first block starting at/after our end
-    if (after != live_.begin()) {
-      auto before = std::prev(after);
-      if (before->second > e.offset) return refuse(overlaps_);
-    }
-    live_[e.offset] = e.offset + e.bytes;
+    if (live_.overlaps(e.offset, e.bytes)) return refuse(overlaps_);
+    live_.occupy(e.offset, e.bytes);
     live_bytes_ += e.bytes;
     peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
     ++served_;
@@ -157,10 +159,9 @@ class PlannedArena {
   // Return an arena block; false when no block starts at `offset`.
   bool release(int64_t offset) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = live_.find(offset);
-    if (it == live_.end()) return false;
-    live_bytes_ -= it->second - it->first;
-    live_.erase(it);
+    const int64_t bytes = live_.release(offset);
+    if (bytes < 0) return false;
+    live_bytes_ -= bytes;
     return true;
   }
 
@@ -177,7 +178,7 @@ class PlannedArena {
     d["overlaps"] = overlaps_;
     d["resyncs"] = resyncs_;
     d["other_stream"] = other_stream_;
-    d["live_blocks"] = static_cast<int64_t>(live_.size());
+    d["live_blocks"] = live_.size();
     d["live_bytes"] = live_bytes_;
     d["peak_live_bytes"] = peak_live_bytes_;
     return d;
@@ -197,7 +198,7 @@ class PlannedArena {
   const std::vector<Entry>* current_ = nullptr;
   size_t next_ = 0;
   bool paused_ = false;
-  std::map<int64_t, int64_t> live_;  // start -> end of blocks in use
+  memo_arena::LiveRanges live_;  // blocks in use (the placement rule the arena model shares)
   int64_t live_bytes_ = 0, peak_live_bytes_ = 0;
   int64_t phases_ = 0, served_ = 0, outside_phase_ = 0, unplanned_ = 0, beyond_plan_ = 0;
   int64_t size_mismatches_ = 0, overlaps_ = 0, resyncs_ = 0, other_stream_ = 0;

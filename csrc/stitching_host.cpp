@@ -13,6 +13,7 @@
 #include "int64_columns.h"
 #include "stitching_allocator.h"
 #include "stitching_check.h"
+#include "stitching_counters_py.h"
 #include "stitching_host_backend.h"
 
 namespace py = pybind11;
@@ -42,12 +43,7 @@ py::dict stats_dict(const Stats& s) {
   d["allocs"] = s.allocs;
   d["frees"] = s.frees;
   d["normal_allocs"] = s.normal_allocs;
-  d["exact_hits"] = s.exact_hits;
-  d["splits"] = s.splits;
-  d["stitches"] = s.stitches;
-  d["stitched_bytes"] = s.stitched_bytes;
-  d["new_pblocks"] = s.new_pblocks;
-  d["sblocks_dropped"] = s.sblocks_dropped;
+  memo_stitch::put_stitch_counters(d, s);  // the names the allocator model reports too
   d["reorganisations"] = s.reorganisations;
   d["ooms"] = s.ooms;
   d["physical_creates"] = s.physical_creates;

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memo_ext import _C
-from memo_ext.alloc.models import OomInfo, Trace
+from memo_ext.alloc.models import OomInfo
+from memo_ext.alloc.traces import Trace
 
 __all__ = ["CONSTANTS", "HostReplayResult", "HostStitchingAllocator", "replay_host"]
 

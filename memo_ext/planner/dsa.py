@@ -151,7 +151,12 @@ def _merge_equal_lifetimes(requests: Sequence[Request]) -> tuple[list[Request], 
 
 def greedy_offsets(blocks: Sequence[Request]) -> list[int]:
     """Best fit: the largest (then longest-lived, then earliest) block first, each at the lowest
-    offset where it overlaps no placed block alive at the same time."""
+    offset where it overlaps no placed block alive at the same time.
+
+    Offline: it knows every lifetime. The allocator models' stand-in plan,
+    memo_ext._C.plan_best_fit (csrc/allocator_models/online_best_fit.cpp), is a different
+    algorithm, not a copy: online, in event order, without lifetimes (best fit among freed gaps,
+    else the arena's top), as a plan-less allocator would place them."""
     import numpy as np
 
     n = len(blocks)

@@ -418,7 +418,7 @@ def arena_plan(plan: MemoryPlan, trace: Trace, iterations: Optional[int] = None)
     import numpy as np
 
     from memo_ext.alloc import ArenaPlan, repeated_iterations
-    from memo_ext.alloc.models import ALLOC
+    from memo_ext.alloc.traces import ALLOC
 
     if iterations is None:
         events = _device_events(trace)

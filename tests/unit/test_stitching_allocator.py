@@ -20,7 +20,7 @@ from memo_ext.alloc import (
     replay_host,
     snapshot_trace,
 )
-from memo_ext.alloc.models import ALLOC, FREE
+from memo_ext.alloc.traces import ALLOC, FREE
 from memo_ext.alloc.stitching import CONSTANTS
 from tests.alloc_traces import trace, training_steps
 from tests.conftest import SNAPSHOTS, run_memory_report, snapshot_path
