@@ -12,7 +12,7 @@ STAMP := $(VENV)/.setup-done
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/allocator_models/*.cpp csrc/allocator_models/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
 	$(PY) -m pip install -q --disable-pip-version-check setuptools wheel "pybind11>=2.12"

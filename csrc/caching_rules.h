@@ -1,7 +1,7 @@
 // PyTorch's CUDACachingAllocator rules (512-byte rounding, small/large pools, per-stream best fit,
 // splitting, merging, max_split_size, release of unused segments), written once for the places
 // that apply them: the "caching" allocator model and the caching paths embedded in the other
-// models (csrc/allocator_models.cpp), and the real stitching allocator's normal path
+// models (csrc/allocator_models/caching.h, expandable.h), and the real stitching allocator's normal path
 // (csrc/stitching_allocator.h), whose decisions must equal the stitching model's. The blocks,
 // their store and the split/merge helpers also serve the expandable-segments model.
 //

@@ -4,7 +4,7 @@
 //
 // The stitching decisions (BestFit S1-S5, split, stitch, StitchFree, slot numbering, release
 // order) are csrc/stitching_rules.h's, the code the "stitching" allocator model
-// (csrc/allocator_models.cpp, docs/allocator_models.md) runs too; this file adds the physical
+// (csrc/allocator_models/stitching.h, docs/allocator_models.md) runs too; this file adds the physical
 // side (hooks over a PhysicalBackend) and the segments of the embedded caching path for
 // requests below the fragmentation limit, whose rules are csrc/caching_rules.h's with
 // max_split_size unset (the model's CachingAllocator). tests/unit/test_stitching_allocator.py

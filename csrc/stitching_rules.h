@@ -1,5 +1,5 @@
 // GMLake's stitching rules (Guo et al., ASPLOS'24), written once for the two places that apply
-// them: the "stitching" allocator model (csrc/allocator_models.cpp), which replays traces with
+// them: the "stitching" allocator model (csrc/allocator_models/stitching.h), which replays traces with
 // invented addresses and maps nothing, and the real allocator (csrc/stitching_allocator.h),
 // which maps physical memory through a PhysicalBackend. Both must make the same physical
 // allocations and releases on every trace (tests/unit/test_stitching_allocator.py and
