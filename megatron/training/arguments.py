@@ -12,7 +12,6 @@ import argparse
 import importlib.util
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -363,7 +362,9 @@ def parse_args(
 def silence_expected_cpu_warnings() -> None:
     """Hide megatron.core's import-time notices that Apex/Transformer Engine are missing:
     on a CPU machine that is the expected state, and they would bury real errors."""
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+    from megatron.training.cli.quiet import hide_library_warnings
+
+    hide_library_warnings()
 
 
 def run_main(main: Callable[[list[str]], None], argv: Optional[Sequence[str]] = None) -> None:
