@@ -583,3 +583,28 @@ class TiledMLPConfig:
         if self.mlp_tile_size < 0:
             raise MemoConfigError(f"--memo-mlp-tile-size {self.mlp_tile_size} is negative; give "
                                   "a tile of TOKENS > 0, or 0 to turn tiling off")
+
+
+#: Every MEMO config with its argparse group title, in the trainer's --help order
+#: (megatron.training.arguments adds and validates them from this one list).
+CONFIG_GROUPS = (
+    (OffloadConfig, "MEMO activation offloading"),
+    (PlanConfig, "MEMO memory planning"),
+    (StitchingConfig, "GMLake stitching allocator"),
+    (TelemetryConfig, "MEMO memory telemetry"),
+    (SPPOConfig, "SPPO subsequence pipeline"),
+    (METPConfig, "METP memory-efficient tensor parallelism"),
+    (TiledMLPConfig, "Sequence-tiled MLP"),
+    (AttentionConfig, "Core attention"),
+)
+
+
+def validated_configs(args: Any) -> dict[type, Any]:
+    """Each config of :data:`CONFIG_GROUPS` built from ``args`` and checked on its own
+    (``validate()`` where it has one), by class. Raises MemoConfigError (one line)."""
+    configs = {}
+    for config_cls, _title in CONFIG_GROUPS:
+        config = configs[config_cls] = config_from_args(config_cls, args)
+        if hasattr(config, "validate"):
+            config.validate()
+    return configs

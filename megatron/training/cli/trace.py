@@ -241,20 +241,12 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
         argv += ["--group-query-attention", "--num-query-groups", str(opts.num_query_groups)]
     if opts.kv_channels:
         argv += ["--kv-channels", str(opts.kv_channels)]
-    if opts.swiglu:
-        argv.append("--swiglu")
-    if opts.disable_bias_linear:
-        argv.append("--disable-bias-linear")
-    if not opts.no_sequence_parallel:
-        argv.append("--sequence-parallel")
-    if not opts.no_distributed_optimizer:
-        argv.append("--use-distributed-optimizer")
-    if opts.bf16:
-        argv.append("--bf16")
-    if opts.fp16:
-        argv.append("--fp16")
-    if not opts.param_dtype_grad_buffer:
-        argv.append("--accumulate-allreduce-grads-in-fp32")
+    argv += [flag for flag, given in (
+        ("--swiglu", opts.swiglu), ("--disable-bias-linear", opts.disable_bias_linear),
+        ("--sequence-parallel", not opts.no_sequence_parallel),
+        ("--use-distributed-optimizer", not opts.no_distributed_optimizer),
+        ("--bf16", opts.bf16), ("--fp16", opts.fp16),
+        ("--accumulate-allreduce-grads-in-fp32", not opts.param_dtype_grad_buffer)) if given]
     if opts.recompute_granularity:
         argv += ["--recompute-granularity", opts.recompute_granularity]
         if opts.recompute_granularity == "full":
