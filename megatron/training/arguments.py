@@ -47,6 +47,30 @@ ATTN_MASK_TYPES = ("causal", "no_mask")
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "chunked")
 
 
+#: The model-shape flags tools/trace.py takes as the trainer does (one definition each): its
+#: --model presets fill what is not given.
+MODEL_SHAPE_FLAGS = {
+    "--num-layers": dict(type=int, default=None, help="Number of transformer layers."),
+    "--hidden-size": dict(type=int, default=None, help="Transformer hidden size."),
+    "--ffn-hidden-size": dict(
+        type=int, default=None,
+        help="MLP hidden size. Default 4*hidden-size, or 8/3*hidden-size rounded down to a "
+        "multiple of 64 with --swiglu."),
+    "--num-attention-heads": dict(type=int, default=None),
+    "--kv-channels": dict(
+        type=int, default=None,
+        help="Projection size per head. Default hidden-size / num-attention-heads."),
+    "--normalization": dict(default="LayerNorm", choices=NORMALIZATIONS),
+    "--swiglu": dict(action="store_true", help="SwiGLU MLP (gated SiLU)."),
+}
+
+
+def add_model_shape_args(group, flags=tuple(MODEL_SHAPE_FLAGS)) -> None:
+    """Add the named :data:`MODEL_SHAPE_FLAGS` to ``group``, in that order."""
+    for flag in flags:
+        group.add_argument(flag, **MODEL_SHAPE_FLAGS[flag])
+
+
 class ArgumentValidationError(ValueError):
     """A flag combination that cannot run. The message names the flag and the fix."""
 
@@ -62,22 +86,8 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
         "measure, on CPU and GPU. 'transformer_engine': megatron.core's TE spec (CUDA and "
         "transformer_engine needed; not what the estimator predicts; no --memo-* mechanism).",
     )
-    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
-    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
-    group.add_argument(
-        "--ffn-hidden-size",
-        type=int,
-        default=None,
-        help="MLP hidden size. Default 4*hidden-size, or 8/3*hidden-size rounded down to a "
-        "multiple of 64 with --swiglu.",
-    )
-    group.add_argument("--num-attention-heads", type=int, default=None)
-    group.add_argument(
-        "--kv-channels",
-        type=int,
-        default=None,
-        help="Projection size per head. Default hidden-size / num-attention-heads.",
-    )
+    add_model_shape_args(group, ("--num-layers", "--hidden-size", "--ffn-hidden-size",
+                                 "--num-attention-heads", "--kv-channels"))
     group.add_argument("--group-query-attention", action="store_true")
     group.add_argument("--num-query-groups", type=int, default=1)
     group.add_argument(
@@ -92,9 +102,9 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--rotary-percent", type=float, default=1.0)
     add_rope_scaling_args(group)  # docs/rope_scaling.md
-    group.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
+    add_model_shape_args(group, ("--normalization",))
     group.add_argument("--norm-epsilon", type=float, default=1e-5)
-    group.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU).")
+    add_model_shape_args(group, ("--swiglu",))
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     group.add_argument(
         "--add-qkv-bias",

@@ -65,6 +65,7 @@ from memo_ext.config import (  # noqa: E402
     add_config_flags,
 )
 from memo_ext.flags import refused_value  # noqa: E402
+from megatron.training.arguments import add_model_shape_args  # noqa: E402
 # Host memory given to MEMO's offload while tracing: large enough never to refuse an alpha
 # (the trace does not model host capacity; memo_ext.offload.alpha does).
 TRACE_HOST_MEMORY_GB = 1e6
@@ -97,17 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("model (--model or explicit shape flags)")
     model.add_argument("--model", choices=sorted(MODELS), default=None,
                        help="Shape of examples/configs/gpt_<model>.sh.")
-    model.add_argument("--num-layers", type=int, default=None)
-    model.add_argument("--hidden-size", type=int, default=None)
-    model.add_argument("--ffn-hidden-size", type=int, default=None)
-    model.add_argument("--num-attention-heads", type=int, default=None)
+    # The trainer's definitions (megatron.training.arguments.MODEL_SHAPE_FLAGS); the flags
+    # below them differ from the trainer's (defaults of a traced model, GQA implied).
+    add_model_shape_args(model)
     model.add_argument("--num-query-groups", type=int, default=None,
                        help="Grouped-query attention with this many K/V groups.")
-    model.add_argument("--kv-channels", type=int, default=None,
-                       help="Channels per attention head (default hidden / heads).")
     model.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    model.add_argument("--swiglu", action="store_true")
-    model.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
     model.add_argument("--position-embedding-type", default="rope",
                        choices=("rope", "learned_absolute"))
     model.add_argument("--disable-bias-linear", action="store_true")
