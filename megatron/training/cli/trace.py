@@ -303,7 +303,10 @@ def traced_offload_config(opts: argparse.Namespace) -> OffloadConfig:
                            checkpoint_layers=str(opts.memo_checkpoint_layers),
                            offload_fp8=opts.memo_offload_fp8,
                            offload_buffers=opts.memo_offload_buffers)
-    config.validate()
+    try:
+        config.validate()
+    except MemoConfigError as exc:  # the trainer's fix, less the 'auto' a tool refuses
+        raise MemoConfigError(str(exc).replace("use auto or ", "use ")) from None
     return config
 
 
