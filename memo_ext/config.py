@@ -19,26 +19,17 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from memo_ext.flags import (  # noqa: F401  (re-exported: the config's public flag API)
-    ARG_PREFIX,
-    ToolVariant,
-    add_config_arguments,
-    add_config_flags,
-    arg_dest,
-    arg_flag,
-    config_from_args,
-    memo_field,
-)
+# Re-exported: the configs' flag API (importers keep ``from memo_ext.config import ...``).
+from memo_ext.flags import ARG_PREFIX, ToolVariant, add_config_arguments  # noqa: F401
+from memo_ext.flags import add_config_flags, arg_dest, arg_flag, config_from_args  # noqa: F401
+from memo_ext.flags import memo_field  # noqa: F401
 
 #: Bytes in one GB as used by the ``--memo-*-gb`` / ``--memo-*-gbps`` flags.
 BYTES_PER_GB = 10**9
 
 
 class MemoConfigError(ValueError):
-    """A ``--memo-*`` flag value or combination that cannot run.
-
-    The message is one line naming the flag at fault and what to do.
-    """
+    """A ``--memo-*`` flag value or combination that cannot run; one line: the flag, the fix."""
 
 
 def _fmt(value: Any) -> str:
