@@ -1,16 +1,10 @@
 """Configuration dataclasses for the MEMO mechanisms; the ``--memo-*`` flags are generated from them.
 
-One definition per flag: each dataclass field carries its flag name and help text in its
-``metadata`` (see :func:`memo_field`). :func:`add_config_arguments` turns a dataclass into an
-argparse group, :func:`config_from_args` turns the parsed namespace back into the dataclass, and
-each config's ``validate()`` raises :class:`MemoConfigError` with a one-line message naming the
-flag at fault and the fix.
-
-Naming rule (checked when the group is generated, so a typo fails at startup, not in a run):
-a field ``<name>`` is stored on the argparse namespace as ``memo_<name>`` and its flag is
-``--memo-<name with '_' replaced by '-'>``. Example: ``OffloadConfig.host_memory_gb`` <->
-``args.memo_host_memory_gb`` <-> ``--memo-host-memory-gb``. Field names must therefore be unique
-across all config dataclasses that share one parser (argparse rejects a duplicate flag).
+One definition per flag: each dataclass field carries its flag name and help text (declared with
+:func:`memo_field`; the generator, its naming rule and the tools' variants are in
+memo_ext.flags, re-exported here). Each config's ``validate()`` raises :class:`MemoConfigError`
+with a one-line message naming the flag at fault and the fix; megatron.training.arguments calls
+them all from ``_validate_memo`` and adds the checks that need the trainer's other flags.
 
 Units: ``GB`` here is 10**9 bytes and ``GB/s`` is 10**9 bytes per second (the PCIe convention).
 
@@ -19,134 +13,50 @@ Nothing here imports megatron.training (the trainer imports memo_ext, never the 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
-import types
-import typing
 from dataclasses import dataclass
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, Optional
+
+# Re-exported: the configs' flag API (importers keep ``from memo_ext.config import ...``).
+from memo_ext.flags import ARG_PREFIX, ToolVariant, add_config_arguments  # noqa: F401
+from memo_ext.flags import add_config_flags, arg_dest, arg_flag, config_from_args  # noqa: F401
+from memo_ext.flags import memo_field  # noqa: F401
 
 #: Bytes in one GB as used by the ``--memo-*-gb`` / ``--memo-*-gbps`` flags.
 BYTES_PER_GB = 10**9
 
-#: Prefix of every generated namespace attribute (``args.memo_<field>``).
-ARG_PREFIX = "memo_"
-
-ConfigT = TypeVar("ConfigT")
-
 
 class MemoConfigError(ValueError):
-    """A ``--memo-*`` flag value or combination that cannot run.
-
-    The message is one line naming the flag at fault and what to do.
-    """
-
-
-def memo_field(default: Any, *, flag: str, help: str, **argparse_kwargs: Any) -> Any:
-    """A dataclass field carrying its command-line flag.
-
-    Args:
-        default: the field's default (also the flag's default).
-        flag: the flag, ``--memo-<field-name-with-hyphens>`` (checked by
-            :func:`add_config_arguments`).
-        help: the flag's help text (the field's documentation; state units).
-        **argparse_kwargs: extra ``add_argument`` keywords (``choices``, ``metavar``, ...).
-    """
-    metadata = {"flag": flag, "help": help, "argparse": dict(argparse_kwargs)}
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-def arg_dest(field_name: str) -> str:
-    """Namespace attribute of a config field: ``memo_<field_name>``."""
-    return ARG_PREFIX + field_name
-
-
-def arg_flag(field_name: str) -> str:
-    """Command-line flag of a config field: ``--memo-<field-name-with-hyphens>``."""
-    return "--" + arg_dest(field_name).replace("_", "-")
-
-
-def _scalar_type(annotation: Any) -> tuple[type, bool]:
-    """(scalar type, optional?) of a field annotation such as ``float | None``."""
-    origin = typing.get_origin(annotation)
-    if origin in (Union, types.UnionType):
-        members = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(members) != 1:
-            raise TypeError(f"unsupported config field type {annotation!r}: one type or Optional")
-        return members[0], True
-    return annotation, False
-
-
-def _config_fields(config_cls: type) -> list[tuple[dataclasses.Field, Any]]:
-    if not dataclasses.is_dataclass(config_cls):
-        raise TypeError(f"{config_cls!r} is not a dataclass")
-    hints = typing.get_type_hints(config_cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(config_cls) if f.init]
-
-
-def add_config_arguments(
-    parser: argparse.ArgumentParser, config_cls: type, title: str
-) -> argparse._ArgumentGroup:
-    """Add one argument group to ``parser`` generated from ``config_cls``'s fields.
-
-    Each field must be declared with :func:`memo_field`. ``bool`` fields (default False)
-    become ``store_true`` flags; ``int``/``float``/``str`` fields (optionally ``| None``) take
-    one value of that type; ``typing.Literal[...]`` fields become ``choices``. The flag's
-    default is the field's default, so an unset flag round-trips to the dataclass default.
-
-    Returns the group. Raises TypeError if a field has no flag metadata, its flag breaks the
-    naming rule (module docstring), or its type is unsupported.
-    """
-    summary = (config_cls.__doc__ or "").strip().split("\n\n")[0]
-    group = parser.add_argument_group(title=title, description=summary or None)
-    for field, annotation in _config_fields(config_cls):
-        meta = field.metadata
-        if "flag" not in meta or "help" not in meta:
-            raise TypeError(f"{config_cls.__name__}.{field.name} has no flag/help metadata; "
-                            "declare it with memo_field(...)")
-        flag = meta["flag"]
-        if flag != arg_flag(field.name):
-            raise TypeError(f"{config_cls.__name__}.{field.name}: flag {flag!r} breaks the naming "
-                            f"rule; use {arg_flag(field.name)!r}")
-        # argparse %-formats help strings: escape a literal '%'.
-        kwargs: dict[str, Any] = {"dest": arg_dest(field.name), "default": field.default,
-                                  "help": meta["help"].replace("%", "%%")}
-        scalar, _optional = _scalar_type(annotation)
-        if scalar is bool:
-            if field.default is not False:
-                raise TypeError(f"{config_cls.__name__}.{field.name}: bool flags must default "
-                                "to False (store_true)")
-            kwargs["action"] = "store_true"
-        elif typing.get_origin(scalar) is typing.Literal:
-            choices = typing.get_args(scalar)
-            kwargs["type"] = type(choices[0])
-            kwargs["choices"] = choices
-        elif scalar in (int, float, str):
-            kwargs["type"] = scalar
-        else:
-            raise TypeError(f"{config_cls.__name__}.{field.name}: unsupported type {annotation!r}")
-        kwargs.update(meta.get("argparse", {}))
-        group.add_argument(flag, **kwargs)
-    return group
-
-
-def config_from_args(config_cls: type[ConfigT], args: argparse.Namespace) -> ConfigT:
-    """Build ``config_cls`` from a parsed namespace (attribute ``memo_<field>`` per field).
-
-    An attribute missing from the namespace (its group was never added, e.g. a namespace built
-    by hand in a test) takes the field's default. Does not validate: call ``.validate()``.
-    """
-    values = {}
-    for field, _annotation in _config_fields(config_cls):
-        values[field.name] = getattr(args, arg_dest(field.name), field.default)
-    return config_cls(**values)
+    """A ``--memo-*`` flag value or combination that cannot run; one line: the flag, the fix."""
 
 
 def _fmt(value: Any) -> str:
     """A flag value as the user typed it (strings as given, numbers in ``%g`` form)."""
     return value if isinstance(value, str) else f"{value:g}"
+
+
+def _require_positive(name: str, value: Optional[float], unit: str, fix: str = "") -> None:
+    """Raise MemoConfigError unless the optional field ``name`` is None or a positive finite
+    number of ``unit`` (also rejects nan); ``fix`` ends the message."""
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise MemoConfigError(f"{arg_flag(name)} {_fmt(value)} must be a positive number of "
+                              f"{unit}" + (f"; {fix}" if fix else ""))
+
+
+def _reject_without(config: Any, switch: str, given: Optional[dict[str, bool]] = None,
+                    fmt=_fmt) -> None:
+    """Raise MemoConfigError for the first field given without the bool field ``switch``
+    (given: ``given[name]``, by default "differs from the field default")."""
+    if getattr(config, switch):
+        return
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.name != switch and (given[field.name] if given is not None
+                                     else value != field.default):
+            raise MemoConfigError(f"{arg_flag(field.name)} {fmt(value)} has no effect without "
+                                  f"{arg_flag(switch)}; add {arg_flag(switch)} or drop it")
 
 
 @dataclass
@@ -273,38 +183,22 @@ class OffloadConfig:
         if alpha is not None and not 0.0 <= alpha <= 1.0:  # also rejects nan
             raise MemoConfigError(f"--memo-alpha {_fmt(self.alpha)} is outside [0, 1]; use auto "
                                   "or a value in [0, 1]")
-        if self.host_memory_gb is not None and not (
-            self.host_memory_gb > 0 and math.isfinite(self.host_memory_gb)
-        ):
-            raise MemoConfigError(f"--memo-host-memory-gb {_fmt(self.host_memory_gb)} must be a "
-                                  "positive number of GB; give the host memory per rank or drop "
-                                  "the flag to use available memory / local ranks")
-        if self.device_memory_gb is not None and not (
-            self.device_memory_gb > 0 and math.isfinite(self.device_memory_gb)
-        ):
-            raise MemoConfigError(f"--memo-device-memory-gb {_fmt(self.device_memory_gb)} must be "
-                                  "a positive number of GB; give the device budget per rank or "
-                                  "drop the flag")
-        if self.pcie_gbps is not None and not (self.pcie_gbps > 0 and math.isfinite(self.pcie_gbps)):
-            raise MemoConfigError(f"--memo-pcie-gbps {_fmt(self.pcie_gbps)} must be a positive "
-                                  "number of GB/s; give the device->host bandwidth per rank or "
-                                  "drop the flag to measure it at startup")
+        _require_positive("host_memory_gb", self.host_memory_gb, "GB", "give the host memory per "
+                          "rank or drop the flag to use available memory / local ranks")
+        _require_positive("device_memory_gb", self.device_memory_gb, "GB", "give the device "
+                          "budget per rank or drop the flag")
+        _require_positive("pcie_gbps", self.pcie_gbps, "GB/s", "give the device->host bandwidth "
+                          "per rank or drop the flag to measure it at startup")
         checkpoint_layers = self.fixed_checkpoint_layers  # raises for a non-count
         if self.offload_buffers not in (1, 2):
             raise MemoConfigError(f"--memo-offload-buffers {_fmt(self.offload_buffers)} must be 1 "
                                   "or 2")
-        if not self.offload:
-            given = {"alpha": alpha is not None, "host_memory_gb": self.host_memory_gb is not None,
-                     "device_memory_gb": self.device_memory_gb is not None,
-                     "pcie_gbps": self.pcie_gbps is not None,
-                     "checkpoint_layers": checkpoint_layers is not None,
-                     "offload_fp8": self.offload_fp8,
-                     "offload_buffers": self.offload_buffers != 2}
-            for name, value_given in given.items():
-                value = getattr(self, name)
-                if value_given:
-                    raise MemoConfigError(f"{arg_flag(name)} {_fmt(value)} has no effect without "
-                                          "--memo-offload; add --memo-offload or drop it")
+        _reject_without(self, "offload", given={
+            "alpha": alpha is not None, "host_memory_gb": self.host_memory_gb is not None,
+            "device_memory_gb": self.device_memory_gb is not None,
+            "pcie_gbps": self.pcie_gbps is not None,
+            "checkpoint_layers": checkpoint_layers is not None, "offload_fp8": self.offload_fp8,
+            "offload_buffers": self.offload_buffers != 2})
 
 
 PLAN_OFF, PLAN_AUTO = "off", "auto"
@@ -374,11 +268,7 @@ class StitchingConfig:
             raise MemoConfigError(f"--memo-stitching-frag-limit-mib "
                                   f"{self.stitching_frag_limit_mib} is negative; give MiB >= 0 "
                                   "or drop the flag for GMLake's 128")
-        if not self.stitching_allocator and self.stitching_frag_limit_mib != 128:
-            raise MemoConfigError(f"--memo-stitching-frag-limit-mib "
-                                  f"{self.stitching_frag_limit_mib} has no effect without "
-                                  "--memo-stitching-allocator; add --memo-stitching-allocator "
-                                  "or drop it")
+        _reject_without(self, "stitching_allocator", fmt=str)
 
     def validate_with(self, plan: str, cuda_available: bool) -> None:
         """Raise MemoConfigError (one line) when --memo-stitching-allocator cannot run beside
@@ -452,10 +342,8 @@ class TelemetryConfig:
         """Raise MemoConfigError (one line: the flag and the fix) on any unusable value; the
         other flags need --memo-telemetry (given = differs from the default)."""
         for name in ("device_capacity_gb", "estimated_peak_gb"):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise MemoConfigError(f"{arg_flag(name)} {_fmt(value)} must be a positive number "
-                                      "of GB; give the bytes per rank in GB or drop the flag")
+            _require_positive(name, getattr(self, name), "GB",
+                              "give the bytes per rank in GB or drop the flag")
         if self.telemetry_warmup_steps < 0:
             raise MemoConfigError(f"--memo-telemetry-warmup-steps {self.telemetry_warmup_steps} "
                                   "must be >= 0")
@@ -465,12 +353,7 @@ class TelemetryConfig:
                                   "use e.g. 0.05 (stop at 95% of capacity) or 0 (no check)")
         if not self.oom_report_dir:
             raise MemoConfigError("--memo-oom-report-dir is empty; give a directory")
-        if not self.telemetry:
-            for field in dataclasses.fields(self):
-                if field.name != "telemetry" and getattr(self, field.name) != field.default:
-                    raise MemoConfigError(f"{arg_flag(field.name)} {_fmt(getattr(self, field.name))} "
-                                          "has no effect without --memo-telemetry; add "
-                                          "--memo-telemetry or drop it")
+        _reject_without(self, "telemetry")
 
 
 SPPO_AUTO = "auto"
@@ -566,20 +449,9 @@ class SPPOConfig:
         if alpha is not None and not 0.0 <= alpha <= 1.0:
             raise MemoConfigError(f"--memo-sppo-offload {self.sppo_offload} is outside [0, 1]; "
                                   "use none, auto or a share in [0, 1]")
-        if self.sppo_pcie_gbps is not None and not (
-                self.sppo_pcie_gbps > 0 and math.isfinite(self.sppo_pcie_gbps)):
-            raise MemoConfigError(f"--memo-sppo-pcie-gbps {_fmt(self.sppo_pcie_gbps)} must be a "
-                                  "positive number of GB/s")
-        if self.sppo_host_memory_gb is not None and not (
-                self.sppo_host_memory_gb > 0 and math.isfinite(self.sppo_host_memory_gb)):
-            raise MemoConfigError(f"--memo-sppo-host-memory-gb {_fmt(self.sppo_host_memory_gb)} "
-                                  "must be a positive number of GB")
-        if not self.sppo:
-            for field in dataclasses.fields(self):
-                if field.name != "sppo" and getattr(self, field.name) != field.default:
-                    raise MemoConfigError(f"{arg_flag(field.name)} {getattr(self, field.name)} "
-                                          "has no effect without --memo-sppo; add --memo-sppo "
-                                          "or drop it")
+        _require_positive("sppo_pcie_gbps", self.sppo_pcie_gbps, "GB/s")
+        _require_positive("sppo_host_memory_gb", self.sppo_host_memory_gb, "GB")
+        _reject_without(self, "sppo", fmt=str)
 
 
 @dataclass
@@ -702,3 +574,28 @@ class TiledMLPConfig:
         if self.mlp_tile_size < 0:
             raise MemoConfigError(f"--memo-mlp-tile-size {self.mlp_tile_size} is negative; give "
                                   "a tile of TOKENS > 0, or 0 to turn tiling off")
+
+
+#: Every MEMO config with its argparse group title, in the trainer's --help order
+#: (megatron.training.arguments adds and validates them from this one list).
+CONFIG_GROUPS = (
+    (OffloadConfig, "MEMO activation offloading"),
+    (PlanConfig, "MEMO memory planning"),
+    (StitchingConfig, "GMLake stitching allocator"),
+    (TelemetryConfig, "MEMO memory telemetry"),
+    (SPPOConfig, "SPPO subsequence pipeline"),
+    (METPConfig, "METP memory-efficient tensor parallelism"),
+    (TiledMLPConfig, "Sequence-tiled MLP"),
+    (AttentionConfig, "Core attention"),
+)
+
+
+def validated_configs(args: Any) -> dict[type, Any]:
+    """Each config of :data:`CONFIG_GROUPS` built from ``args`` and checked on its own
+    (``validate()`` where it has one), by class. Raises MemoConfigError (one line)."""
+    configs = {}
+    for config_cls, _title in CONFIG_GROUPS:
+        config = configs[config_cls] = config_from_args(config_cls, args)
+        if hasattr(config, "validate"):
+            config.validate()
+    return configs

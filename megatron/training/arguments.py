@@ -12,7 +12,6 @@ import argparse
 import importlib.util
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -25,6 +24,7 @@ from megatron.training.rope_scaling import (
     yarn_config_attributes,
 )
 from memo_ext.config import (
+    CONFIG_GROUPS,
     AttentionConfig,
     METPConfig,
     MemoConfigError,
@@ -32,10 +32,9 @@ from memo_ext.config import (
     PlanConfig,
     SPPOConfig,
     StitchingConfig,
-    TelemetryConfig,
     TiledMLPConfig,
     add_config_arguments,
-    config_from_args,
+    validated_configs,
 )
 from memo_ext.loss.chunked import DEFAULT_CHUNK_BYTES as DEFAULT_CROSS_ENTROPY_CHUNK_BYTES
 from memo_ext.telemetry.monitor import MEMORY_EXIT_STATUS, MemoryBudgetExceeded
@@ -46,6 +45,30 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ATTN_MASK_TYPES = ("causal", "no_mask")
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "chunked")
+
+
+#: The model-shape flags tools/trace.py takes as the trainer does (one definition each): its
+#: --model presets fill what is not given.
+MODEL_SHAPE_FLAGS = {
+    "--num-layers": dict(type=int, default=None, help="Number of transformer layers."),
+    "--hidden-size": dict(type=int, default=None, help="Transformer hidden size."),
+    "--ffn-hidden-size": dict(
+        type=int, default=None,
+        help="MLP hidden size. Default 4*hidden-size, or 8/3*hidden-size rounded down to a "
+        "multiple of 64 with --swiglu."),
+    "--num-attention-heads": dict(type=int, default=None),
+    "--kv-channels": dict(
+        type=int, default=None,
+        help="Projection size per head. Default hidden-size / num-attention-heads."),
+    "--normalization": dict(default="LayerNorm", choices=NORMALIZATIONS),
+    "--swiglu": dict(action="store_true", help="SwiGLU MLP (gated SiLU)."),
+}
+
+
+def add_model_shape_args(group, flags=tuple(MODEL_SHAPE_FLAGS)) -> None:
+    """Add the named :data:`MODEL_SHAPE_FLAGS` to ``group``, in that order."""
+    for flag in flags:
+        group.add_argument(flag, **MODEL_SHAPE_FLAGS[flag])
 
 
 class ArgumentValidationError(ValueError):
@@ -63,22 +86,8 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
         "measure, on CPU and GPU. 'transformer_engine': megatron.core's TE spec (CUDA and "
         "transformer_engine needed; not what the estimator predicts; no --memo-* mechanism).",
     )
-    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
-    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
-    group.add_argument(
-        "--ffn-hidden-size",
-        type=int,
-        default=None,
-        help="MLP hidden size. Default 4*hidden-size, or 8/3*hidden-size rounded down to a "
-        "multiple of 64 with --swiglu.",
-    )
-    group.add_argument("--num-attention-heads", type=int, default=None)
-    group.add_argument(
-        "--kv-channels",
-        type=int,
-        default=None,
-        help="Projection size per head. Default hidden-size / num-attention-heads.",
-    )
+    add_model_shape_args(group, ("--num-layers", "--hidden-size", "--ffn-hidden-size",
+                                 "--num-attention-heads", "--kv-channels"))
     group.add_argument("--group-query-attention", action="store_true")
     group.add_argument("--num-query-groups", type=int, default=1)
     group.add_argument(
@@ -93,9 +102,9 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--rotary-percent", type=float, default=1.0)
     add_rope_scaling_args(group)  # docs/rope_scaling.md
-    group.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
+    add_model_shape_args(group, ("--normalization",))
     group.add_argument("--norm-epsilon", type=float, default=1e-5)
-    group.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU).")
+    add_model_shape_args(group, ("--swiglu",))
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     group.add_argument(
         "--add-qkv-bias",
@@ -307,14 +316,8 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_memo_args(parser: argparse.ArgumentParser) -> None:
     """--memo-* flags, generated from memo_ext's config dataclasses (one definition per flag)."""
-    add_config_arguments(parser, OffloadConfig, title="MEMO activation offloading")
-    add_config_arguments(parser, PlanConfig, title="MEMO memory planning")
-    add_config_arguments(parser, StitchingConfig, title="GMLake stitching allocator")
-    add_config_arguments(parser, TelemetryConfig, title="MEMO memory telemetry")
-    add_config_arguments(parser, SPPOConfig, title="SPPO subsequence pipeline")
-    add_config_arguments(parser, METPConfig, title="METP memory-efficient tensor parallelism")
-    add_config_arguments(parser, TiledMLPConfig, title="Sequence-tiled MLP")
-    add_config_arguments(parser, AttentionConfig, title="Core attention")
+    for config_cls, title in CONFIG_GROUPS:
+        add_config_arguments(parser, config_cls, title=title)
 
 
 ArgsProvider = Callable[[argparse.ArgumentParser], None]
@@ -363,7 +366,9 @@ def parse_args(
 def silence_expected_cpu_warnings() -> None:
     """Hide megatron.core's import-time notices that Apex/Transformer Engine are missing:
     on a CPU machine that is the expected state, and they would bury real errors."""
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+    from megatron.training.cli.quiet import hide_library_warnings
+
+    hide_library_warnings()
 
 
 def run_main(main: Callable[[list[str]], None], argv: Optional[Sequence[str]] = None) -> None:
@@ -515,10 +520,7 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
     for flag in ("attention_dropout", "hidden_dropout"):
         value = getattr(args, flag)
         _require(0.0 <= value < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
-    try:
-        validate_rope_scaling(args)
-    except RopeScalingError as error:
-        raise ArgumentValidationError(str(error)) from None
+    validate_rope_scaling(args)
 
 
 def _validate_batch(args: argparse.Namespace) -> None:
@@ -713,23 +715,16 @@ def _validate_logging(args: argparse.Namespace) -> None:
         _require(args.peak_tflops > 0, f"--peak-tflops must be positive, got {args.peak_tflops}")
 
 
-def _validate_memo(args: argparse.Namespace) -> None:
-    offload = config_from_args(OffloadConfig, args)
-    try:
-        offload.validate()
-        config_from_args(PlanConfig, args).validate()
-        config_from_args(TelemetryConfig, args).validate()
-        sppo = config_from_args(SPPOConfig, args)
-        sppo.validate()
-        tiled_mlp = config_from_args(TiledMLPConfig, args)
-        tiled_mlp.validate()
-        attention = config_from_args(AttentionConfig, args)
-        attention.validate()
-    except MemoConfigError as error:
-        raise ArgumentValidationError(str(error)) from None
+def _validate_memo(args: argparse.Namespace, cuda_available: bool) -> None:
+    """The --memo-* flags: each config's own rules (memo_ext.config), then the combinations
+    with the trainer's other flags."""
+    configs = validated_configs(args)
+    offload, sppo = configs[OffloadConfig], configs[SPPOConfig]
+    tiled_mlp, attention = configs[TiledMLPConfig], configs[AttentionConfig]
+    configs[StitchingConfig].validate_with(configs[PlanConfig].plan, cuda_available)
     if sppo.sppo:
         _validate_sppo(args, sppo, offload.offload)
-    metp = config_from_args(METPConfig, args).metp
+    metp = configs[METPConfig].metp
     if metp:
         _validate_metp(args, sppo.sppo, offload.offload)
     if tiled_mlp.enabled:
@@ -751,16 +746,6 @@ def _validate_memo(args: argparse.Namespace) -> None:
         f"more than 2 layers per stage (this run has {layers_per_stage}); raise --num-layers or "
         "lower --pipeline-model-parallel-size",
     )
-
-
-def _validate_stitching(args: argparse.Namespace, cuda_available: bool) -> None:
-    """--memo-stitching-allocator's values and what it cannot run with (--memo-plan, no GPU)."""
-    stitching = config_from_args(StitchingConfig, args)
-    try:
-        stitching.validate()
-        stitching.validate_with(config_from_args(PlanConfig, args).plan, cuda_available)
-    except MemoConfigError as error:
-        raise ArgumentValidationError(str(error)) from None
 
 
 def _validate_sppo(args: argparse.Namespace, sppo: SPPOConfig, memo_offload: bool) -> None:
@@ -792,10 +777,7 @@ def _validate_tiled_mlp(args: argparse.Namespace, tiled_mlp: TiledMLPConfig, met
     """--memo-mlp-tile-size's flag combinations (the tile is counted after SP's all-gather)."""
     _require(not metp, f"--memo-mlp-tile-size {tiled_mlp.mlp_tile_size} tiles Megatron's MLP, "
              "which --memo-metp replaces by its ring MLP; drop one")
-    try:
-        tiled_mlp.tile_rows(args.tensor_model_parallel_size, args.sequence_parallel)
-    except MemoConfigError as error:
-        raise ArgumentValidationError(str(error)) from None
+    tiled_mlp.tile_rows(args.tensor_model_parallel_size, args.sequence_parallel)
 
 
 def _validate_packed_documents(args: argparse.Namespace, sppo: SPPOConfig) -> None:
@@ -827,14 +809,11 @@ def _validate_attention(args: argparse.Namespace, attention: AttentionConfig,
     _require(args.transformer_impl == "local", f"{named} need --transformer-impl local, got "
              f"{args.transformer_impl}")
     groups = args.num_query_groups or args.num_attention_heads
-    try:
-        attention.validate_with(groups // args.tensor_model_parallel_size)
-        if attention.attention_projection_tile_size:
-            TiledMLPConfig(mlp_tile_size=attention.attention_projection_tile_size).tile_rows(
-                args.tensor_model_parallel_size, args.sequence_parallel,
-                flag="--memo-attention-projection-tile-size")
-    except MemoConfigError as error:
-        raise ArgumentValidationError(str(error)) from None
+    attention.validate_with(groups // args.tensor_model_parallel_size)
+    if attention.attention_projection_tile_size:
+        TiledMLPConfig(mlp_tile_size=attention.attention_projection_tile_size).tile_rows(
+            args.tensor_model_parallel_size, args.sequence_parallel,
+            flag="--memo-attention-projection-tile-size")
 
 
 def _validate_metp(args: argparse.Namespace, sppo: bool, memo_offload: bool) -> None:
@@ -862,8 +841,17 @@ def _validate_metp(args: argparse.Namespace, sppo: bool, memo_offload: bool) -> 
 def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
     """Check cross-flag constraints and fill derived values (in place).
 
-    Raises ArgumentValidationError naming the flag at fault and the fix.
+    Raises ArgumentValidationError naming the flag at fault and the fix: the one place where
+    the rule modules' errors (memo_ext.config's MemoConfigError, rope_scaling's
+    RopeScalingError) become it.
     """
+    try:
+        _validate_all(args, world_size, cuda_available)
+    except (MemoConfigError, RopeScalingError) as error:
+        raise ArgumentValidationError(str(error)) from None
+
+
+def _validate_all(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
     _validate_required(args)
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)
@@ -875,8 +863,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_checkpointing(args)
     _validate_data(args)
     _validate_logging(args)
-    _validate_memo(args)
-    _validate_stitching(args, cuda_available)
+    _validate_memo(args, cuda_available)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     _require(

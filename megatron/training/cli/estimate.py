@@ -37,11 +37,32 @@ import sys
 import time
 from pathlib import Path
 
-from megatron.training.cli.trace import add_tiling_arguments
-from memo_ext.estimate.cpu_profile import CPU_PROFILE
-from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS, CHECKPOINT_FRACTIONS
-from memo_ext.estimate.models import MODELS, SHAPE_FLAGS, ModelError, model_shape
-from memo_ext.estimate.sppo_layouts import (
+from megatron.training.cli.quiet import (
+    add_verbose_argument,
+    explain_hidden,
+    hide_highs_banner,
+    hide_library_warnings,
+)
+
+hide_library_warnings()  # before the first import of megatron.core (cli/quiet.py)
+
+from megatron.training.cli.trace import (  # noqa: E402
+    TRACED_OFFLOAD_FLAGS,
+    TRACED_OFFLOAD_VARIANTS,
+    add_tiling_arguments,
+    traced_offload_config,
+)
+from memo_ext.config import (  # noqa: E402
+    AttentionConfig,
+    MemoConfigError,
+    OffloadConfig,
+    add_config_flags,
+    config_from_args,
+)
+from memo_ext.estimate.cpu_profile import CPU_PROFILE  # noqa: E402
+from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS, CHECKPOINT_FRACTIONS  # noqa: E402
+from memo_ext.estimate.models import MODELS, SHAPE_FLAGS, ModelError, model_shape  # noqa: E402
+from memo_ext.estimate.sppo_layouts import (  # noqa: E402
     SPPOLayoutModel,
     SPPOPrediction,
     sppo_layout_models,
@@ -89,19 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(MEMO's offload at --memo-alpha) or sppo (SPPO's subsequence "
                              "pipeline, predicted by memo_ext/sppo/solver.py's analytic model: "
                              "N, and MSP when PP > 1, are searched)")
-    parser.add_argument("--memo-alpha", default=None, metavar="ALPHA",
-                        help="with --policy memo: the offloaded fraction (a number in [0, 1]; "
-                             "default 0, or --alphas when the layout is searched)")
-    parser.add_argument("--memo-checkpoint-layers", type=int, default=0, metavar="N",
-                        help="with --policy memo: offloaded layers per stage in checkpoint mode "
-                             "(input on host, whole layer recomputed; default 0)")
-    parser.add_argument("--memo-offload-fp8", action="store_true",
-                        help="with --policy memo: offload the whole-offloaded tensors in fp8 "
-                             "(lossy; the trainer's flag)")
-    parser.add_argument("--memo-offload-buffers", type=int, choices=(1, 2), default=2,
-                        help="with --policy memo: device buffers the offloaded data passes "
-                             "through (the trainer's flag; 1: least device memory, copies "
-                             "exposed; default 2)")
+    # The trainer's --memo-* flags as a traced layout takes them (with --policy memo).
+    add_config_flags(parser, OffloadConfig, fields=TRACED_OFFLOAD_FLAGS[1:],
+                     variants=TRACED_OFFLOAD_VARIANTS)
     add_tiling_arguments(parser)
     parser.add_argument("--recompute-num-layers", type=int, default=None,
                         help="with --policy megatron-block: layers recomputed per stage")
@@ -165,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="trace cache (default $MEMO_ESTIMATE_CACHE or "
                              "~/.cache/megatron-memo/traces)")
     parser.add_argument("--no-cache", action="store_true", help="trace afresh, keep nothing")
+    add_verbose_argument(parser)
     return parser
 
 
@@ -312,6 +324,8 @@ def _answer_stream(json_answer: bool):
 
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
+    explain_hidden(opts.verbose)
+    hide_highs_banner()
     with _answer_stream(opts.json) as answer:
         return _estimate(opts, answer)
 
@@ -456,14 +470,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         if gpus % model_parallel:
             raise UsageError(f"--gpus {gpus} is not a multiple of TP x CP x PP = "
                              f"{model_parallel}")
-        alpha = None
-        if opts.policy == "memo":
-            try:
-                alpha = float(opts.memo_alpha or 0)
-            except ValueError:
-                alpha = -1.0
-            if not 0.0 <= alpha <= 1.0:
-                raise UsageError(f"--memo-alpha {opts.memo_alpha}: give a number in [0, 1]")
+        alpha = traced_offload_config(opts).fixed_alpha if opts.policy == "memo" else None
         if opts.policy == "sppo":
             return _fixed_sppo_layout(opts, shape, hardware, gpus, started)
         recompute_layers = None
@@ -481,11 +488,10 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             raise UsageError(f"--memo-attention-projection-tiles "
                              f"{opts.memo_attention_projection_tiles}: give 0 (untiled) or a "
                              "tile count >= 1")
-        groups_per_rank = (shape.get("num_query_groups") or shape["num_attention_heads"]) \
-            // opts.tp
-        if opts.memo_attention_head_chunks < 1 or groups_per_rank % opts.memo_attention_head_chunks:
-            raise UsageError(f"--memo-attention-head-chunks {opts.memo_attention_head_chunks}: "
-                             f"give a divisor of the {groups_per_rank} query groups per TP rank")
+        attention = config_from_args(AttentionConfig, opts)  # the trainer's rules
+        attention.validate()
+        attention.validate_with(
+            (shape.get("num_query_groups") or shape["num_attention_heads"]) // opts.tp)
         if (opts.memo_checkpoint_layers or opts.memo_offload_fp8
                 or opts.memo_offload_buffers != 2) and opts.policy != "memo":
             raise UsageError("--memo-checkpoint-layers, --memo-offload-fp8 and "
@@ -545,7 +551,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         if opts.json:
             print(json.dumps(answer_json(opts, predictions, seconds)), file=answer)
         return 0
-    except (UsageError, EstimateError, CostModelError) as exc:
+    except (UsageError, MemoConfigError, EstimateError, CostModelError) as exc:
         return _fail(str(exc))
 
 

@@ -21,6 +21,13 @@ import sys
 import time
 from pathlib import Path
 
+from megatron.training.cli.quiet import (
+    add_verbose_argument,
+    explain_hidden,
+    hide_highs_banner,
+    hide_library_warnings,
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -34,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds per MIP (default 10)")
     parser.add_argument("--no-mip", action="store_true",
                         help="greedy placement only (no MIP even where it is above the bound)")
+    add_verbose_argument(parser)
     return parser
 
 
@@ -44,6 +52,9 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
+    explain_hidden(opts.verbose)
+    hide_library_warnings()
+    hide_highs_banner()
     if opts.check is None and opts.output is None:
         return _fail("give -o PLAN.json to write a plan, or --check PLAN.json to validate one")
     if opts.time_limit is not None and not opts.time_limit > 0:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import warnings
 from pathlib import Path
+
+from megatron.training.cli.quiet import add_verbose_argument, explain_hidden, hide_library_warnings
 
 # memo_ext.sppo's package imports megatron, which warns about Transformer Engine/Apex: noise for
 # a planner that runs no kernels.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+hide_library_warnings()
 
 from memo_ext.estimate.memory import EstimateError, load_hardware  # noqa: E402
 from memo_ext.estimate.models import MODELS, ModelError, model_shape  # noqa: E402
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--msp", action="store_true",
                         help="plan with multiplexed sequence partitioning (--memo-sppo-msp)")
     parser.add_argument("--top", type=int, default=0, help="also print the best K candidates")
+    add_verbose_argument(parser)
     return parser
 
 
@@ -81,6 +83,7 @@ def table(candidates, top: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
+    explain_hidden(opts.verbose)
     try:
         if opts.top < 0:
             raise UsageError(f"--top {opts.top}: give a count >= 0")

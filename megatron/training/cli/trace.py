@@ -44,14 +44,51 @@ import torch
 GiB = 1 << 30
 MiB = 1 << 20
 
+from megatron.training.cli.quiet import (  # noqa: E402
+    add_verbose_argument,
+    explain_hidden,
+    hide_library_warnings,
+)
+
+hide_library_warnings()  # before memo_ext's first import of megatron.core (cli/quiet.py)
+
 # Presets (layers, hidden, ffn hidden, heads) and the default vocabulary: one definition, shared
 # with tools/estimate.py and tools/sppo_plan.py.
 from memo_ext.estimate.models import DEFAULT_VOCAB_SIZE, MODELS  # noqa: E402
 from memo_ext.planner.cuda_rules import DEFAULT_GPU  # noqa: E402
+from memo_ext.config import (  # noqa: E402
+    AttentionConfig,
+    MemoConfigError,
+    OffloadConfig,
+    TiledMLPConfig,
+    ToolVariant,
+    add_config_flags,
+)
+from memo_ext.flags import refused_value  # noqa: E402
+from megatron.training.arguments import add_model_shape_args  # noqa: E402
 # Host memory given to MEMO's offload while tracing: large enough never to refuse an alpha
 # (the trace does not model host capacity; memo_ext.offload.alpha does).
 TRACE_HOST_MEMORY_GB = 1e6
 TRACE_PCIE_GBPS = 25.0
+
+#: The trainer's OffloadConfig flags a traced layout takes (tools/trace.py, tools/estimate.py).
+TRACED_OFFLOAD_FLAGS = ("offload", "alpha", "checkpoint_layers", "offload_fp8", "offload_buffers")
+#: How a traced layout takes them: fixed values only. 'auto' needs what a trace does not have
+#: (measured layer times for alpha, host memory for the checkpoint count).
+TRACED_OFFLOAD_VARIANTS = {
+    "alpha": ToolVariant(
+        note="Traced layouts (tools/trace.py; tools/estimate.py --policy memo, whose layout "
+             "search tries --alphas instead): a number only, "
+             "default 0 ('auto' solves the LP from measured layer times, which a trace cannot "
+             "measure).",
+        default=None, argparse={"metavar": "ALPHA"},
+        refuse={"auto": "solves the LP from measured layer times, which a trace cannot "
+                        "measure; give --memo-alpha A (0 <= A <= 1)"}),
+    "checkpoint_layers": ToolVariant(
+        note="Traced layouts: a count only, default 0 ('auto' reads host memory, which a trace "
+             "does not model).",
+        default=0, type=int, argparse={"metavar": "N"}),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,17 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("model (--model or explicit shape flags)")
     model.add_argument("--model", choices=sorted(MODELS), default=None,
                        help="Shape of examples/configs/gpt_<model>.sh.")
-    model.add_argument("--num-layers", type=int, default=None)
-    model.add_argument("--hidden-size", type=int, default=None)
-    model.add_argument("--ffn-hidden-size", type=int, default=None)
-    model.add_argument("--num-attention-heads", type=int, default=None)
+    # The trainer's definitions (megatron.training.arguments.MODEL_SHAPE_FLAGS); the flags
+    # below them differ from the trainer's (defaults of a traced model, GQA implied).
+    add_model_shape_args(model)
     model.add_argument("--num-query-groups", type=int, default=None,
                        help="Grouped-query attention with this many K/V groups.")
-    model.add_argument("--kv-channels", type=int, default=None,
-                       help="Channels per attention head (default hidden / heads).")
     model.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    model.add_argument("--swiglu", action="store_true")
-    model.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
     model.add_argument("--position-embedding-type", default="rope",
                        choices=("rope", "learned_absolute"))
     model.add_argument("--disable-bias-linear", action="store_true")
@@ -106,24 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
                           help="Default uniform with --recompute-granularity full.")
     training.add_argument("--recompute-num-layers", type=int, default=None)
-    training.add_argument("--memo-offload", action="store_true",
-                          help="MEMO token-wise swap + recompute (memo_ext.offload).")
-    training.add_argument("--memo-alpha", default=None, metavar="ALPHA",
-                          help="Fraction of alpha-split tokens offloaded (a number; 'auto' needs "
-                               "measured timings and cannot be traced). Default 0.")
-    training.add_argument("--memo-checkpoint-layers", type=int, default=0, metavar="N",
-                          help="Offloaded layers per stage in checkpoint mode (the trainer's "
-                               "flag; 'auto' reads host memory, which a trace does not model). "
-                               "Default 0.")
-    training.add_argument("--memo-offload-fp8", action="store_true",
-                          help="Offload the tensors MEMO offloads whole in fp8 (the trainer's "
-                               "flag, lossy).")
-    training.add_argument("--memo-offload-buffers", type=int, choices=(1, 2), default=2,
-                          help="Device buffers MEMO's offloaded data passes through (the "
-                               "trainer's flag). Default 2.")
-    training.add_argument("--memo-mlp-tile-size", type=int, default=0, metavar="TOKENS",
-                          help="Sequence-tiled MLP with tiles of TOKENS (the trainer's flag; "
-                               "docs/tiled_mlp.md). Default 0: off.")
+    # The trainer's --memo-* flags, generated from memo_ext.config (one definition each).
+    add_config_flags(training, OffloadConfig, fields=TRACED_OFFLOAD_FLAGS,
+                     variants=TRACED_OFFLOAD_VARIANTS)
+    add_config_flags(training, TiledMLPConfig)
     add_tiling_arguments(training)
     training.add_argument("--no-distributed-optimizer", action="store_true",
                           help="Replicate optimizer state on every DP rank.")
@@ -176,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "running the model: what a symbolic trace of a deeper stage takes "
                             "from that stage (memo_ext/estimate/symbolic.py).")
     trace.add_argument("--quiet", action="store_true", help="No summary on stdout.")
+    add_verbose_argument(trace)
     return parser
 
 
@@ -218,20 +237,12 @@ def trainer_argv(opts: argparse.Namespace) -> list[str]:
         argv += ["--group-query-attention", "--num-query-groups", str(opts.num_query_groups)]
     if opts.kv_channels:
         argv += ["--kv-channels", str(opts.kv_channels)]
-    if opts.swiglu:
-        argv.append("--swiglu")
-    if opts.disable_bias_linear:
-        argv.append("--disable-bias-linear")
-    if not opts.no_sequence_parallel:
-        argv.append("--sequence-parallel")
-    if not opts.no_distributed_optimizer:
-        argv.append("--use-distributed-optimizer")
-    if opts.bf16:
-        argv.append("--bf16")
-    if opts.fp16:
-        argv.append("--fp16")
-    if not opts.param_dtype_grad_buffer:
-        argv.append("--accumulate-allreduce-grads-in-fp32")
+    argv += [flag for flag, given in (
+        ("--swiglu", opts.swiglu), ("--disable-bias-linear", opts.disable_bias_linear),
+        ("--sequence-parallel", not opts.no_sequence_parallel),
+        ("--use-distributed-optimizer", not opts.no_distributed_optimizer),
+        ("--bf16", opts.bf16), ("--fp16", opts.fp16),
+        ("--accumulate-allreduce-grads-in-fp32", not opts.param_dtype_grad_buffer)) if given]
     if opts.recompute_granularity:
         argv += ["--recompute-granularity", opts.recompute_granularity]
         if opts.recompute_granularity == "full":
@@ -269,7 +280,7 @@ def add_tiling_arguments(parser) -> None:
     """The layer-tiling flags of a traced layout (memo_ext.estimate.layout.Layout's
     mlp_tiles, projection_tiles, head_chunks), shared with tools/estimate.py: tile counts of
     the sequence after CP, turned into the trainer's tile sizes at each traced length (so that
-    traces at two lengths are alike), and the head chunks."""
+    traces at two lengths are alike), and the trainer's head chunks."""
     parser.add_argument("--memo-mlp-tiles", type=int, default=0, metavar="K",
                         help="run every layer's MLP in K sequence tiles of the rank's CP shard "
                              "(the trainer's --memo-mlp-tile-size, docs/tiled_mlp.md; default "
@@ -278,9 +289,25 @@ def add_tiling_arguments(parser) -> None:
                         help="run the attention's QKV and output projections in K sequence tiles "
                              "(the trainer's --memo-attention-projection-tile-size; default 0: "
                              "untiled)")
-    parser.add_argument("--memo-attention-head-chunks", type=int, default=1, metavar="N",
-                        help="run the core attention over N chunks of query groups (the "
-                             "trainer's flag, docs/attention.md; default 1)")
+    add_config_flags(parser, AttentionConfig, fields=("attention_head_chunks",))
+
+
+def traced_offload_config(opts: argparse.Namespace) -> OffloadConfig:
+    """The tool's MEMO offload flags as the trainer's OffloadConfig (offload on), checked by
+    the trainer's rules (``validate()``) after the values a trace cannot take
+    (TRACED_OFFLOAD_VARIANTS). Raises MemoConfigError (one line)."""
+    refused = refused_value(opts, TRACED_OFFLOAD_VARIANTS)
+    if refused:
+        raise MemoConfigError(refused)
+    config = OffloadConfig(offload=True, alpha="0" if opts.memo_alpha is None else opts.memo_alpha,
+                           checkpoint_layers=str(opts.memo_checkpoint_layers),
+                           offload_fp8=opts.memo_offload_fp8,
+                           offload_buffers=opts.memo_offload_buffers)
+    try:
+        config.validate()
+    except MemoConfigError as exc:  # the trainer's fix, less the 'auto' a tool refuses
+        raise MemoConfigError(str(exc).replace("use auto or ", "use ")) from None
+    return config
 
 
 def rank_coordinates(rank: int) -> dict:
@@ -383,9 +410,11 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
     if not 0 <= opts.rank < world_size:
         raise SystemExit(f"error: --rank {opts.rank} is outside the world of {world_size} ranks "
                          f"(TP x CP x PP x DP)")
-    if opts.memo_offload and args.memo_alpha.strip().lower() == "auto":
-        raise SystemExit("error: --memo-alpha auto solves the LP from measured layer times, "
-                         "which a trace cannot measure; give --memo-alpha A (0 <= A <= 1)")
+    if opts.memo_offload:
+        try:
+            traced_offload_config(opts)
+        except MemoConfigError as exc:
+            raise SystemExit(f"error: {exc}") from None
 
     from megatron.training.compat import apply_cpu_shims
     from megatron.training.tokenizer import padded_vocab_size
@@ -726,6 +755,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("error: --serve takes no other flags (they come per request)")
         return serve()
     opts = build_parser().parse_args(argv)
+    explain_hidden(opts.verbose)
     from memo_ext.planner.trace import summarize, write_snapshot, write_trace
 
     trace, args = record(opts)
