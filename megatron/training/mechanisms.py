@@ -97,39 +97,41 @@ class MemoOffloadMechanism(Mechanism):
             self.memo.after_iteration()
 
 
-class SubsequencePipelineMechanism(Mechanism):
-    """--memo-sppo (memo_ext.sppo.SubsequencePipeline): its layer spec, its schedule for every
-    global batch (training and evaluation), ``after_iteration`` after each step."""
+class _AttachedRuntime(Mechanism):
+    """A runtime the model provider takes by the keyword ``option`` (for its layer spec) and
+    that hooks each model chunk."""
 
-    def __init__(self, sppo):
-        self.sppo = sppo
+    option: str
+
+    def __init__(self, runtime):
+        self.runtime = runtime
 
     def model_options(self) -> dict:
-        return {"sppo": self.sppo}
+        return {self.option: self.runtime}
 
     def attach(self, model: list) -> None:
         for chunk in model:
-            self.sppo.attach(chunk)
+            self.runtime.attach(chunk)
+
+
+class SubsequencePipelineMechanism(_AttachedRuntime):
+    """--memo-sppo (memo_ext.sppo.SubsequencePipeline): its layer spec and chunk hooks, its
+    schedule for every global batch (training and evaluation), ``after_iteration`` after each
+    step."""
+
+    option = "sppo"
 
     def schedule(self) -> Callable:
-        return self.sppo.forward_backward
+        return self.runtime.forward_backward
 
     def end_step(self, iteration: int) -> None:
-        self.sppo.after_iteration()
+        self.runtime.after_iteration()
 
 
-class MemoryEfficientTPMechanism(Mechanism):
+class MemoryEfficientTPMechanism(_AttachedRuntime):
     """--memo-metp (memo_ext.metp.MemoryEfficientTP): its layer spec and zigzag hooks."""
 
-    def __init__(self, metp):
-        self.metp = metp
-
-    def model_options(self) -> dict:
-        return {"metp": self.metp}
-
-    def attach(self, model: list) -> None:
-        for chunk in model:
-            self.metp.attach(chunk)
+    option = "metp"
 
 
 class TelemetryMechanism(Mechanism):
