@@ -2,7 +2,8 @@
 
 Parallelism, the pipeline schedule, gradient reduction and the optimizer are megatron.core's;
 this module wires them together the way Megatron-LM's training loop does, with explicit
-arguments instead of global state.
+arguments instead of global state. The optional MEMO mechanisms (offload, SPPO, METP,
+telemetry, planner) reach the loop only through megatron.training.mechanisms' registry.
 """
 
 from __future__ import annotations
