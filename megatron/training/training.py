@@ -2,13 +2,13 @@
 
 Parallelism, the pipeline schedule, gradient reduction and the optimizer are megatron.core's;
 this module wires them together the way Megatron-LM's training loop does, with explicit
-arguments instead of global state.
+arguments instead of global state. The optional MEMO mechanisms (offload, SPPO, METP,
+telemetry, planner) reach the loop only through megatron.training.mechanisms' registry.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import time
@@ -31,14 +31,7 @@ from megatron.training import checkpointing, metrics
 from megatron.training.arguments import ArgumentValidationError, core_transformer_config_from_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import initialize_megatron
-from megatron.training.memo import (
-    attach_memo_telemetry,
-    build_memo_metp,
-    build_memo_offload,
-    build_memo_planner,
-    build_memo_sppo,
-    build_memo_telemetry,
-)
+from megatron.training.mechanisms import Mechanisms, build_mechanisms, build_planner_mechanism
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer, model_vocab_size, padded_vocab_size
 
@@ -68,17 +61,16 @@ def print_rank_0(message: str) -> None:
 
 
 def build_stage_module(args: argparse.Namespace, config, model_provider: ModelProvider,
-                       memo=None, sppo=None, metp=None) -> torch.nn.Module:
+                       mechanisms: Optional[Mechanisms] = None) -> torch.nn.Module:
     """This pipeline stage's model on the device, in fp16/bf16 when asked (no DDP: what
-    evaluation runs; training wraps it in DDP, :func:`build_model`)."""
+    evaluation runs; training wraps it in DDP, :func:`build_model`), with the layer specs of
+    ``mechanisms`` (megatron.training.mechanisms)."""
     model = model_provider(
         config=config,
         args=args,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        memo=memo,
-        **({} if sppo is None else {"sppo": sppo}),
-        **({} if metp is None else {"metp": metp}),
+        **(mechanisms or Mechanisms()).model_options(),
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -90,20 +82,19 @@ def build_stage_module(args: argparse.Namespace, config, model_provider: ModelPr
 
 
 def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
-                memo=None, sppo=None, metp=None) -> list:
-    """This stage's model chunk wrapped in megatron.core DDP (a one-element list)."""
-    model = build_stage_module(args, config, model_provider, memo, sppo, metp)
+                mechanisms: Optional[Mechanisms] = None) -> list:
+    """This stage's model chunk wrapped in megatron.core DDP (a one-element list), with
+    ``mechanisms`` attached to it."""
+    mechanisms = mechanisms or Mechanisms()
+    model = build_stage_module(args, config, model_provider, mechanisms)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    if sppo is not None:  # last: moving to CUDA, casting and DDP's buffers replace storages
-        sppo.attach(model)
-    if metp is not None:
-        metp.attach(model)
-    return [model]
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+    mechanisms.attach(model)  # last: moving to CUDA, casting and DDP's buffers replace storages
+    return model
 
 
 def build_optimizer(args: argparse.Namespace, model: list):
@@ -161,11 +152,14 @@ def reduce_losses(loss_dicts: list[dict]) -> dict[str, float]:
 
 
 def run_schedule(forward_step: ForwardStep, data_iterator, model: list,
-                 args: argparse.Namespace, forward_only: bool, sppo=None) -> list[dict]:
-    """One global batch through megatron.core's schedule (1F1B with PP), or SPPO's subsequence
-    schedule with ``sppo``; loss reports (per micro-batch or subsequence) on the last stage."""
-    if sppo is not None:
-        return sppo.forward_backward(
+                 args: argparse.Namespace, forward_only: bool,
+                 mechanisms: Optional[Mechanisms] = None) -> list[dict]:
+    """One global batch through megatron.core's schedule (1F1B with PP), or the one a mechanism
+    replaces it with (SPPO's subsequence schedule); loss reports (per micro-batch or
+    subsequence) on the last stage."""
+    schedule = (mechanisms or Mechanisms()).schedule()
+    if schedule is not None:
+        return schedule(
             forward_step_func=forward_step, data_iterator=data_iterator, model=model,
             num_microbatches=args.num_microbatches, forward_only=forward_only,
             config=get_model_config(model[0]))
@@ -182,19 +176,19 @@ def run_schedule(forward_step: ForwardStep, data_iterator, model: list,
 
 def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer, scheduler,
                args: argparse.Namespace,
-               optimizer_phase: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-               sppo=None) -> tuple[dict[str, float], float, bool]:
+               mechanisms: Optional[Mechanisms] = None) -> tuple[dict[str, float], float, bool]:
     """One global batch: forward/backward over all micro-batches, then the optimizer step
-    (inside ``optimizer_phase()``: telemetry attributes its allocations).
+    (inside the mechanisms' ``optimizer_phase()``: telemetry attributes its allocations).
 
     Returns (losses, grad norm, skipped) -- skipped is True when fp16 overflowed.
     """
+    mechanisms = mechanisms or Mechanisms()
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     loss_dicts = run_schedule(forward_step, data_iterator, model, args, forward_only=False,
-                              sppo=sppo)
-    with optimizer_phase():
+                              mechanisms=mechanisms)
+    with mechanisms.optimizer_phase():
         update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
@@ -202,7 +196,7 @@ def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer,
 
 
 def evaluate(forward_step: ForwardStep, data_iterator, model: list,
-             args: argparse.Namespace, sppo=None) -> dict[str, float]:
+             args: argparse.Namespace, mechanisms: Optional[Mechanisms] = None) -> dict[str, float]:
     """Mean validation loss over --eval-iters global batches."""
     for chunk in model:
         chunk.eval()
@@ -210,7 +204,7 @@ def evaluate(forward_step: ForwardStep, data_iterator, model: list,
     with torch.no_grad():
         for _ in range(args.eval_iters):
             loss_dicts += run_schedule(forward_step, data_iterator, model, args, forward_only=True,
-                                       sppo=sppo)
+                                       mechanisms=mechanisms)
     for chunk in model:
         chunk.train()
     return reduce_losses(loss_dicts)
@@ -319,14 +313,10 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
         vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     config = core_transformer_config_from_args(args)
-    telemetry = build_memo_telemetry(args, log=print_rank_0)
-    memo = build_memo_offload(args, log=print_rank_0, telemetry=telemetry)
-    sppo = build_memo_sppo(args, log=print_rank_0, telemetry=telemetry)
-    metp = build_memo_metp(args, log=print_rank_0)
-    model = build_model(args, config, model_provider, memo, sppo, metp)
-    attach_memo_telemetry(telemetry, model)
+    mechanisms = build_mechanisms(args, log=print_rank_0)  # telemetry, MEMO, SPPO, METP
+    model = build_model(args, config, model_provider, mechanisms)
     optimizer, scheduler = build_optimizer(args, model)
-    planner = build_memo_planner(args, model, log=print_rank_0)
+    mechanisms.register(build_planner_mechanism(args, model, log=print_rank_0))
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
     if args.fp16:
@@ -356,43 +346,28 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     logger = TrainingLogger(args, flops_per_iteration, peak_tflops)
     signal_handler = DistributedSignalHandler(args.exit_signal) if args.exit_signal_handler else None
 
-    train_forward_step = forward_step
-    optimizer_phase = contextlib.nullcontext
-    if telemetry is not None:
-        train_forward_step = telemetry.wrap_forward_step(forward_step)
-        optimizer_phase = lambda: telemetry.phase("optimizer")  # noqa: E731
+    train_forward_step = mechanisms.wrap_forward_step(forward_step)  # evaluation's is not
 
     for chunk in model:
         chunk.train()
     while state.iteration < args.train_iters:
         # An out-of-memory error in the step becomes a report and MemoryBudgetExceeded.
-        with telemetry.step(state.iteration + 1) if telemetry is not None else contextlib.nullcontext(), \
-                planner.iteration() if planner is not None else contextlib.nullcontext():
+        with mechanisms.step(state.iteration + 1):
             losses, grad_norm, skipped = train_step(
-                train_forward_step, train_iterator, model, optimizer, scheduler, args,
-                optimizer_phase, sppo,
+                train_forward_step, train_iterator, model, optimizer, scheduler, args, mechanisms,
             )
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
-        if memo is not None:  # may resize MEMO's device buffers: telemetry must see them
-            with telemetry.between_steps() if telemetry is not None else contextlib.nullcontext():
-                memo.after_iteration()
-        if sppo is not None:
-            sppo.after_iteration()
+        mechanisms.end_step(state.iteration)
         if "lm loss" in losses:
             state.losses.append(losses["lm loss"])
         logger.log(state.iteration, losses, scheduler.get_lr(optimizer.param_groups[0]),
                    grad_norm, skipped)
-        if telemetry is not None:  # collective; raises MemoryBudgetExceeded on fail-fast
-            gathered = telemetry.after_step(state.iteration)
-            if gathered is not None:
-                logger.log_memory(gathered.as_record())
-        if planner is not None and state.iteration % args.log_interval == 0:
-            print_rank_0(f"> {planner.stats_line()}")
+        mechanisms.report(state.iteration, logger)  # collective (telemetry's fail-fast)
 
         if args.eval_iters > 0 and valid_iterator is not None and state.iteration % args.eval_interval == 0:
             logger.log_validation(state.iteration, evaluate(forward_step, valid_iterator, model, args,
-                                                                sppo))
+                                                                mechanisms))
             state.consumed_valid_samples += args.eval_iters * args.global_batch_size
 
         if signal_handler is not None and signal_handler.any_rank_signalled():
