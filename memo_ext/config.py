@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 # Re-exported: the configs' flag API (importers keep ``from memo_ext.config import ...``).
-from memo_ext.flags import ARG_PREFIX, ToolVariant, add_config_arguments  # noqa: F401
-from memo_ext.flags import add_config_flags, arg_dest, arg_flag, config_from_args  # noqa: F401
-from memo_ext.flags import memo_field  # noqa: F401
+from memo_ext.flags import (ARG_PREFIX, ToolVariant, add_config_arguments,  # noqa: F401
+                            add_config_flags, arg_dest, arg_flag, config_from_args, memo_field)
 
 #: Bytes in one GB as used by the ``--memo-*-gb`` / ``--memo-*-gbps`` flags.
 BYTES_PER_GB = 10**9
@@ -63,7 +62,7 @@ def _reject_without(config: Any, switch: str, given: Optional[dict[str, bool]] =
 class OffloadConfig:
     """MEMO token-wise activation swapping + recomputation of skeletal activations.
 
-    Field help texts are the flag documentation; see memo.md "Choosing alpha (LP)".
+    Field help texts are the flag documentation; see docs/memo.md "Choosing alpha (LP)".
     """
 
     offload: bool = memo_field(
@@ -206,7 +205,7 @@ PLAN_OFF, PLAN_AUTO = "off", "auto"
 
 @dataclass
 class PlanConfig:
-    """MEMO's bi-level memory plan and planned arena (memo.md "Bi-level memory planning")."""
+    """MEMO's bi-level memory plan and planned arena (docs/memo.md "Bi-level memory planning")."""
 
     plan: str = memo_field(
         PLAN_OFF, flag="--memo-plan", metavar="{off,auto,PATH}",
@@ -363,7 +362,7 @@ SPPO_OFFLOAD_NONE = "none"
 @dataclass
 class SPPOConfig:
     """SPPO: a sequence cut into subsequences that flow through the pipeline as micro-batches,
-    with per-subsequence offload ratios (sppo.md; docs/sppo.md)."""
+    with per-subsequence offload ratios (docs/sppo.md)."""
 
     sppo: bool = memo_field(
         False, flag="--memo-sppo",
@@ -376,7 +375,7 @@ class SPPOConfig:
         SPPO_AUTO, flag="--memo-sppo-subsequences", metavar="{auto,N}",
         help="Subsequences per sequence. 'auto': the smallest power of two whose bubble ratio "
              "(p-1)/N is at most 10%%, as long as subsequences keep >= 2048 tokens (shorter ones "
-             "lose GPU efficiency; sppo.md).")
+             "lose GPU efficiency; docs/sppo.md 'Pipeline and solver').")
     sppo_partition: str = memo_field(
         "flops", flag="--memo-sppo-partition", choices=("flops", "length"),
         help="Where to cut: 'flops' gives every subsequence the same causal attention + linear "
@@ -457,7 +456,7 @@ class SPPOConfig:
 @dataclass
 class METPConfig:
     """METP: tensor parallelism whose weight shards travel a P2P ring while activations stay
-    sequence-sharded, so no rank holds a full-sequence activation (metp.md; docs/metp.md)."""
+    sequence-sharded, so no rank holds a full-sequence activation (docs/metp.md)."""
 
     metp: bool = memo_field(
         False, flag="--memo-metp",

@@ -73,7 +73,7 @@ SEARCH_STEP, FINE_STEP = 131072, 16384
 POLICIES = ("megatron", "megatron-none", "megatron-block", "memo", "sppo")
 #: Block recompute multiplies the traced Megatron layouts by its layer counts: opt-in.
 DEFAULT_POLICIES = "megatron,megatron-none,memo,sppo"
-#: memo.md's calibration runs: 16 sequences per iteration.
+#: The MEMO paper's calibration runs: 16 sequences per iteration (docs/memo.md "The paper's reported figures").
 DEFAULT_GLOBAL_BATCH = 16
 
 
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pp", type=int, default=None)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH,
-                        help="sequences per iteration (default 16, as memo.md's calibration)")
+                        help="sequences per iteration (default 16, as the MEMO paper's calibration runs; docs/memo.md)")
     parser.add_argument("--policy", choices=POLICIES, default="megatron",
                         help="megatron (full recompute), megatron-none (no recompute), "
                              "megatron-block (full recompute of --recompute-num-layers layers "

@@ -16,7 +16,7 @@ writes what ``main(argv + ["--quiet", "-o", output])`` would, and answers one li
 
 Writes gzipped JSON lines (header, then one event per line; docs/tracing.md) and prints a
 summary: events, peak live bytes, bytes by category at the peak, per-layer forward skeletal
-bytes against memo.md's 16·b·s·h/(TP·CP).
+bytes against docs/memo.md "Skeletal activations per layer": 16·b·s·h/(TP·CP).
 """
 
 from __future__ import annotations
