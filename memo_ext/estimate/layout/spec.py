@@ -1,0 +1,250 @@
+"""What a parallel layout is: :class:`Layout` (TP, CP, PP, DP and the memory policy) and its
+traced :class:`Stage` s, the policies' flags, and the flags a layout gives the tracer and the
+trainer.
+
+Which ranks are traced (:meth:`Layout.stages`): the ranks of one stage are alike (TP shards
+split evenly, CP's load-balanced chunks carry equal work, DP replicas are copies), so one rank
+per stage is enough. Of the stages, the first and the last suffice: 1F1B keeps min(PP - s, m)
+micro-batches in flight on stage s, so a middle stage holds no more than stage 0 (same layers,
+no embedding) and the last stage alone carries the output layer and the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from memo_ext.config import TiledMLPConfig
+from memo_ext.estimate.symbolic import COPIED_LAYER, TRACED_LAYERS
+from memo_ext.estimate.symbolic_shape import SymbolicShape, mixed_symbolic_shape
+from memo_ext.offload.alpha import offloaded_layers
+
+#: The two lengths every layout is traced at (multiples of TP x CP x 2 for any TP, CP <= 64).
+FIT_SEQS = (131072, 262144)
+#: Allocator iterations replayed per estimate (persistent state once, then these).
+REPLAY_ITERATIONS = 3
+
+#: The trainer flags of memo_ext.loss's chunked output layer and loss (docs/loss.md).
+CHUNKED_LOSS_TRAINER_FLAGS = "--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"
+#: Megatron-LM policies as trainer flags; MEMO's is --memo-offload --memo-alpha A with the
+#: chunked loss (the Megatron policies keep the unfused loss Megatron-LM ships, whose
+#: [s/CP, V/TP] logits are the largest item of a long run).
+POLICY_FLAGS = {
+    "megatron": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"],
+    "megatron-none": [],
+    "megatron-block": ["--recompute-granularity", "full", "--recompute-method", "block"],
+    "memo": ["--memo-offload", f"--trainer-args={CHUNKED_LOSS_TRAINER_FLAGS}"],
+}
+POLICY_NAMES = {"megatron": "Megatron full recompute", "megatron-none": "Megatron no recompute",
+                "megatron-block": "Megatron block recompute", "memo": "MEMO offload"}
+#: Block recompute's layers per stage the recommender tries, as fractions of a stage's layers.
+BLOCK_RECOMPUTE_FRACTIONS = (0.25, 0.5, 0.75)
+#: MEMO's checkpoint-offloaded layers per stage the recommender tries, as fractions of the
+#: stage's offloaded layers (0: MEMO alone; 1: every offloaded layer checkpointed).
+CHECKPOINT_FRACTIONS = (0.0, 0.25, 0.5, 1.0)
+
+#: (layers traced, layer copied) of a policy's symbolic traces (memo_ext.estimate.symbolic).
+#: Megatron's layers differ only at the two ends of a section: three layers, the middle one
+#: copied, match 7-layer traces event by event (TP, CP and PP stages alike). MEMO's need five:
+#: with three or four layers the check against a 7-layer trace fails (its warm-up leaves
+#: per-layer buffers that a shorter trace does not repeat). Block recompute has none: its first
+#: K layers of a stage recompute and the others do not, so no one layer stands for the rest,
+#: and it is traced whole.
+SYMBOLIC_LAYERS = {"megatron": (3, 1), "megatron-none": (3, 1),
+                   "memo": (TRACED_LAYERS, COPIED_LAYER)}
+
+def model_layers(model_argv: list[str]) -> Optional[int]:
+    """The model's layers from the tracer's model flags (``--num-layers N``, else a
+    ``--model`` preset); None when they name neither."""
+    from memo_ext.estimate.models import MODELS
+
+    layers = None
+    for flag, value in zip(model_argv, model_argv[1:]):
+        if flag == "--num-layers":
+            layers = int(value)
+        elif flag == "--model" and value in MODELS and layers is None:
+            layers = MODELS[value][0]
+    return layers
+
+
+#: The tracer flags of the CPU trainer (a profile with ``"device_type": "cpu"``,
+#: memo_ext.estimate.cpu_profile): the CPU program's own allocations (no CUDA kernel rules),
+#: fp32 and megatron's plain optimizer, which is what pretrain_gpt.py runs without CUDA.
+CPU_TRACE_FLAGS = ["--no-cuda-semantics", "--no-bf16", "--no-distributed-optimizer"]
+
+
+def gpu_argv(hardware: dict) -> list[str]:
+    """The tracer flags naming the GPU whose kernels' workspaces a trace records (they follow
+    the layout's flags, so a CPU profile's --no-bf16 wins)."""
+    if hardware.get("device_type") == "cpu":
+        return list(CPU_TRACE_FLAGS)
+    if "name" not in hardware:
+        return []
+    argv = ["--gpu", hardware["name"]]
+    if hardware.get("hardware_file"):
+        argv += ["--hardware-file", hardware["hardware_file"]]
+    return argv
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A traced pipeline stage: its first global rank (megatron's order puts PP outermost) and
+    the micro-batches 1F1B keeps in flight on it."""
+
+    index: int
+    rank: int
+    microbatches_in_flight: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and memory policy (what a job's flags choose)."""
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    policy: str = "megatron"
+    alpha: Optional[float] = None  # MEMO's offloaded fraction
+    micro_batch: int = 1
+    recompute_layers: Optional[int] = None  # megatron-block: layers recomputed per stage
+    checkpoint_layers: int = 0  # memo: offloaded layers per stage in checkpoint mode (b)
+    offload_fp8: bool = False  # memo: whole-offloaded tensors stored as fp8 (lossy)
+    mlp_tiles: int = 0  # the MLP run in this many sequence tiles (memo_ext.tiled_mlp); 0: not
+    projection_tiles: int = 0  # the attention's QKV and output projections, likewise
+    head_chunks: int = 1  # the core attention over this many chunks of query groups
+    offload_buffers: int = 2  # memo: device buffers offloaded data passes through (1 or 2)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def stages(self, microbatches: int) -> list[Stage]:
+        """The stages whose ranks are traced (module docstring: first and last), for
+        ``microbatches`` micro-batches per iteration."""
+        if self.pp == 1:
+            return [Stage(0, 0, 1)]
+        return [Stage(0, 0, min(self.pp, microbatches)),
+                Stage(self.pp - 1, (self.pp - 1) * self.tp * self.cp * self.dp, 1)]
+
+    def trace_argv(self, model_argv: list[str], stage: Optional[Stage] = None) -> list[str]:
+        argv = [*model_argv, "--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp),
+                "--dp", str(self.dp), "--micro-batch-size", str(self.micro_batch), "--bf16",
+                *POLICY_FLAGS[self.policy]]
+        if self.policy == "memo":
+            argv += ["--memo-alpha", f"{self.alpha:g}",
+                     "--memo-checkpoint-layers", str(self.checkpoint_layers)]
+            if self.offload_fp8:
+                argv.append("--memo-offload-fp8")
+            if self.offload_buffers != 2:
+                argv += ["--memo-offload-buffers", str(self.offload_buffers)]
+        if self.policy == "megatron-block":
+            argv += ["--recompute-num-layers", str(self.recompute_layers)]
+        if self.mlp_tiles:
+            argv += ["--memo-mlp-tiles", str(self.mlp_tiles)]
+        if self.projection_tiles:
+            argv += ["--memo-attention-projection-tiles", str(self.projection_tiles)]
+        if self.head_chunks > 1:
+            argv += ["--memo-attention-head-chunks", str(self.head_chunks)]
+        if stage is not None and self.pp > 1:
+            argv += ["--rank", str(stage.rank),
+                     "--microbatches-in-flight", str(stage.microbatches_in_flight)]
+        return argv
+
+    def offloaded_per_stage(self, layers: int, stage: Stage) -> int:
+        """MEMO's offloaded layers of a ``layers``-layer ``stage`` (the trainer's
+        memo_ext.offload rule: all of them with micro-batches in flight, else all but one per
+        rounding buffer)."""
+        return layers if stage.microbatches_in_flight > 1 else \
+            offloaded_layers(layers, self.offload_buffers)
+
+    def every_layer_checkpointed(self, layers: int, stage: Stage) -> bool:
+        """Every offloaded layer of the stage in checkpoint mode (b). The kept layers then take
+        (b) too (memo_ext.offload), so every layer is alike and one stands for the rest."""
+        return (self.policy == "memo" and self.checkpoint_layers > 0
+                and self.checkpoint_layers == self.offloaded_per_stage(layers, stage))
+
+    def traced_layers_argv(self, model_argv: list[str], stage: Stage, layers: int,
+                           checkpoint_layers: Optional[int] = None) -> list[str]:
+        """The tracer flags of ``stage`` cut to ``layers`` layers per stage (a symbolic trace's
+        few layers, or its check's), with ``checkpoint_layers`` of them in (b) when given."""
+        argv = [*self.trace_argv(model_argv, stage), "--num-layers", str(layers * self.pp)]
+        if checkpoint_layers is not None:
+            argv += ["--memo-checkpoint-layers", str(checkpoint_layers)]
+        return argv
+
+    def symbolic_shape(self, stage_layers: int, stage: Stage) -> Optional[SymbolicShape]:
+        """How a stage of ``stage_layers`` is traced symbolically, or None (traced whole): the
+        policy's few layers (SYMBOLIC_LAYERS); with every layer in (b), the cut stages' own
+        offloaded layers all in (b); a stage mixing (a) and (b) layers by one period of its
+        pattern (memo_ext.estimate.symbolic_shape)."""
+        if self.policy not in SYMBOLIC_LAYERS:
+            return None
+        layers, copied = SYMBOLIC_LAYERS[self.policy]
+        if self.every_layer_checkpointed(stage_layers, stage):
+            return SymbolicShape(layers, copied,
+                                 checkpoint_layers=self.offloaded_per_stage(layers, stage),
+                                 check_checkpoint_layers=self.offloaded_per_stage(layers + 2,
+                                                                                  stage))
+        if self.policy == "memo" and self.checkpoint_layers:
+            offloaded = self.offloaded_per_stage(stage_layers, stage)
+            return mixed_symbolic_shape(offloaded, self.checkpoint_layers,
+                                        stage_layers - offloaded)
+        return SymbolicShape(layers, copied)
+
+    def trainer_flags(self, seq: int, global_batch: int) -> list[str]:
+        """The layout's pretrain_gpt.py flags at ``seq`` tokens (the model's own flags, data and
+        tokenizer come from its config script): parallel sizes, the policy's flags and the
+        batch. What the recommender prints for each row, ready to append to a launch line."""
+        flags = ["--tensor-model-parallel-size", str(self.tp)]
+        if self.tp > 1:
+            flags.append("--sequence-parallel")
+        flags += ["--context-parallel-size", str(self.cp),
+                  "--pipeline-model-parallel-size", str(self.pp),
+                  "--use-distributed-optimizer",
+                  "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+                  "--micro-batch-size", str(self.micro_batch),
+                  "--global-batch-size", str(global_batch)]
+        if self.policy == "memo":
+            flags += ["--memo-offload", "--memo-alpha", f"{self.alpha:g}",
+                      "--memo-checkpoint-layers", str(self.checkpoint_layers),
+                      *CHUNKED_LOSS_TRAINER_FLAGS.split()]
+            if self.offload_fp8:
+                flags.append("--memo-offload-fp8")
+            if self.offload_buffers != 2:
+                flags += ["--memo-offload-buffers", str(self.offload_buffers)]
+        else:
+            flags += POLICY_FLAGS[self.policy]
+        if self.policy == "megatron-block":
+            flags += ["--recompute-num-layers", str(self.recompute_layers)]
+        if self.mlp_tiles:
+            flags += ["--memo-mlp-tile-size",
+                      str(TiledMLPConfig.tile_size_for(seq // self.cp, self.mlp_tiles, self.tp))]
+        if self.projection_tiles:
+            flags += ["--memo-attention-projection-tile-size", str(
+                TiledMLPConfig.tile_size_for(seq // self.cp, self.projection_tiles, self.tp))]
+        if self.head_chunks > 1:
+            flags += ["--memo-attention-head-chunks", str(self.head_chunks)]
+        return flags
+
+    def describe(self) -> str:
+        policy = POLICY_NAMES[self.policy]
+        if self.policy == "memo":
+            policy += f" alpha {self.alpha:g}"
+            if self.checkpoint_layers:
+                policy += f" + {self.checkpoint_layers} checkpoint layers"
+            if self.offload_fp8:
+                policy += " fp8"
+            if self.offload_buffers == 1:
+                policy += ", 1 offload buffer"
+        if self.mlp_tiles:
+            policy += f", MLP in {self.mlp_tiles} tiles"
+        if self.projection_tiles:
+            policy += f", attention projections in {self.projection_tiles} tiles"
+        if self.head_chunks > 1:
+            policy += f", heads in {self.head_chunks} chunks"
+        if self.policy == "megatron-block":
+            policy += f" {self.recompute_layers} layers per stage"
+        return (f"TP={self.tp} CP={self.cp} PP={self.pp} DP={self.dp} mbs={self.micro_batch} "
+                f"{policy}")

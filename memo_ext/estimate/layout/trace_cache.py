@@ -1,0 +1,104 @@
+"""The trace cache: traces on disk keyed by the tracer's argv, the length and the tracer's
+sources (memo_ext.estimate.trace_key), traced on a miss by a pool of tracer processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Optional
+
+from memo_ext.estimate.trace_key import tracer_digest
+from memo_ext.planner.trace import Trace, read_trace
+
+class TraceCache:
+    """Traces on disk, keyed by the tracer's argv, the length and the tracer's sources, so a
+    repeated estimate or search costs no tracing. ``directory`` None: no cache. Misses are
+    traced by a :class:`memo_ext.estimate.tracer.TracerPool` of ``workers`` long-lived tracer
+    processes (started on the first miss; :meth:`close` ends them)."""
+
+    def __init__(self, directory: Optional[Path], workers: int = 2) -> None:
+        self.directory = None if directory is None else Path(directory)
+        self.workers = workers
+        self._pool = None
+        self._pool_lock = threading.Lock()
+        self._pending: dict[str, Future] = {}
+        # Every project module the tracer imports, wherever installed, and the versions of
+        # Python, torch and megatron-core (memo_ext.estimate.trace_key).
+        self._sources_digest = tracer_digest()
+
+    def __enter__(self) -> "TraceCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the tracer processes (a later miss starts them again)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def _traced(self, argv: list[str], seq: int, output: Path) -> Trace:
+        from memo_ext.estimate.tracer import TracerPool
+
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = TracerPool(self.workers)
+            pool = self._pool
+        return pool.trace(argv, seq, output)
+
+    def trace(self, argv: list[str], seq: int) -> Trace:
+        """The trace of ``argv`` at ``seq`` tokens, from the cache or traced now; a request
+        made while the same one is being traced waits for it rather than tracing it again
+        (a search's layouts share traces, e.g. the persistent state of every policy)."""
+        key = json.dumps([argv, seq])
+        with self._pool_lock:
+            pending = self._pending.get(key)
+            mine = pending is None
+            if mine:
+                pending = self._pending[key] = Future()
+        if not mine:
+            return pending.result()
+        try:
+            trace = self._trace_once(argv, seq)
+            pending.set_result(trace)
+            return trace
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        finally:
+            with self._pool_lock:
+                del self._pending[key]
+
+    def _trace_once(self, argv: list[str], seq: int) -> Trace:
+        if self.directory is None:
+            with tempfile.TemporaryDirectory(prefix="memo_estimate_") as workdir:
+                return self._traced(argv, seq, Path(workdir) / "trace.jsonl.gz")
+        key = hashlib.sha256(json.dumps([argv, seq, self._sources_digest]).encode()).hexdigest()
+        path = self.directory / f"{key[:32]}.jsonl.gz"
+        if path.exists():
+            try:
+                return read_trace(path)
+            except Exception:  # a damaged cache entry is traced again, never trusted
+                path.unlink(missing_ok=True)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.directory) as workdir:  # parallel-safe
+            partial = Path(workdir) / "trace.jsonl.gz"
+            trace = self._traced(argv, seq, partial)
+            os.replace(partial, path)
+        return trace
+
+
+def default_cache_dir() -> Path:
+    """$MEMO_ESTIMATE_CACHE, else ~/.cache/megatron-memo/traces."""
+    configured = os.environ.get("MEMO_ESTIMATE_CACHE")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron-memo" \
+        / "traces"
