@@ -313,23 +313,15 @@ class AllocationRecorder(DeviceMemoryTracker):
                 self._emit_alloc(entry.token, entry.nbytes,
                                  POOL_HOST if category == HOST else POOL_DEVICE)
 
-    def _on_free(self, key: int, token: int) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.token == token:
-                self._emit_free(token)
-            super()._on_free(key, token)
+    def _entry_freed(self, entry) -> None:
+        self._emit_free(entry.token)
 
-    def _maybe_resized(self, st: torch.UntypedStorage) -> None:
-        with self._lock:
-            entry = self._live_entry(st)
-            old = entry.nbytes if entry is not None else None
-            super()._maybe_resized(st)
-            if entry is not None and entry.nbytes != old and entry.token in self._live:
-                # A resize is a free of the old block and an allocation of the new one.
-                pool = self._live[entry.token][8]
-                self._emit_free(entry.token)
-                self._emit_alloc(entry.token, entry.nbytes, pool)
+    def _entry_resized(self, entry, old_nbytes: int) -> None:
+        if entry.token in self._live:
+            # A resize is a free of the old block and an allocation of the new one.
+            pool = self._live[entry.token][8]
+            self._emit_free(entry.token)
+            self._emit_alloc(entry.token, entry.nbytes, pool)
 
     def mark_host(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage as host memory (MEMO's offload slots): pool "host"."""
