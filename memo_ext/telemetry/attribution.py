@@ -335,31 +335,20 @@ class AttributedTracker(DeviceMemoryTracker):
         context = self.context()
         return context.phase, context.layer, context.microbatch
 
-    def _track(self, st: torch.UntypedStorage, category: str, count_allocation: bool) -> None:
-        key = st._cdata
-        with self._lock:
-            before = self._entries.get(key)
-            if before is not None and not (before.finalizer.alive
-                                           and before.finalizer.peek()[0] is st):
-                self._forget(before)  # address reused before the old finalizer ran
-                before = None
-            super()._track(st, category, count_allocation)
-            entry = self._entries.get(key)
-            if entry is None or entry is before:
-                return
-            if entry.category == HOST:
-                self._labels[entry.token] = HOST_LABEL
-                return
-            label = self._new_category()
-            self._labels[entry.token] = label
-            self._category_bytes[label] += entry.nbytes
-            if self._bytes[DEVICE] >= self._peak[DEVICE]:
-                self._peak_categories = dict(self._category_bytes)
-            if self.record_events and entry.nbytes:
-                event_id = next(self._event_ids)
-                self._event_of_token[entry.token] = event_id
-                self._events.append([event_id, "alloc", entry.nbytes, label,
-                                     *self._context_fields(), getattr(self._op, "func", None)])
+    def _entry_added(self, entry) -> None:
+        if entry.category == HOST:
+            self._labels[entry.token] = HOST_LABEL
+            return
+        label = self._new_category()
+        self._labels[entry.token] = label
+        self._category_bytes[label] += entry.nbytes
+        if self._bytes[DEVICE] >= self._peak[DEVICE]:
+            self._peak_categories = dict(self._category_bytes)
+        if self.record_events and entry.nbytes:
+            event_id = next(self._event_ids)
+            self._event_of_token[entry.token] = event_id
+            self._events.append([event_id, "alloc", entry.nbytes, label,
+                                 *self._context_fields(), getattr(self._op, "func", None)])
 
     def _entry_freed(self, entry) -> None:
         self._forget(entry)

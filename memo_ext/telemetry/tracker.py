@@ -237,16 +237,18 @@ class DeviceMemoryTracker(TorchDispatchMode):
                 # The address was reused before the old storage's finalizer ran (another
                 # thread freed it): retire the old entry now.
                 if self._entries.pop(key, None) is stale:
+                    self._entry_freed(stale)
                     self._bytes[stale.category] -= stale.nbytes
                 stale.finalizer.detach()
             self._check_capacity(category, nbytes)
             token = next(self._tokens)
             finalizer = weakref.finalize(st, self._on_free, key, token)
             finalizer.atexit = False
-            self._entries[key] = _Entry(nbytes, category, token, finalizer)
+            entry = self._entries[key] = _Entry(nbytes, category, token, finalizer)
             self._add(category, nbytes)
             if count_allocation:
                 self._num_allocations += 1
+            self._entry_added(entry)
 
     def _maybe_resized(self, st: torch.UntypedStorage) -> None:
         """Follow a tracked storage that an op resized in place (``resize_``, ``out=``)."""
@@ -275,8 +277,11 @@ class DeviceMemoryTracker(TorchDispatchMode):
             self._bytes[entry.category] -= entry.nbytes
 
     # Subclasses that keep their own books on tracked storages (the planner's recorder, the
-    # telemetry's attribution) follow frees and resizes through these two hooks, called under
-    # the lock, so the matching rules above exist once.
+    # telemetry's attribution) follow them through these three hooks, called under the lock, so
+    # the matching rules above (storage identity, a reused address, a resize) exist once.
+    def _entry_added(self, entry: _Entry) -> None:
+        """A storage is tracked from now on (its bytes already counted)."""
+
     def _entry_freed(self, entry: _Entry) -> None:
         """A tracked storage is about to be forgotten (its bytes still counted)."""
 

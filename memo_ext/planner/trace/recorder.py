@@ -299,19 +299,9 @@ class AllocationRecorder(DeviceMemoryTracker):
             self._emit_free(token)
 
     # ------------------------------------------------------------------ tracker overrides
-    def _track(self, st: torch.UntypedStorage, category: str, count_allocation: bool) -> None:
-        key = st._cdata
-        with self._lock:
-            before = self._entries.get(key)
-            if before is not None and not (before.finalizer.alive
-                                           and before.finalizer.peek()[0] is st):
-                self._emit_free(before.token)  # the address was reused before the finalizer ran
-                before = None
-            super()._track(st, category, count_allocation)
-            entry = self._entries.get(key)
-            if entry is not None and entry is not before:
-                self._emit_alloc(entry.token, entry.nbytes,
-                                 POOL_HOST if category == HOST else POOL_DEVICE)
+    def _entry_added(self, entry) -> None:
+        self._emit_alloc(entry.token, entry.nbytes,
+                         POOL_HOST if entry.category == HOST else POOL_DEVICE)
 
     def _entry_freed(self, entry) -> None:
         self._emit_free(entry.token)
