@@ -5,8 +5,8 @@ Where the idle slots are. SPPO's fill-drain order (schedule.py) runs forward ``i
 ``s`` in slot ``s + i`` and its backward in the mirrored slot ``T - 1 - s - i`` (``T = 2N + 2p -
 2`` slots). In the warm-up slots ``t < p - 1`` stages ``> t`` have not started; in the forward
 tail ``t >= N`` stages ``< t - N + 1`` are done and wait for backward; backward mirrors both, with
-the same busy tasks and the same idle stages. :func:`plan_multiplexing` hands the idle stages of
-every such slot out to its busy tasks, one at a time to the task with the most work per member,
+the same busy tasks and the same idle stages.
+:func:`memo_ext.sppo.msp_plan.plan_multiplexing` hands the idle stages of every such slot out to its busy tasks, one at a time to the task with the most work per member,
 and a task keeps its group for its forward and its backward. For p=4, N=8 all 8 tasks with
 helpers lie in docs/sppo.md's left and right sets; forward 0 of stage 0 runs on all four stages
 (tests/unit/test_sppo_msp.py lists them).
