@@ -4,13 +4,15 @@ Per pipeline stage (docs/memo.md "Choosing alpha (LP)", extended for pipelining 
 memory)::
 
     max alpha
-    s.t. (S_in + S_attn + alpha*S_oth) / B <= T_layer              # copy hides under compute
-         N * cost(S_in + S_attn + alpha*S_oth) <= M_host            # host memory
-         R*alpha*S_oth <= D_free                                   # device memory (optional)
+    s.t. (S_in + S_attn + X + alpha*S_oth) / B <= T_layer          # copy hides under compute
+         N * cost(S_in + S_attn + X + alpha*S_oth) <= M_host        # host memory
+         R*(X + alpha*S_oth) <= D_free                             # device memory (optional)
          0 <= alpha <= 1
 
 * ``S_in``, ``S_attn``: bytes per layer per micro-batch of the tensors always offloaded whole
-  (layer input, attention output); ``S_oth``: bytes of the alpha-split tensors.
+  (layer input, attention output); ``S_oth``: bytes of the alpha-split tensors; ``X``: bytes a
+  slot stores on top at 0 < alpha < 1 only (``AlphaInputs.interior_extra_bytes``), counted at
+  every alpha, which is conservative at alpha = 1 only.
 * ``B``: device->host bytes/s per rank (measured with all ranks of the node copying at once);
   ``T_layer``: seconds of one layer's forward.
 * ``N = (n - 2) * k`` host slots: ``n`` layers on this stage, of which the last two are never
@@ -18,14 +20,15 @@ memory)::
 * ``M_host``: host bytes this rank may use (:func:`default_host_memory_bytes`).
 * ``D_free``: device bytes left unused at the peak of the measuring iteration, which runs at
   alpha = 0. Raising alpha grows each of the ``R`` rounding buffers (2, or 1 with
-  ``--memo-offload-buffers 1``) by ``alpha*S_oth``; the one
+  ``--memo-offload-buffers 1``), which hold one slot each, by ``X + alpha*S_oth``; the one
   layer being recomputed shrinks by as much, but the iteration's peak need not fall while a
   layer is recomputed (measured on CPU: it sits where both buffers are full and the head's
-  logits are live), so the peak grows by up to ``R*alpha*S_oth``. The paper's LP has no device
-  row: it maximises offloading, which is cheapest in time, but at the longest sequences alpha = 1
-  is the configuration that runs out of device memory. With an explicit budget ``M_dev`` for
-  MEMO's activations (``--memo-device-memory-gb``: the buffers plus one layer's recompute
-  working set) the row is ``R*(S_in + S_attn) + S_oth + R*alpha*S_oth <= M_dev`` instead.
+  logits are live), so the peak grows by up to ``R*(X + alpha*S_oth)``. The paper's LP has no
+  device row: it maximises offloading, which is cheapest in time, but at the longest sequences
+  alpha = 1 is the configuration that runs out of device memory. With an explicit budget
+  ``M_dev`` for MEMO's activations (``--memo-device-memory-gb``: the buffers plus one layer's
+  recompute working set) the row is ``R*(S_in + S_attn) + S_oth + R*(X + alpha*S_oth) <= M_dev``
+  instead.
   With one buffer the copies are not hidden at all (each waits, memo_ext.offload.manager); the
   bandwidth row then still bounds one copy by one layer's forward, and at the lengths one buffer
   is for, the host row holds alpha near 0 anyway.
@@ -254,8 +257,10 @@ def _host_bound(inputs: AlphaInputs) -> float:
 
 
 def _device_bound(inputs: AlphaInputs) -> float:
-    """Largest alpha with R*W + S + R*alpha*S <= M_dev, i.e. (M_dev - R*W - S)/(R*S), or,
-    measured, R*alpha*S <= D_free (module docstring); +inf with neither."""
+    """Largest alpha with R*W + S + R*(X + alpha*S) <= M_dev, i.e. (M_dev - R*W - S - R*X)/(R*S),
+    or, measured, R*(X + alpha*S) <= D_free (module docstring); +inf with neither. X, the
+    interior extra, is counted as in :func:`_bound`: each rounding buffer holds a whole slot,
+    extra included (conservative at alpha 1, where it is not stored)."""
     buffers = inputs.rounding_buffers
     if inputs.device_memory_bytes is not None:
         spare = inputs.device_memory_bytes - buffers * inputs.whole_bytes - inputs.other_bytes
@@ -263,6 +268,7 @@ def _device_bound(inputs: AlphaInputs) -> float:
         spare = inputs.device_headroom_bytes
     else:
         return math.inf
+    spare -= buffers * inputs.interior_extra_bytes
     if inputs.other_bytes == 0:
         return math.inf if spare >= 0 else -math.inf
     return spare / (buffers * inputs.other_bytes)
@@ -326,18 +332,20 @@ def solve_alpha_lp(inputs: AlphaInputs) -> float:
     alpha = pulp.LpVariable("alpha", lowBound=0.0, upBound=1.0)
     problem += alpha
     whole = inputs.whole_bytes / scale
+    extra = inputs.interior_extra_bytes / scale
     other = inputs.other_bytes / scale
     buffers = inputs.rounding_buffers
-    problem += (whole + other * alpha
+    problem += (whole + extra + other * alpha
                 <= inputs.bandwidth_bytes_per_s * inputs.layer_forward_s / scale), "bandwidth"
     if inputs.host_slots > 0:
-        problem += (inputs.host_slots * (whole + other * alpha)
+        problem += (inputs.host_slots * (whole + extra + other * alpha)
                     <= inputs.host_memory_bytes / scale), "host_memory"
     if inputs.device_memory_bytes is not None:
-        problem += (buffers * whole + other + buffers * other * alpha
+        problem += (buffers * whole + other + buffers * (extra + other * alpha)
                     <= inputs.device_memory_bytes / scale), "device_memory"
     elif inputs.device_headroom_bytes is not None:
-        problem += buffers * other * alpha <= inputs.device_headroom_bytes / scale, "device_memory"
+        problem += (buffers * (extra + other * alpha)
+                    <= inputs.device_headroom_bytes / scale), "device_memory"
     solver = pulp.HiGHS(msg=False)
     if not solver.available():
         solver = pulp.PULP_CBC_CMD(msg=False)

@@ -45,7 +45,7 @@ def test_page_locked_bytes_are_whole_pages():
 
 def test_closed_form_matches_highs_on_random_inputs():
     rng = random.Random(1234)
-    checked = {"bandwidth": 0, "host_memory": 0, "none": 0}
+    checked = {"bandwidth": 0, "host_memory": 0, "device_memory": 0, "none": 0}
     for _ in range(120):
         inputs = AlphaInputs(
             input_bytes=rng.randint(10 * MB, 2 * GB),
@@ -57,6 +57,8 @@ def test_closed_form_matches_highs_on_random_inputs():
             offloaded_layers=rng.randint(0, 80),
             microbatches_in_flight=rng.randint(1, 8),
             page_locked=False,
+            interior_extra_bytes=rng.choice((0, rng.randint(10 * MB, 2 * GB))),
+            device_headroom_bytes=rng.choice((None, rng.randint(0, 40 * GB))),
         )
         decision = solve_alpha(inputs)
         assert solve_alpha_lp(inputs) == pytest.approx(decision.alpha, abs=1e-6)
@@ -242,3 +244,18 @@ def test_measured_device_headroom_caps_alpha_and_matches_the_lp():
                            device_memory_bytes=2 * 300 + 1000 + 500)
     assert solve_alpha(explicit).alpha == pytest.approx(0.25)
     assert "--memo-device-memory-gb" in format_alpha_log(explicit, solve_alpha(explicit))
+
+
+def test_device_row_counts_the_interior_extra_in_each_buffer():
+    """Under sequence parallelism a slot at 0 < alpha < 1 also stores the attention output
+    again (X); each rounding buffer holds a whole slot, so the peak grows by 2*(X + alpha*S)."""
+    base = dict(input_bytes=100, attention_output_bytes=200, other_bytes=1000,
+                bandwidth_bytes_per_s=1e12, layer_forward_s=1.0, host_memory_bytes=10**9,
+                offloaded_layers=4, microbatches_in_flight=1, page_locked=False,
+                interior_extra_bytes=50)
+    measured = AlphaInputs(**base, device_headroom_bytes=900)
+    assert solve_alpha(measured).alpha == pytest.approx(0.4)
+    assert solve_alpha_lp(measured) == pytest.approx(0.4, abs=1e-6)
+    budget = AlphaInputs(**base, device_memory_bytes=2 * 300 + 1000 + 2 * 50 + 500)
+    assert solve_alpha(budget).alpha == pytest.approx(0.25)
+    assert solve_alpha_lp(budget) == pytest.approx(0.25, abs=1e-6)
