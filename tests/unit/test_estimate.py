@@ -305,7 +305,9 @@ def test_longest_sequences_within_one_128k_step_of_the_paper(calibration):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # a layout search; traces cold in a fresh clone
+# A layout search over every MEMO variant: with an empty trace cache, on 2 cores shared with
+# another run, it passed 3600 s; the run after it, with part of the cache warm, took 2938 s.
+@pytest.mark.timeout(2 * 3600)
 def test_memo_policy_on_8_a800s_prints_its_longest_sequence_and_mfu():
     """Issue 9's command: the layout is searched for the policy."""
     code, out = run_estimate_cli(["--model", "7b", "--gpus", "8", "--gpu", "a800",
