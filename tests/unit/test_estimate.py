@@ -305,8 +305,8 @@ def test_longest_sequences_within_one_128k_step_of_the_paper(calibration):
 
 
 @pytest.mark.slow
-# A layout search over every MEMO variant: with an empty trace cache, on 2 cores shared with
-# another run, it passed 3600 s; the run after it, with part of the cache warm, took 2938 s.
+# A layout search over every MEMO variant: with few of its traces cached, on 2 cores shared
+# with another run, it passed 3600 s; the run after it, with those traces cached, took 2938 s.
 @pytest.mark.timeout(2 * 3600)
 def test_memo_policy_on_8_a800s_prints_its_longest_sequence_and_mfu():
     """Issue 9's command: the layout is searched for the policy."""
