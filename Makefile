@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup demo test test-slow test-all bench gpu-check clean
+.PHONY: setup demo test test-slow test-all bench gpu-check gpu-evidence clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ test-all: setup
 # Without a GPU: one line, exit status 2.
 gpu-check: setup
 	@$(PY) tools/gpu_check.py
+
+# Kernel tables, tile-composition gradients and long-sequence trainings measured on one GPU,
+# written as they go to bench/results/gpu_evidence_<gpu>.{jsonl,json,md} (bench/gpu_evidence.py).
+gpu-evidence: setup
+	@$(PY) bench/gpu_evidence.py
 
 clean:
 	rm -rf build *.egg-info memo_ext/_C*.so runs data_cache

@@ -56,6 +56,18 @@ GEMM_TOKENS = 16384
 TENSOR_PARALLEL = (1, 2, 4, 8)
 COPY_BYTES = 1 << 30
 CORRECTNESS_SEQ = 4096
+#: An 8B-shaped stack (Llama-3-8B's layer: GQA 32/8, SwiGLU 14336, RMSNorm, vocabulary 128256)
+#: with few layers: at these lengths a layer's attention takes seconds, and the kit has minutes.
+LONG_MODEL_FLAGS = ("--num-layers", "4", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+                    "--num-attention-heads", "32", "--group-query-attention",
+                    "--num-query-groups", "8", "--swiglu", "--normalization", "RMSNorm",
+                    "--disable-bias-linear", "--vocab-size", "128256")
+LONG_LENGTHS = (32768, 65536, 131072)
+LONG_ITERATIONS = 3
+#: MEMO with the tiled MLP in this many sequence tiles (and the chunked loss); the peer is
+#: Megatron-LM's full recompute.
+LONG_MLP_TILES = 16
+LONG_POLICIES = ("memo", "megatron")
 
 
 def commit() -> str:
@@ -151,16 +163,17 @@ def section_correctness(evidence: Evidence, dry_run: bool) -> None:
     from memo_ext.attention import kernels
     from megatron.training.gpu_check import ring_composition
 
-    device, dtype, seq = ("cpu", torch.float32, 256) if dry_run else \
-        ("cuda", torch.bfloat16, CORRECTNESS_SEQ)
-    probe = torch.empty(1, 1, 1, HEAD_DIM, device=device, dtype=dtype)
+    # A dry run checks the compositions on the CPU kernels at a size the unit suite affords.
+    device, dtype, seq, shape = (("cpu", torch.float32, 128, dict(heads=4, groups=2, head_dim=32))
+                                 if dry_run else ("cuda", torch.bfloat16, CORRECTNESS_SEQ, {}))
+    probe = torch.empty(1, 1, 1, shape.get("head_dim", HEAD_DIM), device=device, dtype=dtype)
     for case in ring_composition.cases(seq):
         if evidence.left_s() < 20:
             evidence.add("correctness", case=case.name, status=NOT_MEASURED, reason="time")
             continue
         started = time.monotonic()
         try:
-            result = ring_composition.check(case, seq, device=device, dtype=dtype)
+            result = ring_composition.check(case, seq, device=device, dtype=dtype, **shape)
             evidence.add("correctness", case=case.name, seq=seq, kernel=kernels.kernel_for(probe),
                          dtype=str(dtype), errors=result.errors, tolerance=result.tolerance,
                          status="PASS" if result.passed else "FAIL",
@@ -415,6 +428,67 @@ def section_bandwidth(evidence: Evidence, dry_run: bool) -> None:
     del host, device, a
 
 
+# --------------------------------------------------------------------------- long sequences
+
+def long_argv(policy: str, seq: int, metrics: Path) -> list[str]:
+    """pretrain_gpt.py flags of one long-sequence training on one GPU: the layout's flags as
+    the recommender renders them (memo_ext.estimate.layout.Layout.trainer_flags)."""
+    from memo_ext.estimate.layout import Layout
+
+    layout = Layout(1, 1, 1, 1, policy, 0.0 if policy == "memo" else None,
+                    mlp_tiles=LONG_MLP_TILES if policy == "memo" else 0)
+    flags = layout.trainer_flags(seq, global_batch=1)
+    if policy == "memo":
+        # alpha auto: MEMO's LP needs the run's measured layer times; the estimator predicts
+        # afterwards at the alpha the run solved (as make gpu-check does).
+        flags[flags.index("--memo-alpha") + 1] = "auto"
+    return [*LONG_MODEL_FLAGS, *flags, "--position-embedding-type", "rope",
+            "--untie-embeddings-and-output-weights", "--attention-dropout", "0",
+            "--hidden-dropout", "0", "--bf16", "--accumulate-allreduce-grads-in-fp32",
+            "--train-iters", str(LONG_ITERATIONS), "--lr", "1e-4", "--mock-data",
+            "--log-interval", "1", "--eval-interval", str(LONG_ITERATIONS + 1),
+            "--eval-iters", "0", "--log-metrics-jsonl", str(metrics)]
+
+
+def section_long(evidence: Evidence, dry_run: bool) -> None:
+    from megatron.training.gpu_check.measure import (RunFailure, failure_reason, launch,
+                                                     measure, read_records)
+
+    run_root = evidence.out / "long_runs"
+    for policy in LONG_POLICIES:
+        for seq in LONG_LENGTHS:
+            run_dir = run_root / f"{policy}_{seq}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            metrics, log = run_dir / "metrics.jsonl", run_dir / "train.log"
+            argv = long_argv(policy, seq, metrics)
+            common = dict(policy=policy, seq=seq, argv=" ".join(argv))
+            if dry_run or evidence.left_s() < 60:
+                evidence.add("long", **common, status=NOT_MEASURED,
+                             reason="dry run" if dry_run else "time")
+                continue
+            metrics.unlink(missing_ok=True)
+            completed = launch(1, argv, log, evidence.left_s() - 15)
+            text = log.read_text(errors="replace")
+            reason = failure_reason(completed, text)
+            records = read_records(metrics)
+            record = dict(common, wall_s=completed.wall_s,
+                          iterations=[r for r in records if "iteration_time_s" in r])
+            if reason is None:
+                try:
+                    measured = measure(records, text, memory_key="mem_peak_allocated_mib",
+                                       train_iters=LONG_ITERATIONS, steady_from=2)
+                    evidence.add("long", **record, status="measured",
+                                 peak_allocated_mib=measured.peak_mib,
+                                 iteration_s=measured.iteration_s, memo_alpha=measured.memo_alpha)
+                    continue
+                except RunFailure as failure:
+                    reason = str(failure)
+            evidence.add("long", **record, status="FAIL", reason=reason,
+                         log_tail=text[-3000:])
+            if policy == "memo" and "out of memory" in text.lower():
+                break  # longer lengths will not fit either
+
+
 # ------------------------------------------------------------------------------- markdown
 
 def _cell(value, fmt="{:.1f}") -> str:
@@ -468,13 +542,23 @@ def render_markdown(evidence: Evidence) -> str:
         unit = "" if r.get("gb_per_s") else " TFLOP/s"
         lines.append(f"| {r['case']} | {_cell(value)}{unit if value else ''} | "
                      f"{_cell(r.get('seconds'), '{:.4f}')} | {r.get('note', '')} |")
+    lines += ["", "## Long sequences on one GPU: 8B-shaped stack, "
+              f"{LONG_MODEL_FLAGS[1]} layers, {LONG_ITERATIONS} iterations", "",
+              "| policy | tokens | verdict | peak allocated MiB | iteration s | MEMO alpha | note |",
+              "|---|---|---|---|---|---|---|"]
+    for r in evidence.of("long"):
+        lines.append(f"| {r.get('policy')} | {r.get('seq')} | {r['status']} | "
+                     f"{_cell(r.get('peak_allocated_mib'))} | {_cell(r.get('iteration_s'), '{:.2f}')} | "
+                     f"{_cell(r.get('memo_alpha'), '{:.3f}') if r.get('policy') == 'memo' else '-'} | "
+                     f"{r.get('reason', '')} |")
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------- main
 
 SECTIONS = {"env": section_env, "correctness": section_correctness,
-            "attention": section_attention, "gemm": section_gemm, "bandwidth": section_bandwidth}
+            "attention": section_attention, "gemm": section_gemm, "bandwidth": section_bandwidth,
+            "long": section_long}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
