@@ -116,6 +116,33 @@ def gpu_tests_row(log_path: Path, timeout_s: float) -> Row:
     return Row("gpu tests", verdict, notes=[f"pytest -m gpu tests/gpu: {summary}"])
 
 
+#: Tokens of the tile-composition check (a multiple of 64; 4096 takes seconds on one GPU).
+COMPOSITION_SEQ = 4096
+
+
+def composition_row() -> Row:
+    """The one attention's tile compositions (zigzag ring, packed documents, head chunks) with
+    this GPU's kernels, gradients against a dense fp32 reference
+    (megatron.training.gpu_check.ring_composition): PASS when every case is within tolerance."""
+    from megatron.training.gpu_check import ring_composition
+
+    failed, notes = [], []
+    try:
+        results = ring_composition.run_all(COMPOSITION_SEQ)
+    except Exception as error:  # a kernel that refuses a tile is a failed row, not a crash
+        return Row("tile compositions", FAIL, "1 GPU",
+                   notes=[f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"])
+    for result in results:
+        worst = max(result.errors.values())
+        notes.append(f"{result.case.name}: {worst:.1e}")
+        if not result.passed:
+            failed.append(result.case.name)
+    verdict = FAIL if failed else PASS
+    summary = (f"largest relative gradient error per case (tolerance "
+               f"{ring_composition.BF16_TOLERANCE:g}): " + "; ".join(notes))
+    return Row("tile compositions", verdict, "1 GPU, ranks as threads", notes=[summary])
+
+
 def training_row(run: PlannedRun, runner, run_dir: Path, timeout_s: Optional[float],
                  predictor: Callable) -> Row:
     """Train ``run`` (unless skipped or out of time), measure it and predict it."""
@@ -206,6 +233,9 @@ def main(argv: Optional[list[str]] = None, runner=None,
         print("gpu-check: pytest -m gpu tests/gpu", flush=True)
         rows.append(gpu_tests_row(opts.run_dir / "gpu_tests.log", GPU_TESTS_LIMIT_S))
         print(f"gpu-check: gpu tests: {rows[-1].verdict}: {'; '.join(rows[-1].notes)}", flush=True)
+    print("gpu-check: tile compositions against a dense reference", flush=True)
+    rows.append(composition_row())
+    print(f"gpu-check: tile compositions: {rows[-1].verdict}: {rows[-1].notes[0]}", flush=True)
     runs = plan(gpus, model, tuple(known[n] for n in names))
     for index, run in enumerate(runs, 1):
         timeout = run_limit(deadline, time.monotonic(), RUN_LIMIT_S)
