@@ -85,12 +85,18 @@ def commit() -> str:
 class Evidence:
     """The run's records: appended to the .jsonl at once, rendered to .md/.json on demand."""
 
-    def __init__(self, out: Path, stem: str, deadline: float):
+    def __init__(self, out: Path, stem: str, deadline: float, records: Optional[list] = None):
+        """A new evidence file, or (``records``) the records of an existing one, kept as they
+        are on disk until :meth:`render` rewrites them."""
         self.out, self.stem, self.deadline = out, stem, deadline
         out.mkdir(parents=True, exist_ok=True)
         self.lines = out / f"{stem}.jsonl"
-        self.lines.write_text("")
-        self.records: list[dict] = []
+        # A new run streams each record to disk at once (a cut-off run keeps them); a reloaded
+        # file changes only when render() rewrites it whole.
+        self.streaming = records is None
+        if self.streaming:
+            self.lines.write_text("")
+        self.records: list[dict] = list(records or [])
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -98,6 +104,8 @@ class Evidence:
     def add(self, section: str, **record) -> None:
         record = {"section": section, **record}
         self.records.append(record)
+        if not self.streaming:
+            return
         with self.lines.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
             handle.flush()
@@ -107,6 +115,7 @@ class Evidence:
         return [r for r in self.records if r["section"] == section]
 
     def render(self) -> None:
+        _write_atomic(self.lines, "".join(json.dumps(r) + "\n" for r in self.records))
         _write_atomic(self.out / f"{self.stem}.json", json.dumps(self.records, indent=1) + "\n")
         _write_atomic(self.out / f"{self.stem}.md", render_markdown(self))
 
@@ -489,6 +498,39 @@ def section_long(evidence: Evidence, dry_run: bool) -> None:
                 break  # longer lengths will not fit either
 
 
+def long_layout(policy: str, alpha: Optional[float]):
+    from memo_ext.estimate.layout import Layout
+
+    return Layout(1, 1, 1, 1, policy, alpha if policy == "memo" else None,
+                  mlp_tiles=LONG_MLP_TILES if policy == "memo" else 0)
+
+
+def predict_long(evidence: Evidence, profile: str) -> None:
+    """The estimator's peak allocated memory and iteration time for every measured long run,
+    at the run's own length and (MEMO) the alpha the run solved, with the caching allocator
+    model (the runs use PyTorch's allocator); traced on this CPU through the trace cache. Also
+    the longest length the estimator says fits one GPU at that alpha."""
+    from memo_ext.estimate import load_hardware
+    from memo_ext.estimate.layout import LayoutModel, TraceCache, default_cache_dir
+
+    hardware, cache = load_hardware(profile), TraceCache(default_cache_dir())
+    longest_done = set()
+    for record in [r for r in evidence.of("long") if r["status"] == "measured"]:
+        policy, seq = record["policy"], record["seq"]
+        alpha = record.get("memo_alpha") if policy == "memo" else None
+        model = LayoutModel.build(list(LONG_MODEL_FLAGS), long_layout(policy, alpha), hardware,
+                                  global_batch=1, cache=cache, allocator="caching",
+                                  fit_seqs=(seq, 2 * seq))
+        prediction = model.predict(seq)
+        entry = dict(policy=policy, seq=seq, memo_alpha=alpha, profile=profile,
+                     peak_allocated_mib=prediction.memory.peak_allocated_bytes / 2**20,
+                     iteration_s=prediction.step_s, mfu=prediction.mfu)
+        if (policy, alpha) not in longest_done:
+            longest_done.add((policy, alpha))
+            entry["longest_one_gpu"] = model.longest(step=8192, maximum=4 << 20)
+        evidence.add("long_prediction", **entry)
+
+
 # ------------------------------------------------------------------------------- markdown
 
 def _cell(value, fmt="{:.1f}") -> str:
@@ -544,13 +586,22 @@ def render_markdown(evidence: Evidence) -> str:
                      f"{_cell(r.get('seconds'), '{:.4f}')} | {r.get('note', '')} |")
     lines += ["", "## Long sequences on one GPU: 8B-shaped stack, "
               f"{LONG_MODEL_FLAGS[1]} layers, {LONG_ITERATIONS} iterations", "",
-              "| policy | tokens | verdict | peak allocated MiB | iteration s | MEMO alpha | note |",
-              "|---|---|---|---|---|---|---|"]
+              "| policy | tokens | verdict | peak allocated MiB | predicted MiB | iteration s | "
+              "predicted s | MEMO alpha | note |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    predicted = {(r["policy"], r["seq"]): r for r in evidence.of("long_prediction")}
     for r in evidence.of("long"):
+        guess = predicted.get((r.get("policy"), r.get("seq")), {})
         lines.append(f"| {r.get('policy')} | {r.get('seq')} | {r['status']} | "
-                     f"{_cell(r.get('peak_allocated_mib'))} | {_cell(r.get('iteration_s'), '{:.2f}')} | "
+                     f"{_cell(r.get('peak_allocated_mib'))} | {_cell(guess.get('peak_allocated_mib'))} | "
+                     f"{_cell(r.get('iteration_s'), '{:.2f}')} | {_cell(guess.get('iteration_s'), '{:.2f}')} | "
                      f"{_cell(r.get('memo_alpha'), '{:.3f}') if r.get('policy') == 'memo' else '-'} | "
                      f"{r.get('reason', '')} |")
+    for r in evidence.of("long_prediction"):
+        if "longest_one_gpu" in r:
+            lines.append(f"\nEstimator's longest one-GPU length, {r['policy']}"
+                         f"{'' if r['memo_alpha'] is None else ' alpha %.3f' % r['memo_alpha']}: "
+                         f"{r['longest_one_gpu']} tokens (profile {r['profile']}, predicted).")
     return "\n".join(lines) + "\n"
 
 
@@ -571,7 +622,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="stop starting measurements after this many seconds")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--predict", type=Path, metavar="JSONL",
+                        help="no measuring: add the estimator's predictions for the long runs "
+                             "of this evidence file (runs on CPU) and render it again")
+    parser.add_argument("--profile", default="h200",
+                        help="the hardware.json profile --predict predicts for (default h200)")
     args = parser.parse_args(argv)
+    if args.predict:
+        return _predict_file(args.predict, args.profile)
     sections = [s for s in args.sections.split(",") if s]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
@@ -592,6 +650,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                          trace=traceback.format_exc()[-2000:])
         print(f"gpu-evidence: {name} done in {time.monotonic() - started:.1f} s", flush=True)
         evidence.render()
+    print(f"gpu-evidence: wrote {evidence.out / evidence.stem}.md")
+    return 0
+
+
+def _predict_file(path: Path, profile: str) -> int:
+    """--predict: reload an evidence file, predict its long runs, write it and its reports."""
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as error:
+        print(f"gpu-evidence: --predict {path}: not a readable evidence file ({error})",
+              file=sys.stderr)
+        return 2
+    # Earlier predictions are replaced; the file on disk changes only at render (atomic).
+    evidence = Evidence(path.parent, path.stem, time.monotonic() + 3600,
+                        [r for r in records if r["section"] != "long_prediction"])
+    predict_long(evidence, profile)
+    evidence.render()
     print(f"gpu-evidence: wrote {evidence.out / evidence.stem}.md")
     return 0
 
