@@ -61,7 +61,8 @@ CORRECTNESS_SEQ = 4096
 LONG_MODEL_FLAGS = ("--num-layers", "4", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
                     "--num-attention-heads", "32", "--group-query-attention",
                     "--num-query-groups", "8", "--swiglu", "--normalization", "RMSNorm",
-                    "--disable-bias-linear", "--vocab-size", "128256")
+                    "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                    "--vocab-size", "128256")
 LONG_LENGTHS = (32768, 65536, 131072)
 LONG_ITERATIONS = 3
 #: MEMO with the tiled MLP in this many sequence tiles (and the chunked loss); the peer is
@@ -452,7 +453,7 @@ def long_argv(policy: str, seq: int, metrics: Path) -> list[str]:
         # afterwards at the alpha the run solved (as make gpu-check does).
         flags[flags.index("--memo-alpha") + 1] = "auto"
     return [*LONG_MODEL_FLAGS, *flags, "--position-embedding-type", "rope",
-            "--untie-embeddings-and-output-weights", "--attention-dropout", "0",
+            "--attention-dropout", "0",
             "--hidden-dropout", "0", "--bf16", "--accumulate-allreduce-grads-in-fp32",
             "--train-iters", str(LONG_ITERATIONS), "--lr", "1e-4", "--mock-data",
             "--log-interval", "1", "--eval-interval", str(LONG_ITERATIONS + 1),
@@ -513,12 +514,19 @@ def predict_long(evidence: Evidence, profile: str) -> None:
     from memo_ext.estimate import load_hardware
     from memo_ext.estimate.layout import LayoutModel, TraceCache, default_cache_dir
 
+    from megatron.training.cli.estimate import model_argv
+
+    # The trainer's model flags as a flag file, read the way `tools/estimate.py --model @FILE`
+    # reads a converted checkpoint's model_flags.txt (one reading of trainer flags).
+    flag_file = evidence.out / f"{evidence.stem}_model_flags.txt"
+    _write_atomic(flag_file, "\n".join(LONG_MODEL_FLAGS) + "\n")
+    tracer_argv, _ = model_argv(f"@{flag_file}")
     hardware, cache = load_hardware(profile), TraceCache(default_cache_dir())
     longest_done = set()
     for record in [r for r in evidence.of("long") if r["status"] == "measured"]:
         policy, seq = record["policy"], record["seq"]
         alpha = record.get("memo_alpha") if policy == "memo" else None
-        model = LayoutModel.build(list(LONG_MODEL_FLAGS), long_layout(policy, alpha), hardware,
+        model = LayoutModel.build(tracer_argv, long_layout(policy, alpha), hardware,
                                   global_batch=1, cache=cache, allocator="caching",
                                   fit_seqs=(seq, 2 * seq))
         prediction = model.predict(seq)
