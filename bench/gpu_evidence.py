@@ -23,6 +23,11 @@ every planned measurement as "not measured"; tests/unit/test_gpu_evidence.py run
 
     python bench/gpu_evidence.py                 # on a GPU node, ~5 minutes on one H100
     python bench/gpu_evidence.py --dry-run --out /tmp/evidence
+    python bench/gpu_evidence.py --import-rows bench/results/gpu_evidence_h200.json
+
+``--import-rows FILE`` (no GPU) derives the estimator's measured kernel rows from an evidence
+file and writes them into memo_ext/estimate/measured_kernels.json under the GPU's hardware.json
+profile (memo_ext/estimate/measured_kernels.py); the estimator then prices that GPU with them.
 
 Timings use CUDA events, the median of the timed repeats after one warm-up.
 """
@@ -615,6 +620,28 @@ def render_markdown(evidence: Evidence) -> str:
 
 # ----------------------------------------------------------------------------------- main
 
+def import_rows(evidence: Path, table: Optional[Path] = None) -> int:
+    """--import-rows: the evidence file's rows into the estimator's measured table."""
+    from megatron.training.cli.quiet import hide_library_warnings
+
+    hide_library_warnings()  # memo_ext.estimate imports megatron.core
+    from memo_ext.estimate.measured_kernels import MEASURED_FILE, MeasuredRowsError, \
+        import_evidence, repo_path
+
+    table = table or MEASURED_FILE
+    try:
+        profile, entry = import_evidence(evidence, table)
+    except MeasuredRowsError as error:
+        print(f"gpu-evidence: error: {error}", file=sys.stderr)
+        return 2
+    kernels = sorted({row["kernel"] for row in entry["attention"]})
+    provenance = entry["provenance"]
+    print(f"gpu-evidence: {len(entry['gemm'])} GEMM and {len(entry['attention'])} attention rows "
+          f"({', '.join(kernels) or 'no kernel'}) measured on {provenance['gpu']} (commit "
+          f"{provenance['commit']}, {provenance['date']}) -> {repo_path(table)}, profile {profile!r}")
+    return 0
+
+
 SECTIONS = {"env": section_env, "correctness": section_correctness,
             "attention": section_attention, "gemm": section_gemm, "bandwidth": section_bandwidth,
             "long": section_long}
@@ -635,9 +662,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "of this evidence file (runs on CPU) and render it again")
     parser.add_argument("--profile", default="h200",
                         help="the hardware.json profile --predict predicts for (default h200)")
+    parser.add_argument("--import-rows", type=Path, default=None, metavar="FILE",
+                        help="measure nothing: import the GEMM and attention rows of the "
+                             "evidence FILE (gpu_evidence_<gpu>.json) into the estimator's "
+                             "memo_ext/estimate/measured_kernels.json")
     args = parser.parse_args(argv)
     if args.predict:
         return _predict_file(args.predict, args.profile)
+    if args.import_rows is not None:
+        return import_rows(args.import_rows)
     sections = [s for s in args.sections.split(",") if s]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
@@ -659,6 +692,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"gpu-evidence: {name} done in {time.monotonic() - started:.1f} s", flush=True)
         evidence.render()
     print(f"gpu-evidence: wrote {evidence.out / evidence.stem}.md")
+    if not args.dry_run:
+        print(f"gpu-evidence: the estimator reads these rows once imported: python "
+              f"bench/gpu_evidence.py --import-rows {evidence.out / evidence.stem}.json")
     return 0
 
 

@@ -1,11 +1,23 @@
 """The GEMM and attention efficiencies of the cost model at a model's own shapes, read from
 kernel throughput tables rather than fitted to end-to-end runs.
 
-A table row is one kernel measured at one shape: a GEMM (m, n, k) or a causal or full
-attention (direction, head dimension, sequence length), in TFLOP/s. A GPU profile names its
-table with ``kernel_table`` (rows in kernel_tables.json, each citing the publication it was read
-from; docs/estimate.md); the ``cpu`` profile carries rows it measured at startup under
-``kernels`` (memo_ext.estimate.cpu_profile). The efficiency of a kernel is its row's TFLOP/s
+A table row is one kernel measured at one shape: a GEMM (m, n, k) or an attention kernel
+(``kernel``: 'flash-attn-2', 'cudnn') in one direction, causal or full, at one head dimension
+and sequence length, in TFLOP/s. Where the rows of a profile come from, first found wins:
+
+1. the profile's own ``kernels`` (the ``cpu`` profile measures them at startup,
+   memo_ext.estimate.cpu_profile);
+2. rows measured on that GPU (measured_kernels.json, imported from a GPU evidence file by
+   ``bench/gpu_evidence.py --import-rows``; memo_ext.estimate.measured_kernels), each kind
+   (GEMM, attention) on its own: measured GEMMs replace the published GEMM row;
+3. the published rows of kernel_tables.json the profile names with ``kernel_table``, each
+   citing the publication it was read from (docs/estimate.md).
+
+Attention is priced at the kernel the trainer dispatches on the profile's GPU
+(:func:`dispatched_attention_kernel`, the one place that choice is made), measured rows before
+published ones; where neither has rows of that kernel, at FlashAttention-2's, and the source
+line says so. :func:`priced_rows` returns the rows with that one-line ``source``, which the
+estimate prints (:func:`kernel_rows_line`). The efficiency of a kernel is its row's TFLOP/s
 over the profile's ``bf16_tflops``.
 
 Lookup rules, chosen to need no fitted parameter:
@@ -27,11 +39,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 from memo_ext.estimate.cost import CostModelError, Efficiency
+from memo_ext.estimate.measured_kernels import measured_entry
 
 TABLES_FILE = Path(__file__).with_name("kernel_tables.json")
 DIRECTIONS = ("forward", "backward")
@@ -42,24 +56,118 @@ def _published_tables() -> dict:
     return json.loads(TABLES_FILE.read_text())
 
 
+#: The attention kernel priced where the dispatched one has no rows for a GPU.
+FALLBACK_ATTENTION_KERNEL = "flash-attn-2"
+
+
+def cuda_attention_backend(compute_capability: str) -> str:
+    """The attention kernel the trainer dispatches on a CUDA GPU of ``compute_capability``
+    ("9.0"), by its kernel-table name. Mirrors the trainer's dispatch
+    (memo_ext.attention.kernels.kernel_for): every CUDA GPU runs its tiles on FlashAttention-2
+    (the flash-attn package, or torch's own build of it), whatever the capability."""
+    return "flash-attn-2"
+
+
+def dispatched_attention_kernel(hardware: dict) -> Optional[str]:
+    """The attention kernel the trainer will dispatch on the profile's GPU: the one place the
+    estimator chooses it. None for the cpu profile (it measures the trainer's own kernels);
+    FlashAttention-2 for a GPU profile that gives no compute capability."""
+    if hardware.get("device_type") == "cpu":
+        return None
+    capability = hardware.get("compute_capability")
+    return FALLBACK_ATTENTION_KERNEL if capability is None \
+        else cuda_attention_backend(str(capability))
+
+
+def _of_kernel(rows: list[dict], kernel: Optional[str]) -> list[dict]:
+    """``rows`` of ``kernel`` (a row without a ``kernel`` field is any kernel's)."""
+    return [row for row in rows if kernel is None or row.get("kernel", kernel) == kernel]
+
+
+def _published_source(table: str, rows: list[dict]) -> str:
+    return f"published (memo_ext/estimate/kernel_tables.json, table {table!r}: " \
+        f"{', '.join(sorted({row['source'] for row in rows}))})"
+
+
+def _measured_source(entry: dict) -> str:
+    p = entry["provenance"]
+    return f"measured on {p['gpu']} ({p['evidence']}, commit {p['commit']}, " \
+        f"{str(p['date'])[:10]})"
+
+
+@dataclass(frozen=True)
+class PricedRows:
+    """The rows that price a profile's kernels and where they come from."""
+
+    gemm: list
+    attention: list  # of ``attention_kernel`` only (any, for a profile's own rows)
+    attention_kernel: Optional[str]  # None: the profile's own rows (the cpu profile)
+    source: str  # one line: "measured on <GPU> (<evidence>, commit <c>, <date>); ..."
+
+
 def kernel_rows(hardware: dict) -> dict:
-    """``{"gemm": [...], "attention": [...]}`` for the profile: its own ``kernels`` (measured),
-    else the rows of kernel_tables.json for its ``kernel_table``."""
+    """``{"gemm": [...], "attention": [...]}`` that price the profile (:func:`priced_rows`)."""
+    rows = priced_rows(hardware)
+    return {"gemm": rows.gemm, "attention": rows.attention}
+
+
+def priced_rows(hardware: dict) -> PricedRows:
+    """The profile's GEMM rows and the rows of the attention kernel it is priced at, and one
+    line saying where they come from (see the module docstring)."""
     if "kernels" in hardware:
-        return hardware["kernels"]
+        own = hardware["kernels"]
+        return PricedRows(own["gemm"], own["attention"], None,
+                          f"the {hardware.get('name', '?')} profile's own rows"
+                          + (" (measured at startup)" if hardware.get("device_type") == "cpu"
+                             else ""))
+    measured = measured_entry(hardware.get("name", ""))
     table = hardware.get("kernel_table")
-    if table is None:
+    published = None
+    if table is not None:
+        tables = _published_tables()
+        published = {kind: [row for row in tables[kind] if row["gpu"] == table]
+                     for kind in ("gemm", "attention")}
+    elif measured is None:
         raise CostModelError(f"the GPU profile {hardware.get('name', '?')!r} names no kernel "
                              "table: add \"kernel_table\": one of "
                              f"{', '.join(sorted(published_gpus()))}, or \"kernels\" rows")
-    published = _published_tables()
-    rows = {kind: [row for row in published[kind] if row["gpu"] == table]
-            for kind in ("gemm", "attention")}
-    if not rows["gemm"] or not rows["attention"]:
-        raise CostModelError(f"kernel_table {table!r}: kernel_tables.json has no "
-                             f"{'GEMM' if not rows['gemm'] else 'attention'} rows for it; use "
-                             f"one of {', '.join(sorted(published_gpus()))}")
-    return rows
+
+    def pick(kind: str, kernel: Optional[str] = None):
+        """(rows, "measured" or "published") of ``kind``: measured before published; None
+        when neither has any."""
+        for origin, rows in (("measured", measured), ("published", published)):
+            if rows is not None and _of_kernel(rows[kind], kernel):
+                return _of_kernel(rows[kind], kernel), origin
+        return None
+
+    gemm = pick("gemm")
+    dispatched = dispatched_attention_kernel(hardware)
+    kernel, attention = dispatched, pick("attention", dispatched)
+    if attention is None and dispatched != FALLBACK_ATTENTION_KERNEL:
+        kernel, attention = FALLBACK_ATTENTION_KERNEL, pick("attention", FALLBACK_ATTENTION_KERNEL)
+    if gemm is None or attention is None:
+        missing = "GEMM" if gemm is None else "attention"
+        raise CostModelError(f"the GPU profile {hardware.get('name', '?')!r}: no {missing} rows "
+                             f"(kernel_table {table!r} in kernel_tables.json, nor measured in "
+                             "measured_kernels.json); use a kernel_table of "
+                             f"{', '.join(sorted(published_gpus()))}")
+    if gemm[1] == attention[1] == "measured":
+        source = _measured_source(measured)
+    elif gemm[1] == attention[1]:
+        source = _published_source(table, gemm[0] + attention[0])
+    else:
+        source = "; ".join(f"{kind} " + (_measured_source(measured) if origin == "measured"
+                                          else _published_source(table, rows))
+                           for kind, (rows, origin) in (("GEMM", gemm), ("attention", attention)))
+    source += f"; attention kernel {kernel}"
+    if kernel != dispatched:
+        source += f" (the dispatched {dispatched} has no rows for this GPU)"
+    return PricedRows(gemm[0], attention[0], kernel, source)
+
+
+def kernel_rows_line(hardware: dict) -> str:
+    """One line for the estimate's output: which kernel rows price the job."""
+    return f"kernel rows: {priced_rows(hardware).source}"
 
 
 def published_gpus() -> set[str]:
@@ -99,18 +207,17 @@ def attention_tflops(rows: list[dict], direction: str, causal: bool, head_dim: i
 
 
 def gemm_tflops(rows: list[dict], m: int, n: int, k: int) -> float:
-    """TFLOP/s of the table's GEMM nearest (m, n, k) (see the module docstring)."""
+    """TFLOP/s of the table's GEMM nearest (m, n, k) (see the module docstring); rows at the
+    same distance are averaged."""
     if not rows:
         raise CostModelError("the kernel table has no GEMM rows")
     low, high = min(row["m"] for row in rows), max(row["m"] for row in rows)
-    m = min(max(m, low), high)
-
-    def distance(row):
-        return sum(_log2_distance(row[axis], value)
-                   for axis, value in (("m", m), ("n", n), ("k", k)))
-
-    nearest = min(distance(row) for row in rows)
-    tied = [row["tflops"] for row in rows if distance(row) == nearest]
+    log2 = math.log2
+    lm, ln, lk = log2(min(max(m, low), high)), log2(n), log2(k)
+    distances = [abs(log2(row["m"]) - lm) + abs(log2(row["n"]) - ln) + abs(log2(row["k"]) - lk)
+                 for row in rows]
+    nearest = min(distances)
+    tied = [row["tflops"] for row, distance in zip(rows, distances) if distance == nearest]
     return float(sum(tied) / len(tied))
 
 
@@ -154,5 +261,6 @@ def at_model_shapes(base: Efficiency, hardware: dict, model: dict, layout: dict)
                    attention_backward=backward)
 
 
-__all__ = ["TABLES_FILE", "at_model_shapes", "attention_tflops", "gemm_tflops", "kernel_rows",
-           "model_gemms", "published_gpus"]
+__all__ = ["FALLBACK_ATTENTION_KERNEL", "TABLES_FILE", "at_model_shapes", "attention_tflops",
+           "PricedRows", "cuda_attention_backend", "dispatched_attention_kernel", "gemm_tflops",
+           "kernel_rows", "kernel_rows_line", "model_gemms", "priced_rows", "published_gpus"]

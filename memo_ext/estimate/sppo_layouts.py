@@ -68,6 +68,13 @@ class SPPOPrediction:
         return self.candidate.mfu
 
     @property
+    def kernel_rows(self) -> str:
+        """Which kernel rows priced the plan (memo_ext.estimate.kernels.kernel_rows_line)."""
+        from memo_ext.estimate.kernels import kernel_rows_line
+
+        return kernel_rows_line(self.problem.hardware)
+
+    @property
     def fits(self) -> bool:
         # the solver scales the offloaded fractions down to the host memory, so the host fits
         return self.candidate.fits

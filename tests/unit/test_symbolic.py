@@ -549,6 +549,9 @@ def test_estimate_cli_json(tmp_path, cache, layout_models):
     answer = json.loads(done.stdout)
     expected = layout_models["megatron-none"].longest(STEP, MAXIMUM, FINE)
     assert answer["question"] == "max_seq_length" and answer["predicted"] is True
+    assert answer["kernel_rows"].startswith("published (memo_ext/estimate/kernel_tables.json, "
+                                            "table 'a100-80gb'")
+    assert f"  kernel rows: {answer['kernel_rows']}\n" in done.stderr
     assert answer["max_seq_length"] == expected > 0
     (row,) = answer["rows"]
     assert row["seq"] == expected and row["fits"] and row["verdict"] == "FITS"

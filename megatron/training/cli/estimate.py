@@ -13,7 +13,9 @@ stage at any length and depth and is checked against a real trace before it is u
 (memo_ext/estimate/symbolic.py; traces cached under ~/.cache/megatron-memo/traces). The trace at
 a length is replayed (persistent state once, then three iterations) through the allocator model
 on the GPU's memory; the work it counted (GEMM and attention FLOPs, bytes moved, collectives,
-PCIe copies) goes through the cost model (memo_ext/estimate/cost.py) for the step time and MFU.
+PCIe copies) goes through the cost model (memo_ext/estimate/cost.py) for the step time and MFU,
+its kernels priced by rows measured on the GPU where bench/gpu_evidence.py's were imported,
+published rows otherwise; a ``kernel rows:`` line says which (docs/estimate.md).
 
 Prints the predicted peak (reserved by the allocator plus the memory outside it: CUDA context,
 NCCL), the live bytes by category at the peak, FITS or OOM (device or host), the step time with
@@ -60,6 +62,7 @@ from memo_ext.config import (  # noqa: E402
     config_from_args,
 )
 from memo_ext.estimate.cpu_profile import CPU_PROFILE  # noqa: E402
+from memo_ext.estimate.kernels import kernel_rows_line, priced_rows  # noqa: E402
 from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS, CHECKPOINT_FRACTIONS  # noqa: E402
 from memo_ext.estimate.models import MODELS, SHAPE_FLAGS, ModelError, model_shape  # noqa: E402
 from memo_ext.estimate.sppo_layouts import (  # noqa: E402
@@ -288,8 +291,9 @@ def flag_lines(predictions, top: int, global_batch: int) -> list[str]:
             for index, p in enumerate(predictions[:top], 1)]
 
 
-def answer_json(opts, predictions, seconds: float) -> dict:
-    """--json's object: the question, each row (best first) and the time taken."""
+def answer_json(opts, predictions, seconds: float, hardware: dict) -> dict:
+    """--json's object: the question, each row (best first), which kernel rows priced them
+    and the time taken."""
     rows = [{"layout": p.describe(), "seq": p.seq, "fits": p.fits, "verdict": p.verdict(),
              "peak_device_gib": round(p.peak_device_bytes / GiB, 3),
              "host_gb_per_node": round(p.host_bytes_per_node / 1e9, 3),
@@ -299,7 +303,8 @@ def answer_json(opts, predictions, seconds: float) -> dict:
             "question": "max_seq_length" if opts.max_seq_length else "seq_length",
             "seq_length": opts.seq_length, "rows": rows,
             "max_seq_length": rows[0]["seq"] if rows and opts.max_seq_length else None,
-            "predicted": True, "seconds": round(seconds, 1)}
+            "kernel_rows": priced_rows(hardware).source, "predicted": True,
+            "seconds": round(seconds, 1)}
 
 
 @contextlib.contextmanager
@@ -418,6 +423,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                   f"layouts to trace ({len(dropped)} ruled out before tracing)"
                   + (f", {len(sppo_models)} SPPO layouts from its analytic model "
                      f"({len(sppo_dropped)} ruled out)" if "sppo" in policies else ""))
+            say(f"  {kernel_rows_line(hardware)}")
             progress = Progress(len(layouts), lambda line: say(f"  {line}"))
 
             def build(wanted: list) -> list:
@@ -450,7 +456,8 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                 say(line)
             say(f"estimated in {seconds:.1f} s")
             if opts.json:
-                print(json.dumps(answer_json(opts, ranked[:opts.top], seconds)), file=answer)
+                print(json.dumps(answer_json(opts, ranked[:opts.top], seconds, hardware)),
+                  file=answer)
             if not ranked:
                 say("no layout fits" + ("" if opts.max_seq_length
                                         else f" at {opts.seq_length} tokens"))
@@ -520,6 +527,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             f"{gpus} GPUs: {layout.describe()}, {model.allocator} allocator model, "
             f"rank{'s' if len(model.stages) > 1 else ''} "
             f"{', '.join(str(m.stage.rank) for m in model.stages)} traced (predicted; {how})")
+        say(f"  {kernel_rows_line(hardware)}")
         if refused:
             say(f"  {refused}")
         if opts.seq_length is not None:
@@ -527,8 +535,8 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             for text in describe(prediction, device):
                 say(text)
             if opts.json:
-                print(json.dumps(answer_json(opts, [prediction], time.perf_counter() - started)),
-                      file=answer)
+                print(json.dumps(answer_json(opts, [prediction], time.perf_counter() - started,
+                                             hardware)), file=answer)
             return 0
         longest = model.longest(SEARCH_STEP, opts.search_max, FINE_STEP)
         mfu = "n/a (nothing fits)"
@@ -549,7 +557,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         say(f"estimated in {seconds:.1f} s")
         say(f"max sequence length: {longest} tokens, predicted MFU {mfu}")
         if opts.json:
-            print(json.dumps(answer_json(opts, predictions, seconds)), file=answer)
+            print(json.dumps(answer_json(opts, predictions, seconds, hardware)), file=answer)
         return 0
     except (UsageError, MemoConfigError, EstimateError, CostModelError) as exc:
         return _fail(str(exc))
@@ -605,6 +613,7 @@ def _fixed_sppo_layout(opts, shape: dict, hardware: dict, gpus: int, started: fl
     print(f"estimate: {opts.model} on {opts.gpu} ({device / GiB:.2f} GiB per GPU), {gpus} "
           f"GPUs: TP={opts.tp} PP={opts.pp} DP={model.dp} SPPO (analytic model, "
           "memo_ext/sppo/solver.py; predicted)")
+    print(f"  {kernel_rows_line(hardware)}")
     try:
         if opts.seq_length is not None:
             for text in model.predict(opts.seq_length - opts.seq_length % model.multiple).lines():

@@ -18,7 +18,7 @@ from memo_ext.estimate.cost import (
     predict_step,
 )
 from memo_ext.estimate.host_memory import host_slot_bytes
-from memo_ext.estimate.kernels import at_model_shapes
+from memo_ext.estimate.kernels import at_model_shapes, kernel_rows_line
 from memo_ext.estimate.layout.prediction import Prediction, StagePrediction
 from memo_ext.estimate.layout.spec import (
     FIT_SEQS,
@@ -217,7 +217,8 @@ class LayoutModel:
             per_stage.append(StagePrediction(model.stage, memory, step, slots))
         ranks_per_node = min(int(self.hardware["gpus_per_node"]), self.layout.gpus)
         return Prediction(self.layout, seq, per_stage, self.host_capacity_bytes, ranks_per_node,
-                          self.hardware.get("device_type", "cuda"))
+                          self.hardware.get("device_type", "cuda"),
+                          kernel_rows_line(self.hardware))
 
     @property
     def multiple(self) -> int:

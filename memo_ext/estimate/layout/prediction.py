@@ -30,6 +30,8 @@ class Prediction:
     host_capacity_bytes: int
     ranks_per_node: int
     device_type: str = "cuda"  # "cpu": the CPU trainer (no page-locked memory)
+    #: Which kernel rows priced the step (memo_ext.estimate.kernels.kernel_rows_line).
+    kernel_rows: str = ""
 
     @property
     def worst_stage(self) -> StagePrediction:
