@@ -99,6 +99,7 @@ class Evidence:
         self.lines = out / f"{stem}.jsonl"
         # A new run streams each record to disk at once (a cut-off run keeps them); a reloaded
         # file changes only when render() rewrites it whole.
+        self.run_dir = out / "long_runs"  # each long run's train.log and metrics.jsonl
         self.streaming = records is None
         if self.streaming:
             self.lines.write_text("")
@@ -469,7 +470,7 @@ def section_long(evidence: Evidence, dry_run: bool) -> None:
     from megatron.training.gpu_check.measure import (RunFailure, failure_reason, launch,
                                                      measure, read_records)
 
-    run_root = evidence.out / "long_runs"
+    run_root = evidence.run_dir
     for policy in LONG_POLICIES:
         for seq in LONG_LENGTHS:
             run_dir = run_root / f"{policy}_{seq}"
@@ -657,6 +658,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="stop starting measurements after this many seconds")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="each long run's train.log and metrics.jsonl (default "
+                             "<out>/long_runs; the evidence file keeps their figures)")
     parser.add_argument("--predict", type=Path, metavar="JSONL",
                         help="no measuring: add the estimator's predictions for the long runs "
                              "of this evidence file (runs on CPU) and render it again")
@@ -682,6 +686,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     gpu = "dry_run" if args.dry_run else \
         torch.cuda.get_device_name(0).lower().replace("nvidia ", "").split()[0]
     evidence = Evidence(args.out, f"gpu_evidence_{gpu}", time.monotonic() + args.budget_s)
+    if args.run_dir is not None:
+        evidence.run_dir = args.run_dir
     for name in ["env"] + [s for s in sections if s != "env"]:
         started = time.monotonic()
         try:
