@@ -596,7 +596,8 @@ def render_markdown(evidence: Evidence) -> str:
     for r in evidence.of("bandwidth"):
         value = r.get("gb_per_s") or r.get("tflops")
         unit = "" if r.get("gb_per_s") else " TFLOP/s"
-        lines.append(f"| {r['case']} | {_cell(value)}{unit if value else ''} | "
+        rate = "-" if value is None and r["status"] == "measured" else _cell(value)
+        lines.append(f"| {r['case']} | {rate}{unit if value else ''} | "
                      f"{_cell(r.get('seconds'), '{:.4f}')} | {r.get('note', '')} |")
     lines += ["", "## Long sequences on one GPU: 8B-shaped stack, "
               f"{LONG_MODEL_FLAGS[1]} layers, {LONG_ITERATIONS} iterations", "",
