@@ -30,8 +30,15 @@ listed in docs/gpu.md as PyTorch documents them, raising where PyTorch raises:
   and ``Tensor.record_stream`` no longer reaches the allocator (the Python API cannot set the
   pluggable allocator's record-stream hook).
 
+- the CUDA flash-attention kernels (:class:`FlashKernelDouble`): torch's FlashAttention-2 build
+  (``aten._scaled_dot_product_flash_attention`` and its backward) and flash-attn's
+  ``_wrapped_flash_attn_forward`` / ``_backward``, computed by torch's CPU flash kernel but with
+  their operands read the way the CUDA code reads them: the log-sum-exp by raw pointer as a
+  contiguous ``[b, heads, s_q]``, whatever its strides, so a sliced log-sum-exp gives the wrong
+  gradients a GPU gives.
+
 Everything runs synchronously on the CPU: an event recorded is complete. What this cannot show
-is a GPU's timing or a kernel's behaviour; the ``gpu``-marked tests are for that.
+is a GPU's timing or a kernel's arithmetic; the ``gpu``-marked tests are for that.
 """
 from __future__ import annotations
 
@@ -39,8 +46,10 @@ import contextlib
 import ctypes
 import enum
 import itertools
+import math
 import pickle
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional
@@ -464,3 +473,161 @@ class CudaDouble:
             yield
         finally:
             self._current[index] = previous
+
+
+# ------------------------------------------------------------------ the flash-attention kernels
+
+def read_as_kernel(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """What a CUDA kernel sees when it reads ``tensor`` through ``data_ptr()`` as a contiguous
+    ``shape``: ``prod(shape)`` elements from the tensor's storage offset on, the view's strides
+    ignored (``torch.as_strided`` over the storage). Past the storage's end a kernel reads
+    whatever memory follows: NaN here."""
+    count = math.prod(shape)
+    offset = tensor.storage_offset()
+    available = max(0, min(count, tensor.untyped_storage().nbytes() // tensor.element_size()
+                           - offset))
+    flat = torch.as_strided(tensor, (available,), (1,), offset)
+    if available < count:
+        flat = torch.cat([flat, flat.new_full((count - available,), float("nan"))])
+    return flat.clone().view(shape)
+
+
+def _last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    """mha_fwd / mha_bwd (flash_api.cpp) refuse operands whose last dimension is strided; the
+    other strides (batch, row, head) they take as given."""
+    for name, tensor in tensors.items():
+        if tensor.stride(-1) != 1:
+            raise RuntimeError(f"{name}: Input tensor must have contiguous last dimension")
+
+
+class FlashKernelDouble:
+    """CPU stand-ins for the CUDA flash-attention kernels that memo_ext.attention.kernels calls
+    on its ``cuda_flash`` path (``kernels.forced_kernel("cuda_flash")`` routes CPU tensors
+    there). The arithmetic is torch's CPU flash kernel (the reference); what is modelled is how
+    the CUDA code takes its operands, from the upstream sources:
+
+    - torch (aten/src/ATen/native/transformers/cuda/attention_backward.cu):
+      ``_scaled_dot_product_flash_attention_backward_cuda`` transposes its [b, heads, s, d]
+      operands to [b, s, heads, d]; ``_flash_attention_backward`` makes ``grad_out`` and
+      ``out`` contiguous and nothing else; a defined ``cum_seq_q`` selects the variable-length
+      kernel (an empty one means a batch of -1, refused);
+    - flash-attn (flash_attn/flash_attn_interface.py): ``maybe_contiguous`` copies dout, q, k,
+      v and out only when their last dimension is strided; ``softmax_lse`` goes as it is;
+    - both ``mha_bwd``s (flash_api.cpp): q/k/v/out/dout need a unit last stride and are read
+      with their batch, row and head strides; ``softmax_lse`` is read by raw pointer as a
+      contiguous [b, heads, s_q] (``row_offset_lse = (bidb * h + bidh) * seqlen_q``,
+      flash_bwd_kernel.h), whatever its strides (:func:`read_as_kernel`).
+
+    The double takes fp32 (the real kernels take fp16/bf16 only) so that tests can compare it
+    with the explicit kernel at fp32 tolerance. No dropout (the double has no Philox stream).
+    ``backend``: "torch" (flash-attn absent) or "flash-attn". ``calls`` counts kernel calls and
+    ``strided_lse`` the backward calls whose log-sum-exp was not contiguous."""
+
+    def __init__(self, backend: str = "torch"):
+        if backend not in ("torch", "flash-attn"):
+            raise ValueError(f"backend {backend!r}: 'torch' or 'flash-attn'")
+        self.backend = backend
+        self.calls: Counter = Counter()
+        self.strided_lse = 0
+        self.interface = SimpleNamespace(
+            _wrapped_flash_attn_forward=self.flash_attn_forward,
+            _wrapped_flash_attn_backward=self.flash_attn_backward)
+
+    def install(self, monkeypatch) -> "FlashKernelDouble":
+        """Patch torch's flash ops and memo_ext's flash-attn lookup (``monkeypatch`` undoes it)."""
+        from memo_ext.attention import kernels
+
+        monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention",
+                            self.sdpa_forward)
+        monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward",
+                            self.sdpa_backward)
+        interface = self.interface if self.backend == "flash-attn" else None
+        monkeypatch.setattr(kernels, "_flash_attn", lambda: interface)
+        return self
+
+    # ---------------------------------------------------------------- the kernels (b, s, h, d)
+    @staticmethod
+    def _forward(q, k, v, causal: bool, scale: float):
+        """mha_fwd on [b, s, heads, d] operands -> out [b, s, heads, d] (contiguous, as its
+        empty_like of a contiguous q) and softmax_lse [b, heads, s_q] fp32 contiguous."""
+        _last_dim_contiguous(q=q, k=k, v=v)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
+        return out.transpose(1, 2).contiguous(), lse.float().contiguous()
+
+    def _backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        """mha_bwd on [b, s, heads, d] operands: (dq, dk, dv) [b, heads, s, d]."""
+        _last_dim_contiguous(q=q, k=k, v=v, out=out, dout=dout)
+        if lse.dtype != torch.float32:
+            raise RuntimeError("softmax_lse must be fp32")
+        batch, seq_q, heads, _ = q.shape
+        if not lse.is_contiguous():
+            self.strided_lse += 1
+        read = read_as_kernel(lse, (batch, heads, seq_q))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            out.transpose(1, 2), read, 0.0, causal, scale=scale)
+
+    # ---------------------------------------------------------------- torch's FA2 build
+    def sdpa_forward(self, query, key, value, dropout_p=0.0, is_causal=False,
+                     return_debug_mask=False, *, scale=None):
+        """``aten._scaled_dot_product_flash_attention`` on [b, heads, s, d]: (out, lse,
+        cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_attn_mask)."""
+        if dropout_p:
+            raise NotImplementedError("the flash kernel double has no dropout")
+        self.calls["sdpa_forward"] += 1
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        out, lse = self._forward(query.transpose(1, 2), key.transpose(1, 2),
+                                 value.transpose(1, 2), is_causal, scale)
+        no_rng = torch.empty(0, dtype=torch.int64)
+        return (out.transpose(1, 2), lse, None, None, query.shape[2], key.shape[2], no_rng,
+                no_rng, torch.empty(0, dtype=query.dtype))
+
+    def sdpa_backward(self, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                      max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                      scale=None):
+        """``aten._scaled_dot_product_flash_attention_backward`` -> (dq, dk, dv)."""
+        if dropout_p:
+            raise NotImplementedError("the flash kernel double has no dropout")
+        if cum_seq_q is not None:  # the variable-length kernel: batch = numel - 1
+            if cum_seq_q.numel() < 2:
+                raise RuntimeError("batch size must be positive")
+            raise NotImplementedError("the flash kernel double has no variable-length kernel")
+        self.calls["sdpa_backward"] += 1
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        # _flash_attention_backward: "CUDA code assumes that dout is contiguous"; out too.
+        dout, o = grad_out.transpose(1, 2).contiguous(), out.transpose(1, 2).contiguous()
+        return self._backward(dout, q, k, v, o, logsumexp, is_causal, scale)
+
+    # ---------------------------------------------------------------- flash-attn's interface
+    @staticmethod
+    def _maybe_contiguous(tensor):
+        return tensor.contiguous() if tensor is not None and tensor.stride(-1) != 1 else tensor
+
+    def flash_attn_forward(self, q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                           window_size_right, softcap, alibi_slopes, return_softmax):
+        """flash-attn's ``_wrapped_flash_attn_forward`` on [b, s, heads, d]: (out,
+        softmax_lse, S_dmask, rng_state)."""
+        if dropout_p:
+            raise NotImplementedError("the flash kernel double has no dropout")
+        self.calls["flash_attn_forward"] += 1
+        q, k, v = (self._maybe_contiguous(t) for t in (q, k, v))
+        out, lse = self._forward(q, k, v, causal, softmax_scale)
+        return out, lse, torch.empty(0, dtype=q.dtype), torch.empty(2, dtype=torch.int64)
+
+    def flash_attn_backward(self, dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
+                            softmax_scale, causal, window_size_left, window_size_right, softcap,
+                            alibi_slopes, deterministic, rng_state=None):
+        """flash-attn's ``_wrapped_flash_attn_backward``: writes dq, dk, dv [b, s, heads, d]
+        in place and returns softmax_d."""
+        if dropout_p:
+            raise NotImplementedError("the flash kernel double has no dropout")
+        self.calls["flash_attn_backward"] += 1
+        dout, q, k, v, out = (self._maybe_contiguous(t) for t in (dout, q, k, v, out))
+        _last_dim_contiguous(dq=dq, dk=dk, dv=dv)
+        grads = self._backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
+        for target, grad in zip((dq, dk, dv), grads):
+            target.copy_(grad.transpose(1, 2))
+        batch, seq_q, heads, _ = q.shape
+        return torch.empty(batch, heads, seq_q, dtype=torch.float32)

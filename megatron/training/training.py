@@ -25,6 +25,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from memo_ext.attention import attention_dropout_notice
 from memo_ext.estimate.flops import gpt_shape, model_flops_per_sequence, parameter_count
 
 from megatron.training import checkpointing, metrics
@@ -315,6 +316,10 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     config = core_transformer_config_from_args(args)
     mechanisms = build_mechanisms(args, log=print_rank_0)  # telemetry, MEMO, SPPO, METP
     model = build_model(args, config, model_provider, mechanisms)
+    # Once per run: what --attention-dropout > 0 costs (the explicit kernel, not flash).
+    dropout_notice = attention_dropout_notice(model, args.seq_length, args.micro_batch_size)
+    if dropout_notice is not None:
+        print_rank_0(dropout_notice)
     optimizer, scheduler = build_optimizer(args, model)
     mechanisms.register(build_planner_mechanism(args, model, log=print_rank_0))
     config.finalize_model_grads_func = finalize_model_grads

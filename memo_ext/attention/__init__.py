@@ -10,11 +10,12 @@
 """
 
 from memo_ext.attention import kernels
-from memo_ext.attention.core import CoreAttention, core_attention, documents_of, own_storage
+from memo_ext.attention.core import (CoreAttention, attention_dropout_notice, core_attention,
+                                     documents_of, own_storage)
 from memo_ext.attention.ring import FlatPack, Ring, Transfer
 from memo_ext.attention.ring_attention import RingAttention, pack_key_value
 from memo_ext.attention.zigzag import Tile, ZigzagLayout, within_documents
 
 __all__ = ["CoreAttention", "FlatPack", "Ring", "RingAttention", "Tile", "Transfer",
-           "ZigzagLayout", "core_attention", "documents_of", "kernels", "own_storage",
-           "pack_key_value", "within_documents"]
+           "ZigzagLayout", "attention_dropout_notice", "core_attention", "documents_of",
+           "kernels", "own_storage", "pack_key_value", "within_documents"]

@@ -20,7 +20,10 @@ tensor exists; forward keeps the output and the fp32 log-sum-exp, backward recom
   kernels' workspaces are one chunk's; the saved q/k/v/out are the layer's as before.
 * Attention dropout: per-tile masks from seeds drawn in Megatron's model-parallel RNG fork; such
   tiles run the explicit kernel, which materialises each tile's scores (long-context runs use
-  ``--attention-dropout 0``).
+  ``--attention-dropout 0``). The trainer says so in one line (:func:`attention_dropout_notice`).
+  The flash kernels' own dropout is not used: a tile's mask must be the same in forward and
+  backward and on every backend, and the CPU kernel, torch's FlashAttention-2 and flash-attn
+  each draw theirs from their own generator (the CPU flash kernel takes no dropout at all).
 """
 
 from __future__ import annotations
@@ -181,6 +184,23 @@ class CoreAttention(MegatronModule):
         self.head_chunks = head_chunks
         self._ring: Optional[Ring] = None
 
+    def dropout_notice(self, seq_length: int, micro_batch: int) -> Optional[str]:
+        """One line saying what this attention's dropout costs in training (None without
+        dropout): the tiles run the explicit kernel, whose fp32 score tensor for the largest
+        tile of this layout (documents only make tiles smaller) is given in bytes."""
+        if self.dropout_p == 0:
+            return None
+        heads = self.config.num_attention_heads // self.config.tensor_model_parallel_size
+        heads //= self.head_chunks
+        rows, cols = _largest_tile(seq_length, self.cp_size)
+        nbytes = micro_batch * heads * rows * cols * 4
+        size = (f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB")
+        return (f"> --attention-dropout {self.dropout_p:g}: attention tiles with dropout run the "
+                f"explicit kernel, not flash: it materialises each tile's fp32 scores ({size} per "
+                f"copy for this layout's largest tile, {micro_batch} x {heads} heads x {rows} x "
+                f"{cols}, several copies live at once) and is much slower on a GPU; "
+                "long-context runs use --attention-dropout 0")
+
     def ring(self) -> Optional[Ring]:
         """The context-parallel ring (built on first use: the groups exist only then)."""
         if self.cp_size > 1 and self._ring is None:
@@ -199,6 +219,26 @@ class CoreAttention(MegatronModule):
             out = core_attention(query, key, value, self.softmax_scale, self.causal,
                                  self.ring(), documents, dropout_p, self.head_chunks)
         return out.reshape(out.size(0), out.size(1), -1)
+
+
+def _largest_tile(seq_length: int, cp_size: int) -> tuple[int, int]:
+    """(rows, columns) of the largest tile a rank computes for a sequence of ``seq_length``
+    tokens over a ring of ``cp_size`` (every rank's tiles have the same sizes)."""
+    layout = ZigzagLayout(seq_length, cp_size)
+    sizes = [(t.rows.stop - t.rows.start, t.cols.stop - t.cols.start)
+             for key_rank in range(cp_size) for t in layout.tiles(0, key_rank)]
+    return max(sizes, key=lambda size: size[0] * size[1])
+
+
+def attention_dropout_notice(model, seq_length: int, micro_batch: int) -> Optional[str]:
+    """The trainer's one line on what ``--attention-dropout`` costs (None when no
+    CoreAttention of the ``model`` chunks has dropout): every layer's is the same, the first
+    one found speaks."""
+    for chunk in model:
+        for module in chunk.modules():
+            if isinstance(module, CoreAttention):
+                return module.dropout_notice(seq_length, micro_batch)
+    return None
 
 
 def documents_of(packed_seq_params, query: torch.Tensor) -> Optional[list[int]]:

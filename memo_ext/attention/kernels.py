@@ -22,8 +22,9 @@ Kernels, by device and dtype (:func:`kernel_for`):
   and its backward), GQA native;
 * CUDA, fp16/bf16, head dim a multiple of 8 up to 256: the ``flash-attn`` package (>= 2.7)
   when it is installed (GQA native), torch's own FlashAttention-2 build otherwise
-  (``_scaled_dot_product_flash_attention``, K/V groups expanded inside the op). Never run here
-  (no GPU): tests/gpu/ compares them with the explicit kernel;
+  (``_scaled_dot_product_flash_attention``, K/V groups expanded inside the op). Their
+  arithmetic never runs here (no GPU; tests/gpu/ compares them with the explicit kernel); how
+  they read their operands does, through tests/cuda_double.py's FlashKernelDouble;
 * anything else, and any tile with dropout: an explicit softmax in fp32 that materialises the
   tile's scores. Dropout regenerates its mask in backward from a per-tile seed.
 """
@@ -215,7 +216,30 @@ def _cuda_flash_forward(q, k, v, scale, causal):
     return out, lse.float()
 
 
+def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a contiguous copy when its last dimension is strided (which mha_fwd and
+    mha_bwd refuse)."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
 def _cuda_flash_backward(grad_out, q, k, v, out, lse, scale, causal):
+    # What the CUDA backward reads by raw pointer must be laid out as it assumes. mha_bwd
+    # (flash_api.cpp in flash-attn's sources, and torch's copy of it in
+    # aten/src/ATen/native/transformers/cuda/flash_attn) hands the kernel
+    # softmax_lse.data_ptr() with no strides at all: flash_bwd_kernel.h indexes it as a
+    # contiguous [b, heads, s_q] ((bidb * h + bidh) * seqlen_q + row). Our callers pass row
+    # slices of the whole rows' lse (ring and SPPO tiles, tiles cut at document bounds) and
+    # head slices (head chunks): with more than one head, or batch > 1, those are strided and
+    # a GPU would read other rows' values, silently giving wrong dQ/dK/dV. Neither wrapper
+    # fixes it: torch's _flash_attention_backward (attention_backward.cu) makes only grad_out
+    # and out contiguous, flash-attn's _flash_attn_backward only copies dout/q/k/v/out whose
+    # last dimension is strided. So the lse is made contiguous here (a copy of b*heads*s_q
+    # floats only when it is a slice; Transformer Engine's context parallelism does the same).
+    # q/k/v/out/grad_out are read with their batch, row and head strides; mha_bwd only needs
+    # their last dimension unit-strided (it refuses them otherwise), which the layouts here
+    # always are; _unit_last_stride keeps that true whatever a caller passes.
+    lse = lse.contiguous()
+    q, k, v, out, grad_out = (_unit_last_stride(t) for t in (q, k, v, out, grad_out))
     flash = _flash_attn()
     if flash is not None:
         grads = [torch.empty_like(t.transpose(1, 2)) for t in (q, k, v)]

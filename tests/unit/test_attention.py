@@ -178,3 +178,30 @@ def test_fake_tiles_allocate_what_the_cuda_kernel_does():
     assert [g.numel() for g in bare[3:]] == [0, 0, 0, 0]
     assert kernels.flash_backward_workspace_shapes(1, 1, 128, 256) == ((1, 1, 128),
                                                                        (1, 128, 1, 256))
+
+
+def test_attention_dropout_is_one_line_with_its_cost(megatron_world):
+    """With --attention-dropout > 0 the trainer prints one line after building the model (the
+    explicit kernel instead of flash, and the fp32 scores of this layout's largest tile); at 0
+    nothing. The tiny model: micro-batch 2, 4 heads, 64 tokens."""
+    import pretrain_gpt
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args
+    from memo_ext.attention import attention_dropout_notice
+    from memo_ext.attention.core import _largest_tile
+    from tests.conftest import TINY_GPT_ARGS
+
+    lines = []
+    for dropout in ("0.1", "0"):
+        args = parse_args(TINY_GPT_ARGS + ["--attention-dropout", dropout], world_size=1,
+                          cuda_available=False)
+        args.padded_vocab_size = args.vocab_size  # the trainer sets it from its tokenizer
+        model = pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
+        lines.append(attention_dropout_notice([model], args.seq_length, args.micro_batch_size))
+    assert lines == [
+        "> --attention-dropout 0.1: attention tiles with dropout run the explicit kernel, not "
+        "flash: it materialises each tile's fp32 scores (0.1 MiB per copy for this layout's "
+        "largest tile, 2 x 4 heads x 64 x 64, several copies live at once) and is much slower "
+        "on a GPU; long-context runs use --attention-dropout 0", None]
+    # Under CP=2 a rank's largest tile is its two chunks against one chunk of the other rank.
+    assert _largest_tile(8192, 1) == (8192, 8192)
+    assert sorted(_largest_tile(8192, 2)) == [2048, 4096]

@@ -2,7 +2,9 @@
 attention (docs/metp.md): output and gradients (input, QKV weight and bias, projection weight) within
 1e-5 mean absolute error in fp32, with zigzag sharding and rotary on global positions; plain
 multi-head and GQA; CPU flash tiles and the explicit-softmax tiles (memo_ext.attention.kernels)
-used off CPU; packed documents against an explicit block-causal mask."""
+used off CPU; packed documents against an explicit block-causal mask. The CUDA flash tiles run
+through tests/cuda_double.py's FlashKernelDouble (the log-sum-exp read as the CUDA kernels read
+it) and must give the explicit tiles' values at fp32 tolerance."""
 
 from __future__ import annotations
 
@@ -53,7 +55,9 @@ def _reference(x, qkv_weight, qkv_bias, proj_weight, heads, groups, documents=No
     return F.linear(attention.permute(2, 0, 1, 3).flatten(2), proj_weight)
 
 
-def _check_attention(rank, size, heads, groups, explicit_tiles, documents=None):
+def _check_attention(rank, size, heads, groups, kernel=None, documents=None):
+    """METP's output and gradients on this rank with tile ``kernel`` (None: by device), checked
+    against the single-process reference; returned."""
     from memo_ext.attention import Ring, ZigzagLayout, kernels
     from memo_ext.metp.attention import HeadShape, two_level_attention
 
@@ -77,8 +81,8 @@ def _check_attention(rank, size, heads, groups, explicit_tiles, documents=None):
     for tensor in local:
         tensor.requires_grad_()
     shape = HeadShape(heads // size, groups // size, HEAD_DIM)
-    # explicit_tiles: the off-CPU tile code, run here on CPU tensors.
-    with kernels.forced_kernel("explicit" if explicit_tiles else None):
+    # "explicit" and "cuda_flash": the off-CPU tile code, run here on CPU tensors.
+    with kernels.forced_kernel(kernel):
         out = two_level_attention(*local, shape, Ring(), layout, _rotary(positions), documents)
         out.backward(grad[positions])
 
@@ -91,14 +95,27 @@ def _check_attention(rank, size, heads, groups, explicit_tiles, documents=None):
         assert error < MEAN_ABS_TOLERANCE, (f"rank {rank} heads {heads} groups {groups}: {name} "
                                             f"mean abs error {error}")
         assert torch.allclose(a, e, atol=1e-4, rtol=1e-4), name
+    return actual
 
 
 def _check_all_cases(rank, size):
-    for heads, groups, explicit_tiles in ((8, 8, False), (8, 4, False), (8, 4, True)):
-        _check_attention(rank, size, heads, groups, explicit_tiles)
+    from tests.cuda_double import FlashKernelDouble
+
+    _check_attention(rank, size, 8, 8)
+    _check_attention(rank, size, 8, 4)
+    explicit = _check_attention(rank, size, 8, 4, "explicit")
+    # The CUDA flash path: every tile of METP's ring reads a row slice of the log-sum-exp.
+    with pytest.MonkeyPatch.context() as patch:
+        double = FlashKernelDouble().install(patch)
+        flash = _check_attention(rank, size, 8, 4, "cuda_flash")
+    assert double.calls["sdpa_backward"] > 1, double.calls
+    for name, a, e in zip(["output", "grad input", "grad qkv weight", "grad qkv bias",
+                           "grad proj weight"], flash, explicit):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"rank {rank} cuda_flash {n}: {m}")
     # packed documents (--reset-attention-mask): bounds inside and across the zigzag chunks,
     # a one-token document
-    _check_attention(rank, size, 8, 4, False, documents=[0, 3, 4, 13, 27, SEQ])
+    _check_attention(rank, size, 8, 4, documents=[0, 3, 4, 13, 27, SEQ])
 
 
 # p=2 is slow: at p=4 each rank's two ring neighbours differ (at p=2 they are one rank), so p=4
