@@ -6,12 +6,15 @@ run cut off by its time limit still leaves data; the markdown and JSON reports a
 
 * ``env``: GPU, driver, torch, CUDA, cuDNN, commit; the call signatures of the attention ops.
 * ``correctness``: the one attention's tile compositions (zigzag ring CP=2/4, packed documents,
-  head chunks at micro-batch 2) with the kernels this device dispatches, against a dense fp32
-  reference (megatron.training.gpu_check.ring_composition).
+  head chunks at micro-batch 2) with the kernels this device dispatches, and with
+  FlashAttention-2's too where that is cuDNN's fused attention, against a dense fp32 reference
+  (megatron.training.gpu_check.ring_composition).
 * ``attention``: one attention tile forward and backward, bf16, head dim 128, 32 query heads
   in 8 K/V groups (GQA 4:1), batch 1, causal and not, 2K-64K tokens: the tile ops as the
-  trainer dispatches them (``memo_attention::tile_forward/backward``) and each exact backend of
-  torch's scaled_dot_product_attention present (FlashAttention-2, cuDNN, efficient).
+  trainer dispatches them (``memo_attention::tile_forward/backward``; cuDNN's fused attention
+  on Hopper with --attention-backend auto), the tile ops' FlashAttention-2 path (forced, for the
+  comparison), and each exact backend of torch's scaled_dot_product_attention present
+  (FlashAttention-2, cuDNN, efficient).
   FLOPs counted as the kernel tables count them (memo_ext/estimate/kernel_tables.json).
 * ``gemm``: bf16 matmuls at the 7B and 8B layer shapes for TP 1/2/4/8, forward and both
   backward orientations.
@@ -183,21 +186,41 @@ def section_correctness(evidence: Evidence, dry_run: bool) -> None:
     device, dtype, seq, shape = (("cpu", torch.float32, 128, dict(heads=4, groups=2, head_dim=32))
                                  if dry_run else ("cuda", torch.bfloat16, CORRECTNESS_SEQ, {}))
     probe = torch.empty(1, 1, 1, shape.get("head_dim", HEAD_DIM), device=device, dtype=dtype)
-    for case in ring_composition.cases(seq):
-        if evidence.left_s() < 20:
-            evidence.add("correctness", case=case.name, status=NOT_MEASURED, reason="time")
-            continue
-        started = time.monotonic()
-        try:
-            result = ring_composition.check(case, seq, device=device, dtype=dtype, **shape)
-            evidence.add("correctness", case=case.name, seq=seq, kernel=kernels.kernel_for(probe),
-                         dtype=str(dtype), errors=result.errors, tolerance=result.tolerance,
-                         status="PASS" if result.passed else "FAIL",
-                         seconds=time.monotonic() - started)
-        except Exception as error:  # a failing case must not stop the evidence
-            evidence.add("correctness", case=case.name, status="ERROR",
-                         reason=f"{type(error).__name__}: {error}"[:500],
-                         trace=traceback.format_exc()[-2000:])
+    # The kernels this device dispatches, and FlashAttention-2's too where that is cuDNN (the
+    # ring's ranks are threads: --attention-backend is process-wide, forced_kernel is not).
+    saved = kernels.attention_backend()
+    backends = [saved]
+    if kernels.kernel_for(probe) == "cuda_cudnn":
+        backends.append("flash")
+    try:
+        for backend in backends:
+            kernels.set_attention_backend(backend)
+            for case in ring_composition.cases(seq):
+                _correctness_case(evidence, case, seq, device, dtype, shape,
+                                  kernels.kernel_for(probe))
+    finally:
+        kernels.set_attention_backend(saved)
+
+
+def _correctness_case(evidence: Evidence, case, seq: int, device: str, dtype, shape: dict,
+                      kernel: str) -> None:
+    from megatron.training.gpu_check import ring_composition
+
+    if evidence.left_s() < 20:
+        evidence.add("correctness", case=case.name, kernel=kernel, status=NOT_MEASURED,
+                     reason="time")
+        return
+    started = time.monotonic()
+    try:
+        result = ring_composition.check(case, seq, device=device, dtype=dtype, **shape)
+        evidence.add("correctness", case=case.name, seq=seq, kernel=kernel,
+                     dtype=str(dtype), errors=result.errors, tolerance=result.tolerance,
+                     status="PASS" if result.passed else "FAIL",
+                     seconds=time.monotonic() - started)
+    except Exception as error:  # a failing case must not stop the evidence
+        evidence.add("correctness", case=case.name, kernel=kernel, status="ERROR",
+                     reason=f"{type(error).__name__}: {error}"[:500],
+                     trace=traceback.format_exc()[-2000:])
 
 
 # ------------------------------------------------------------------------------ attention
@@ -215,13 +238,27 @@ def _attention_backends() -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
-    def tile_op(q, k, v, causal):
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        out, lse = torch.ops.memo_attention.tile_forward(q, k, v, scale, causal, 0.0, 0)
-        grad = torch.randn_like(out)
-        return (lambda: torch.ops.memo_attention.tile_forward(q, k, v, scale, causal, 0.0, 0),
-                lambda: torch.ops.memo_attention.tile_backward(grad, q, k, v, out, lse, scale,
-                                                               causal, 0.0, 0), True)
+    from memo_ext.attention import kernels
+
+    def tile_op(kernel=None):
+        """The tile ops with ``kernel`` forced (None: as dispatched on this device). The timed
+        calls run in this thread, where forced_kernel applies."""
+        def build(q, k, v, causal):
+            scale = 1.0 / math.sqrt(q.shape[-1])
+            with kernels.forced_kernel(kernel):
+                out, lse = torch.ops.memo_attention.tile_forward(q, k, v, scale, causal, 0.0, 0)
+            grad = torch.randn_like(out)
+
+            def forward():
+                with kernels.forced_kernel(kernel):
+                    return torch.ops.memo_attention.tile_forward(q, k, v, scale, causal, 0.0, 0)
+
+            def backward():
+                with kernels.forced_kernel(kernel):
+                    return torch.ops.memo_attention.tile_backward(grad, q, k, v, out, lse, scale,
+                                                                  causal, 0.0, 0)
+            return forward, backward, True
+        return build
 
     def sdpa(backend):
         def build(q, k, v, causal):
@@ -252,14 +289,20 @@ def _attention_backends() -> dict:
                 return forward, forward_backward, gqa
         return build
 
-    return {"memo tile ops (as dispatched)": (tile_op, "separate"),
+    return {"memo tile ops (as dispatched)": (tile_op(), "separate"),
+            "memo tile ops (FA2 path)": (tile_op("cuda_flash"), "separate"),
             "sdpa flash (FA2)": (sdpa(SDPBackend.FLASH_ATTENTION), "combined"),
             "sdpa cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION), "combined"),
             "sdpa efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION), "combined")}
 
 
+#: What the attention section times, in order (keys of _attention_backends).
+ATTENTION_BACKENDS = ("memo tile ops (as dispatched)", "memo tile ops (FA2 path)",
+                      "sdpa flash (FA2)", "sdpa cudnn", "sdpa efficient")
+
+
 def section_attention(evidence: Evidence, dry_run: bool) -> None:
-    names = ["memo tile ops (as dispatched)", "sdpa flash (FA2)", "sdpa cudnn", "sdpa efficient"]
+    names = ATTENTION_BACKENDS
     if dry_run:
         for name in names:
             for causal in (True, False):
@@ -280,8 +323,10 @@ def section_attention(evidence: Evidence, dry_run: bool) -> None:
                 build, mode = backends[name]
                 common = dict(backend=name, causal=causal, seq=seq, heads=ATTENTION_HEADS,
                               groups=ATTENTION_GROUPS, head_dim=HEAD_DIM, dtype="bf16")
-                if name.startswith("memo"):
-                    common["kernel"] = kernels.kernel_for(q)
+                if name == "memo tile ops (as dispatched)":
+                    common["kernel"] = kernels.kernel_for(q, key_length=seq)
+                elif name == "memo tile ops (FA2 path)":
+                    common["kernel"] = "cuda_flash"
                 if evidence.left_s() < 30:
                     evidence.add("attention", **common, status=NOT_MEASURED, reason="time")
                     continue

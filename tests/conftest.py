@@ -171,6 +171,21 @@ def cuda_double(monkeypatch):
     device_memory.unregister_allocator()
 
 
+@pytest.fixture
+def cudnn_attention_double(monkeypatch):
+    """cuDNN's fused attention ops answered on CPU by tests/cuda_double.py's
+    CudnnAttentionDouble for the test (kernels registered, then dropped); the process's
+    --attention-backend is restored afterwards."""
+    from memo_ext.attention import kernels
+    from tests.cuda_double import CudnnAttentionDouble
+
+    backend = kernels.attention_backend()
+    double = CudnnAttentionDouble().install(monkeypatch)
+    yield double
+    double.uninstall()
+    kernels.set_attention_backend(backend)
+
+
 @pytest.fixture(scope="session")
 def fake_cuda_runtime(tmp_path_factory) -> Path:
     """csrc/standalone/fake_cuda_runtime.c built as libcudart.so.13 (a CUDA 13 runtime's name),

@@ -37,6 +37,12 @@ listed in docs/gpu.md as PyTorch documents them, raising where PyTorch raises:
   contiguous ``[b, heads, s_q]``, whatever its strides, so a sliced log-sum-exp gives the wrong
   gradients a GPU gives.
 
+- cuDNN's fused attention (:class:`CudnnAttentionDouble`): CPU kernels registered for
+  ``aten._scaled_dot_product_cudnn_attention`` and its backward, so calls go through the ops'
+  real schemas, with the ``[b, heads, s_q, 1]`` log-sum-exp, GQA K/V in their group count, the
+  undefined-vs-empty rules of their ``Tensor`` arguments, and operands read as cuDNN's cached
+  graphs read them.
+
 Everything runs synchronously on the CPU: an event recorded is complete. What this cannot show
 is a GPU's timing or a kernel's arithmetic; the ``gpu``-marked tests are for that.
 """
@@ -48,6 +54,7 @@ import enum
 import itertools
 import math
 import pickle
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -631,3 +638,208 @@ class FlashKernelDouble:
             target.copy_(grad.transpose(1, 2))
         batch, seq_q, heads, _ = q.shape
         return torch.empty(batch, heads, seq_q, dtype=torch.float32)
+
+# ------------------------------------------------------------------ cuDNN's fused attention
+
+def read_with_strides(tensor: torch.Tensor, strides) -> torch.Tensor:
+    """What a kernel reads from ``tensor``'s memory when it takes the tensor as ``strides``
+    (from its storage offset): the view's own strides ignored; NaN past the storage's end,
+    where a GPU would read whatever memory follows."""
+    storage = tensor.untyped_storage().nbytes() // tensor.element_size()
+    whole = torch.as_strided(tensor, (storage,), (1,), 0)
+    index = torch.full(tuple(tensor.shape), tensor.storage_offset(), dtype=torch.int64)
+    for dim, (size, stride) in enumerate(zip(tensor.shape, strides)):
+        shape = [1] * tensor.dim()
+        shape[dim] = size
+        index = index + (torch.arange(size) * stride).view(shape)
+    inside = index < storage
+    values = whole[index.clamp(max=max(storage - 1, 0))].double()
+    return values.masked_fill(~inside, float("nan"))
+
+
+class CudnnAttentionDouble:
+    """CPU kernels for ``aten._scaled_dot_product_cudnn_attention`` and
+    ``aten._scaled_dot_product_cudnn_attention_backward`` (torch 2.11's schemas, registered on
+    the CPU dispatch key, so every call is checked against the real signature), with
+    ``torch.backends.cudnn`` reporting a cuDNN 9 build. The arithmetic is plain float64
+    attention; what is modelled is how PyTorch's cuDNN path takes its operands, from the
+    upstream sources (attention.cu / attention_backward.cu ``_cudnn_attention_forward`` /
+    ``_backward``, cudnn/MHA.cpp, cudnn-frontend's SDPA nodes):
+
+    - GQA: K/V with fewer heads than q (``h_q % h_k == 0``); dK/dV come back as
+      ``empty_like(key)``/``empty_like(value)``, in the group count; out as ``empty_like(q)``;
+    - the log-sum-exp: returned fp32 ``[b, heads, s_q, 1]`` contiguous; the backward refuses a
+      "Stats" that is not 4-D with a unit last stride (cudnn-frontend's graph validation);
+    - undefined vs empty: ``None`` arrives for the backward's undefined ``attn_bias`` /
+      ``cum_seq_q`` / ``cum_seq_k``; an empty tensor is *defined*: as ``attn_bias`` it is
+      expanded as a bias (a 1-D one is refused as the real code refuses it), as ``cum_seq_q``
+      it selects the nested-tensor kernel (refused here: not a dense tile);
+    - strides: every operand needs a unit last stride; q/k/v are read with their own strides
+      (described to the cuDNN graph); the graphs are cached per thread under a key of the
+      sizes and strides of q/k/v (and b, h, s, d, dtype, causal, dropout, bias), so the
+      backward reads out, grad_out and the log-sum-exp with the strides of the call that
+      built the graph (:func:`read_with_strides`): a caller that hands one key two layouts of
+      out gets the wrong gradients a GPU gives. grad_out with a strided last dimension is
+      first copied into out's layout (MHA.cpp, cuDNN >= 9.5.1; before it, whenever its
+      strides differ from out's);
+    - causal: top-left aligned (cudnn-frontend's ``set_causal_mask``);
+    - ``max_q``/``max_k``: the backward's dense lengths; other values are refused here.
+
+    The double takes fp32 (the real op takes fp16/bf16 only) so tests can compare at fp32
+    tolerance. No dropout. ``calls`` counts calls; ``log`` keeps each call's arguments as
+    (shape, strides) or None."""
+
+    def __init__(self, cudnn_version: int = 91900):
+        self.cudnn_version = cudnn_version
+        self.calls: Counter = Counter()
+        self.log: list[dict] = []
+        self._lock = threading.Lock()
+        self._graphs = threading.local()
+        self._library = None
+
+    def install(self, monkeypatch) -> "CudnnAttentionDouble":
+        """Register the kernels and report cuDNN (``monkeypatch`` undoes the report; call
+        :meth:`uninstall` to drop the kernels)."""
+        library = torch.library.Library("aten", "IMPL")
+        library.impl("_scaled_dot_product_cudnn_attention", self.forward, "CPU")
+        library.impl("_scaled_dot_product_cudnn_attention_backward", self.backward, "CPU")
+        self._library = library
+        monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+        monkeypatch.setattr(torch.backends.cudnn, "version", lambda: self.cudnn_version)
+        return self
+
+    def uninstall(self) -> None:
+        if self._library is not None:
+            self._library._destroy()
+            self._library = None
+
+    # ------------------------------------------------------------------ helpers
+    def _record(self, op: str, **tensors) -> None:
+        with self._lock:
+            self.calls[op] += 1
+            self.log.append({"op": op, **{
+                name: None if t is None else (tuple(t.shape), tuple(t.stride()))
+                for name, t in tensors.items()}})
+
+    @staticmethod
+    def _check_operands(**tensors) -> None:
+        for name, tensor in tensors.items():
+            if tensor.dim() != 4:
+                raise RuntimeError(f"cudnn_frontend: The dim for {name} is invalid")
+            if tensor.stride(-1) != 1:
+                raise RuntimeError("cudnn_frontend: The stride for the last dimension "
+                                   "corresponding to the embedding size per head should be 1 "
+                                   f"for {name}")
+
+    @staticmethod
+    def _bias(attn_bias, batch: int, seq_q: int, seq_k: int):
+        """The additive bias as _cudnn_attention_forward/_backward expand it."""
+        if attn_bias is None:
+            return None
+        if attn_bias.dim() in (2, 3):
+            return attn_bias.expand(batch, 1, seq_q, seq_k).double()
+        if attn_bias.dim() != 4:
+            raise RuntimeError("cuDNN SDPA expects either a 2D, 3D, or 4D attn_bias but got "
+                               f"{attn_bias.dim()}D")
+        return attn_bias.expand(batch, attn_bias.size(1), seq_q, seq_k).double()
+
+    @staticmethod
+    def _scores(q, k, scale, causal, bias):
+        """float64 [b, h_q, s_q, s_k] scores of q [b, h_q, s_q, d] against k [b, h_k, s_k, d]."""
+        heads, groups = q.shape[1], k.shape[1]
+        if heads % groups:
+            raise RuntimeError("cudnn_frontend: For group-query attention, number of heads for "
+                               "key and query must be a factor of number of heads for query")
+        keys = k.repeat_interleave(heads // groups, dim=1)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+        if bias is not None:
+            scores = scores + bias
+        if causal:  # top-left aligned: query i sees keys 0..i
+            rows, cols = scores.shape[-2:]
+            scores = scores.masked_fill(
+                torch.ones(rows, cols, dtype=torch.bool).triu(1), float("-inf"))
+        return scores
+
+    def _graph_layouts(self, key, layouts):
+        """The (out, grad_out, stats) strides of the cached backward graph for ``key``:
+        ``layouts`` when this thread builds it now."""
+        cache = self._graphs.__dict__.setdefault("backward", {})
+        return cache.setdefault(key, layouts)
+
+    # ------------------------------------------------------------------ the ops
+    def forward(self, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                is_causal=False, return_debug_mask=False, *, scale=None):
+        """(output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed,
+        philox_offset, debug_attn_mask)"""
+        self._record("forward", query=query, key=key, value=value, attn_bias=attn_bias)
+        if dropout_p:
+            raise NotImplementedError("the cuDNN attention double has no dropout")
+        self._check_operands(Q=query, K=key, V=value)
+        batch, heads, seq_q, head_dim = query.shape
+        seq_k = key.shape[2]
+        scale = head_dim ** -0.5 if scale is None else scale
+        scores = self._scores(query.double(), key.double(), scale, is_causal,
+                              self._bias(attn_bias, batch, seq_q, seq_k))
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        values = value.double().repeat_interleave(heads // value.shape[1], dim=1)
+        output = torch.empty_like(query)  # alloc_with_matching_layout: q's shape and layout
+        output.copy_(torch.matmul(torch.exp(scores - lse), values))
+        stats = lse.float().contiguous() if compute_log_sumexp else None
+        seed, offset = (torch.empty((), dtype=torch.int64) for _ in range(2))
+        return output, stats, None, None, seq_q, seq_k, seed, offset, None
+
+    def backward(self, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset,
+                 attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *,
+                 scale=None):
+        """(dq, dk, dv)"""
+        self._record("backward", grad_out=grad_out, query=query, key=key, value=value,
+                     out=out, logsumexp=logsumexp, attn_bias=attn_bias, cum_seq_q=cum_seq_q,
+                     cum_seq_k=cum_seq_k)
+        if cum_seq_q is not None:
+            raise RuntimeError("cum_seq_q is defined: the nested-tensor (ragged) cuDNN "
+                               "backward, which a dense [b, heads, s, d] tile is not")
+        if dropout_p:
+            raise NotImplementedError("the cuDNN attention double has no dropout")
+        batch, heads, seq_q, head_dim = query.shape
+        seq_k = key.shape[2]
+        if (max_q, max_k) != (seq_q, seq_k):
+            raise RuntimeError(f"max_q/max_k {max_q}/{max_k} are the dense lengths "
+                               f"{seq_q}/{seq_k}")
+        if seq_q == 1 and seq_k == 1:
+            raise RuntimeError("cudnn_frontend: s_q = s_kv = 1 is not supported.")
+        dout = grad_out
+        if dout.stride(-1) != 1 or (self.cudnn_version < 90501
+                                    and tuple(dout.stride()) != tuple(out.stride())):
+            dout = torch.empty_like(out).copy_(grad_out)  # permute_to_matching_layout(o, dO)
+        self._check_operands(Q=query, K=key, V=value, O=out, dO=dout, Stats=logsumexp)
+        if tuple(logsumexp.shape) != (batch, heads, seq_q, 1):
+            raise RuntimeError(f"cudnn_frontend: Stats must be [b, h, s_q, 1], got "
+                               f"{tuple(logsumexp.shape)}")
+        bias = self._bias(attn_bias, batch, seq_q, seq_k)
+        graph_key = (query.dtype, tuple(query.shape), tuple(key.shape), tuple(value.shape),
+                     tuple(query.stride()), tuple(key.stride()), tuple(value.stride()),
+                     bool(is_causal), None if bias is None else tuple(attn_bias.stride()))
+        o_strides, do_strides, lse_strides = self._graph_layouts(
+            graph_key, (tuple(out.stride()), tuple(dout.stride()), tuple(logsumexp.stride())))
+        o = read_with_strides(out, o_strides)
+        do = read_with_strides(dout, do_strides)
+        lse = read_with_strides(logsumexp, lse_strides)
+        scale = head_dim ** -0.5 if scale is None else scale
+        q, k, v = query.double(), key.double(), value.double()
+        group = heads // key.shape[1]
+        probabilities = torch.exp(self._scores(q, k, scale, is_causal, bias) - lse)
+        keys, values = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        grad_value = torch.matmul(probabilities.transpose(-1, -2), do)
+        row_dot = (do * o).sum(-1, keepdim=True)
+        grad_scores = probabilities * (torch.matmul(do, values.transpose(-1, -2)) - row_dot)
+        grad_query = torch.matmul(grad_scores, keys) * scale
+        grad_key = torch.matmul(grad_scores.transpose(-1, -2), q) * scale
+
+        def grouped(grad):
+            return grad.view(batch, key.shape[1], group, seq_k, head_dim).sum(dim=2)
+
+        dq, dk, dv = (torch.empty_like(t) for t in (query, key, value))
+        dq.copy_(grad_query)
+        dk.copy_(grouped(grad_key))
+        dv.copy_(grouped(grad_value))
+        return dq, dk, dv

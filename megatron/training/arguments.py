@@ -86,6 +86,19 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
         "measure, on CPU and GPU. 'transformer_engine': megatron.core's TE spec (CUDA and "
         "transformer_engine needed; not what the estimator predicts; no --memo-* mechanism).",
     )
+    group.add_argument(
+        "--attention-backend",
+        choices=("flash", "fused", "unfused", "local", "auto"),
+        default="auto",
+        help="Megatron-LM's attention backend switch, for memo_ext.attention's tile kernels on "
+        "CUDA (docs/attention.md): 'auto' (default) the fastest exact kernel, cuDNN's fused "
+        "attention on Hopper and later (compute capability >= 9.0), FlashAttention-2 before; "
+        "'flash' FlashAttention-2 (flash-attn >= 2.7 when installed, else torch's build); "
+        "'fused' cuDNN's fused attention (refused where it cannot run); 'unfused' the explicit "
+        "fp32 softmax, scores materialised per tile. 'local' (megatron.core's own "
+        "DotProductAttention) is refused: memo_ext's core attention replaces it. With "
+        "--transformer-impl transformer_engine the value goes to megatron.core as upstream.",
+    )
     add_model_shape_args(group, ("--num-layers", "--hidden-size", "--ffn-hidden-size",
                                  "--num-attention-heads", "--kv-channels"))
     group.add_argument("--group-query-attention", action="store_true")
@@ -590,6 +603,23 @@ def _validate_precision(args: argparse.Namespace, cuda_available: bool) -> None:
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
+def _validate_attention_backend(args: argparse.Namespace, cuda_available: bool) -> None:
+    """--attention-backend for memo_ext's core attention: 'local' refused; 'fused' checked
+    against this machine's GPU (when it has one; a trace for another GPU checks its target)."""
+    if args.transformer_impl != "local":
+        return  # megatron.core's TE spec reads it as Megatron-LM does
+    from memo_ext.attention import kernels
+
+    _require(args.attention_backend != "local", kernels.LOCAL_BACKEND_REFUSAL)
+    if args.attention_backend == "fused" and cuda_available and torch.cuda.is_available():
+        try:
+            kernels.cuda_backend(torch.cuda.get_device_capability(),
+                                 kernels.cudnn_attention_available(), "fused",
+                                 deterministic=bool(args.deterministic_mode))
+        except ValueError as error:
+            raise ArgumentValidationError(str(error)) from None
+
+
 def _validate_cross_entropy(args: argparse.Namespace, cuda_available: bool) -> None:
     impl = args.cross_entropy_fusion_impl
     _require(
@@ -858,6 +888,7 @@ def _validate_all(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_batch(args)
     _validate_recompute(args)
     _validate_precision(args, cuda_available)
+    _validate_attention_backend(args, cuda_available)
     _validate_cross_entropy(args, cuda_available)
     _validate_optimization(args)
     _validate_checkpointing(args)
@@ -925,6 +956,12 @@ def core_transformer_config_from_args(args: argparse.Namespace):
         # 0.16.1's default "full" only triggers a deprecation warning; [] means the same.
         cuda_graph_scope=[],
     )
+    if args.transformer_impl == "transformer_engine":
+        # megatron.core's TE attention reads it (NVTE_* switches); memo_ext's core attention
+        # takes it from initialize_megatron instead (memo_ext.attention.kernels).
+        from megatron.core.transformer.enums import AttnBackend
+
+        config.attention_backend = AttnBackend[args.attention_backend]
     # Not dataclass fields of a plain TransformerConfig: GPTModel and SelfAttention getattr them.
     for name, value in yarn_config_attributes(args).items():
         setattr(config, name, value)

@@ -74,6 +74,11 @@ def initialize_megatron(args: argparse.Namespace) -> None:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         os.environ.setdefault("NCCL_ALGO", "Ring")
+    if args.transformer_impl == "local":
+        from memo_ext.attention import kernels
+
+        # Process-wide: autograd runs CUDA backwards on its own thread.
+        kernels.set_attention_backend(getattr(args, "attention_backend", "auto"))
     install_memo_plan_allocator(args)
     install_memo_stitching_allocator(args, log=_log_rank_0)
     if current_allocator() is not None:

@@ -13,20 +13,77 @@ layout are fine) with K/V in ``groups`` query groups (GQA is never expanded outs
 They are custom ops for one reason: their fake (meta) rules below are the allocation sizes of
 the CUDA kernels, declared here next to the dispatch, so a trace of the trainer's own modules
 under FakeTensorMode records what a GPU run allocates (out, the fp32 log-sum-exp [b, heads, s_q]
-and, in backward, dq/dk/dv plus flash-attention 2's workspaces) and never an s x s tensor. Live
+and, in backward, dq/dk/dv plus the workspaces of the CUDA kernel the trace stands for:
+flash-attention 2's or cuDNN's, :func:`declared_workspaces`) and never an s x s tensor. Live
 CPU runs allocate the same outputs.
 
 Kernels, by device and dtype (:func:`kernel_for`):
 
 * CPU: torch's flash-attention kernel for CPU (``_scaled_dot_product_flash_attention_for_cpu``
   and its backward), GQA native;
-* CUDA, fp16/bf16, head dim a multiple of 8 up to 256: the ``flash-attn`` package (>= 2.7)
-  when it is installed (GQA native), torch's own FlashAttention-2 build otherwise
-  (``_scaled_dot_product_flash_attention``, K/V groups expanded inside the op). Their
-  arithmetic never runs here (no GPU; tests/gpu/ compares them with the explicit kernel); how
-  they read their operands does, through tests/cuda_double.py's FlashKernelDouble;
-* anything else, and any tile with dropout: an explicit softmax in fp32 that materialises the
-  tile's scores. Dropout regenerates its mask in backward from a per-tile seed.
+* CUDA, fp16/bf16, head dim a multiple of 8, where cuDNN's fused attention is faster (compute
+  capability 9.0 and later, :func:`cuda_backend`) and takes the tile (:func:`cudnn_takes`):
+  cuDNN's fused flash attention through ``aten._scaled_dot_product_cudnn_attention`` and its
+  backward, GQA native ("cuda_cudnn"; see "cuDNN's fused attention" below);
+* CUDA, fp16/bf16, head dim a multiple of 8 up to 256, otherwise: the ``flash-attn`` package
+  (>= 2.7) when it is installed (GQA native), torch's own FlashAttention-2 build otherwise
+  (``_scaled_dot_product_flash_attention``, K/V groups expanded inside the op) ("cuda_flash").
+  Their arithmetic never runs here (no GPU; tests/gpu/ compares them with the explicit
+  kernel); how they read their operands does, through tests/cuda_double.py's FlashKernelDouble
+  (cuDNN's through its CudnnAttentionDouble);
+* anything else, any tile with dropout, and ``--attention-backend unfused``: an explicit softmax
+  in fp32 that materialises the tile's scores. Dropout regenerates its mask in backward from a
+  per-tile seed.
+
+The trainer's ``--attention-backend`` (Megatron-LM's spelling) sets the CUDA choice for the
+whole process (:func:`set_attention_backend`): ``auto`` (the default) takes the fastest exact
+kernel (cuDNN on Hopper and later, FlashAttention-2 before), ``flash`` FlashAttention-2,
+``fused`` cuDNN, ``unfused`` the explicit kernel. FlashAttention-3/4 (flash-attn's hopper
+build, ``flash_attn_interface``) are not dispatched: a documented gap (docs/attention.md).
+
+cuDNN's fused attention, as PyTorch calls it (read in pytorch's
+aten/src/ATen/native/transformers/cuda/attention.cu and attention_backward.cu,
+aten/src/ATen/native/cudnn/MHA.cpp, sdp_utils.cpp, the generated autograd node
+ScaledDotProductCudnnAttentionBackward0, and cudnn-frontend's
+include/cudnn_frontend/node/scaled_dot_product_flash_attention.h):
+
+* GQA: K and V go in with their own head count (``h_q % h_k == 0``, checked by cudnn-frontend);
+  the backward allocates dK/dV with ``empty_like(key)``/``empty_like(value)``, so they come back
+  in the group count. The per-query-head dK/dV of a GQA backward are virtual tensors inside the
+  fused graph (dense inputs): nothing is allocated for them.
+* Undefined arguments: the backward's ``attn_bias``, ``cum_seq_q`` and ``cum_seq_k`` are
+  non-optional ``Tensor`` arguments; autograd passes undefined tensors there (the forward
+  returns undefined cum_seq tensors; an absent bias is saved as undefined), and Python passes
+  ``None``, which the binding turns into an undefined tensor. An *empty* tensor is defined: as
+  ``attn_bias`` it is taken as a bias (and fails to expand), as ``cum_seq_q`` it selects the
+  nested-tensor (ragged) kernel. So None it is.
+* Strides: cuDNN is given every tensor's sizes and strides when its graph is built (only the
+  last stride must be 1), but the built graph is cached per thread under a key of b, h, s_q,
+  s_kv, d, dtype, causal, dropout, bias and the sizes and strides of q, k and v only. The
+  strides of out, grad_out and the log-sum-exp are those of the call that built the graph;
+  later calls with the same key are read with them whatever their own strides are. Hence:
+  q/k/v go as they are (copied only when their last stride is not 1), out and grad_out with
+  q's strides (:func:`_cudnn_output_strides`; the key holds them), the log-sum-exp as a
+  contiguous [b, heads, s_q, 1]. Before cuDNN 9.5.1 the backward
+  also needed grad_out's strides to equal out's, which this gives.
+* The log-sum-exp: cuDNN's "Stats" output, fp32 ``[b, heads, s_q, 1]`` contiguous, the natural
+  log of the row sums (the values of FA2's ``[b, heads, s_q]``; measured on an H200); the
+  backward's graph validates it as 4-D with a unit last stride.
+* Causal: cuDNN's causal mask is top-left aligned (cudnn-frontend ``set_causal_mask``),
+  FlashAttention-2's bottom-right: the same on the square tiles every causal tile here is
+  (a rectangular causal tile is refused, :func:`_cudnn_check_square`).
+* ``max_q``/``max_k`` of the backward are used as the dense s_q/s_kv: the tile's own lengths.
+* What it allocates: forward, the output (``empty_like(q)`` for d_v == d_qk: q's layout), the
+  fp32 stats and two 0-d int64 dropout seed/offset tensors, plus cuDNN's workspace (cudnn-
+  frontend's own part is empty without ALiBi); backward, dQ/dK/dV (``empty_like`` of q/k/v)
+  and one workspace block from the caching allocator: cudnn-frontend's dQ accumulator
+  ``[b, h_q, s_q, d]`` fp32 and softmax sum ``[b, h_q, s_q]`` fp32 (dense inputs, cuDNN >= 9,
+  no bias gradient, non-deterministic), plus whatever the cuDNN engine itself asks for (not
+  modelled; to be measured on a GPU). :func:`cudnn_backward_workspace_shape`.
+* Limits (sdp_utils.cpp ``can_use_cudnn_attention``): cuDNN >= 9, compute capability 8.0-12.1,
+  fp16/bf16, head dim a multiple of 8 and at most 128 (256 on sm90 with cuDNN >= 9.10),
+  s_kv > 1, not under ``torch.use_deterministic_algorithms(True)`` (its backward is not
+  deterministic).
 """
 
 from __future__ import annotations
@@ -41,24 +98,133 @@ import torch
 CUDA_FLASH_HEAD_DIM_MULTIPLE = 8
 CUDA_FLASH_MAX_HEAD_DIM = 256
 
+#: The values of the trainer's ``--attention-backend`` (Megatron-LM's spelling) this module
+#: runs; Megatron-LM's fifth, ``local`` (megatron.core's own DotProductAttention), is refused
+#: by the trainer (:data:`LOCAL_BACKEND_REFUSAL`).
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
+LOCAL_BACKEND_REFUSAL = (
+    "--attention-backend local selects megatron.core's own DotProductAttention in Megatron-LM "
+    "(an s x s score tensor, no context parallelism), which Megatron-MEMO's core attention "
+    "replaces; use --attention-backend unfused for the explicit kernel, or auto")
+#: Compute capabilities PyTorch lets cuDNN's fused attention run on (sdp_utils.cpp,
+#: check_cudnn_hardware_support: sm80 to sm121), and from which ``auto`` prefers it: Hopper,
+#: where it measured 1.6-1.9x FlashAttention-2 forward+backward (one H200,
+#: bench/results/gpu_evidence_h200.md). Not measured on Ampere (FA2 stays) or Blackwell.
+CUDNN_MIN_CAPABILITY, CUDNN_MAX_CAPABILITY = (8, 0), (12, 1)
+CUDNN_PREFERRED_FROM = (9, 0)
+#: cuDNN's head-dim limit (sdp_utils.cpp check_cudnn_tensor_shapes): 128, 256 on sm90 from
+#: cuDNN 9.10.0.
+CUDNN_MAX_HEAD_DIM, CUDNN_MAX_HEAD_DIM_SM90 = 128, 256
+
 _STATE = threading.local()
+#: The process's ``--attention-backend`` (not per thread: autograd runs a CUDA backward on its
+#: own device thread, and the ring's GPU check runs ranks as threads).
+_PROCESS = {"backend": "auto"}
 
 
-def kernel_for(query: torch.Tensor, dropout_p: float = 0.0) -> str:
-    """Which kernel runs a tile of ``query``: "cpu_flash", "cuda_flash" or "explicit".
-    :func:`forced_kernel` overrides it (tests run the explicit path on CPU)."""
+def set_attention_backend(backend: str) -> None:
+    """The CUDA kernel choice of every thread of this process (``--attention-backend``)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(LOCAL_BACKEND_REFUSAL if backend == "local" else
+                         f"--attention-backend {backend!r}: one of "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    _PROCESS["backend"] = backend
+
+
+def attention_backend() -> str:
+    """The process's ``--attention-backend`` (:func:`set_attention_backend`)."""
+    return _PROCESS["backend"]
+
+
+def cudnn_attention_available() -> bool:
+    """This torch can run cuDNN's fused attention: a cuDNN >= 9 build with the aten op."""
+    try:
+        return (torch.backends.cudnn.is_available()
+                and (torch.backends.cudnn.version() or 0) >= 90000
+                and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"))
+    except RuntimeError:
+        return False
+
+
+def cudnn_attention_op_exists() -> bool:
+    """This torch release has the cuDNN attention ops (what a trace for a CUDA build of the
+    same release assumes; every CUDA wheel bundles cuDNN 9)."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+
+
+def cuda_backend(capability: tuple[int, int], cudnn_available: bool, backend: str = "auto",
+                 deterministic: bool = False) -> str:
+    """The CUDA kernel of a GPU of ``capability`` for ``--attention-backend backend``:
+    "cuda_cudnn", "cuda_flash" or "explicit" -- without a GPU, for the estimator's traces.
+    ``auto``: cuDNN from :data:`CUDNN_PREFERRED_FROM` when this torch has it and the run is
+    not deterministic, FlashAttention-2 otherwise. ``fused`` raises ValueError (one line,
+    naming the flag) where cuDNN cannot run."""
+    if backend not in ATTENTION_BACKENDS:
+        set_attention_backend(backend)  # raises the one-line refusal
+    capability = tuple(capability)
+    usable = (cudnn_available and CUDNN_MIN_CAPABILITY <= capability <= CUDNN_MAX_CAPABILITY
+              and not deterministic)
+    if backend == "unfused":
+        return "explicit"
+    if backend == "flash":
+        return "cuda_flash"
+    if backend == "fused":
+        if not usable:
+            why = ("its backward is not deterministic; drop --deterministic-mode or use "
+                   "--attention-backend flash" if deterministic else
+                   f"it needs a torch with cuDNN >= 9 and a GPU of compute capability "
+                   f"{'.'.join(map(str, CUDNN_MIN_CAPABILITY))} to "
+                   f"{'.'.join(map(str, CUDNN_MAX_CAPABILITY))}, this is "
+                   f"{'.'.join(map(str, capability))}"
+                   f"{'' if cudnn_available else ' without cuDNN attention'}; use "
+                   "--attention-backend auto or flash")
+            raise ValueError(f"--attention-backend fused runs cuDNN's fused attention: {why}")
+        return "cuda_cudnn"
+    return "cuda_cudnn" if usable and capability >= CUDNN_PREFERRED_FROM else "cuda_flash"
+
+
+def cudnn_takes(head_dim: int, key_length: Optional[int], capability: tuple[int, int],
+                cudnn_version: Optional[int] = None) -> bool:
+    """cuDNN's fused attention takes a tile of this head dim and key length on this GPU
+    (sdp_utils.cpp's shape checks; ``cudnn_version`` None: a release of 9.10 or later, as
+    torch >= 2.8's wheels bundle)."""
+    limit = CUDNN_MAX_HEAD_DIM
+    if tuple(capability) == (9, 0) and (cudnn_version is None or cudnn_version >= 91000):
+        limit = CUDNN_MAX_HEAD_DIM_SM90
+    return (head_dim % 8 == 0 and head_dim <= limit
+            and (key_length is None or key_length > 1))
+
+
+def _strictly_deterministic() -> bool:
+    return (torch.are_deterministic_algorithms_enabled()
+            and not torch.is_deterministic_algorithms_warn_only_enabled())
+
+
+def kernel_for(query: torch.Tensor, dropout_p: float = 0.0,
+               key_length: Optional[int] = None) -> str:
+    """Which kernel runs a tile of ``query`` (and ``key_length`` keys): "cpu_flash",
+    "cuda_cudnn", "cuda_flash" or "explicit". :func:`forced_kernel` overrides it (tests run
+    the explicit and the CUDA paths on CPU); :func:`set_attention_backend` chooses among the
+    CUDA kernels (a tile cuDNN does not take falls back to FlashAttention-2)."""
     forced = getattr(_STATE, "kernel", None)
     if forced is not None:
         return forced
-    if dropout_p > 0:
+    backend = _PROCESS["backend"]
+    if dropout_p > 0 or backend == "unfused":
         return "explicit"
     if query.device.type == "cpu":
         return "cpu_flash"
     head_dim = query.shape[-1]
     if (query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16)
-            and head_dim % CUDA_FLASH_HEAD_DIM_MULTIPLE == 0
-            and head_dim <= CUDA_FLASH_MAX_HEAD_DIM):
-        return "cuda_flash"
+            and head_dim % CUDA_FLASH_HEAD_DIM_MULTIPLE == 0):
+        capability = torch.cuda.get_device_capability(query.device)
+        available = cudnn_attention_available()
+        if (cuda_backend(capability, available, backend, _strictly_deterministic())
+                == "cuda_cudnn" and cudnn_takes(head_dim, key_length, capability,
+                                                torch.backends.cudnn.version())):
+            return "cuda_cudnn"
+        if head_dim <= CUDA_FLASH_MAX_HEAD_DIM:
+            return "cuda_flash"
     return "explicit"
 
 
@@ -77,10 +243,14 @@ def forced_kernel(kernel: Optional[str]):
     return _thread_setting("kernel", kernel)
 
 
-def declared_workspaces(enabled: bool = True):
-    """Make tile_backward also allocate (and return) the workspaces the CUDA kernel allocates,
-    so a trace records them; off in training, where nothing reads them."""
-    return _thread_setting("workspaces", enabled)
+def declared_workspaces(enabled: bool = True, kernel: str = "cuda_flash",
+                        capability: tuple[int, int] = CUDNN_PREFERRED_FROM):
+    """Make tile_backward also allocate (and return) the workspaces the CUDA ``kernel``
+    ("cuda_flash", "cuda_cudnn": :func:`cuda_backend` of the target GPU; "explicit": none)
+    allocates on a GPU of ``capability``, so a trace records them; off in training, where
+    nothing reads them. A tile cuDNN does not take (:func:`cudnn_takes`) declares
+    FlashAttention-2's, as the trainer would run it."""
+    return _thread_setting("workspaces", (kernel, tuple(capability)) if enabled else None)
 
 
 # ------------------------------------------------------------- the CUDA kernels' allocations
@@ -113,6 +283,42 @@ def _workspaces(q: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
             k.new_empty(expanded), k.new_empty(expanded)]
 
 
+def cudnn_backward_workspace_shape(batch: int, heads: int, seq_q: int,
+                                   head_dim: int) -> tuple[int, int, int, int]:
+    """Shape (fp32) of the one block cudnn-frontend's fused attention backward asks the caching
+    allocator for besides dQ/dK/dV (CompositeSDPABackwardNode::get_fe_workspace_size_node, dense
+    inputs, no bias gradient, not deterministic): its dQ accumulator [b, heads, s_q, d] and
+    softmax sum [b, heads, s_q], i.e. [b, heads, s_q, d + 1]. The cuDNN engine's own workspace
+    comes on top of it in the same block and is not modelled (to measure on a GPU)."""
+    return batch, heads, seq_q, head_dim + 1
+
+
+def _cudnn_workspaces(q: torch.Tensor) -> list[torch.Tensor]:
+    """What the cuDNN backward allocates besides dq/dk/dv: its one workspace block
+    (:func:`cudnn_backward_workspace_shape`), then three empty outputs. Not declared: the copies
+    :func:`_cudnn_backward_operands` makes of operands in another layout. The trainer's paths
+    need none for out and grad_out (already in q's strides; tests/unit/test_cudnn_attention.py
+    checks the ring, documents and head chunks); a sliced log-sum-exp's is b*heads*s_q floats,
+    1/(d+1) of the block. Whether a copy is made depends on the layouts the forward kernel
+    returned, which differ between a live CPU trace and a fake one, and the two traces must be
+    the same."""
+    return [q.new_empty(cudnn_backward_workspace_shape(*q.shape), dtype=torch.float32),
+            *(q.new_empty((0,), dtype=torch.float32) for _ in range(3))]
+
+
+def _declared_workspaces(grad_out, q, k, v, out, lse) -> list[torch.Tensor]:
+    """The four workspace outputs of tile_backward: those of the kernel
+    :func:`declared_workspaces` names, or four empty tensors."""
+    declared = getattr(_STATE, "workspaces", None)
+    if declared:
+        kernel, capability = declared
+        if kernel == "cuda_cudnn" and cudnn_takes(q.shape[-1], k.shape[-2], capability):
+            return _cudnn_workspaces(q)
+        if kernel != "explicit":
+            return _workspaces(q, k)
+    return [q.new_empty((0,), dtype=torch.float32) for _ in range(4)]
+
+
 # ----------------------------------------------------------------------------- the ops
 
 @torch.library.custom_op("memo_attention::tile_forward", mutates_args=())
@@ -120,11 +326,13 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                  dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One tile: q [b, heads, s_q, d], k/v [b, groups, s_k, d] -> out [b, heads, s_q, d] (q's
     dtype) and lse [b, heads, s_q] (fp32)."""
-    kernel = kernel_for(q, dropout_p)
+    kernel = kernel_for(q, dropout_p, key_length=k.shape[-2])
     if kernel == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
+    if kernel == "cuda_cudnn":
+        return _cuda_cudnn_forward(q, k, v, scale, causal)
     if kernel == "cuda_flash":
         return _cuda_flash_forward(q, k, v, scale, causal)
     return _explicit_forward(q, k, v, scale, causal, dropout_p, seed)
@@ -141,22 +349,27 @@ def tile_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                   out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
                   dropout_p: float, seed: int) -> list[torch.Tensor]:
     """Gradients [dq, dk, dv] of one tile given the row's final ``out`` and ``lse`` over all
-    tiles, followed by the kernel's four workspaces (see :func:`_workspaces`; the caller drops
-    them at once, as the kernel frees them)."""
-    kernel = kernel_for(q, dropout_p)
+    tiles, followed by the kernel's four workspaces (see :func:`_declared_workspaces`; the
+    caller drops them at once, as the kernel frees them)."""
+    kernel = kernel_for(q, dropout_p, key_length=k.shape[-2])
     if kernel == "cpu_flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    elif kernel == "cuda_cudnn":
+        grads = _cuda_cudnn_backward(grad_out, q, k, v, out, lse, scale, causal)
     elif kernel == "cuda_flash":
         grads = _cuda_flash_backward(grad_out, q, k, v, out, lse, scale, causal)
     else:
         grads = _explicit_backward(grad_out, q, k, v, out, lse, scale, causal, dropout_p, seed)
-    return [*grads, *_workspaces(q, k)]
+    return [*grads, *_declared_workspaces(grad_out, q, k, v, out, lse)]
 
 
 @tile_backward.register_fake
 def _(grad_out, q, k, v, out, lse, scale, causal, dropout_p, seed):
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *_workspaces(q, k)]
+    # dq/dk/dv: empty_like of q/k/v, as every CUDA kernel here allocates them (cuDNN's in q/k/v's
+    # own layout, which _cuda_cudnn_backward passes on).
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            *_declared_workspaces(grad_out, q, k, v, out, lse)]
 
 
 #: tile_backward outputs that are kernel workspaces, by op name (the trace tags them so).
@@ -258,6 +471,81 @@ def _cuda_flash_backward(grad_out, q, k, v, out, lse, scale, causal):
         grad_out, q, _expand_groups(k, heads), _expand_groups(v, heads), out, lse, None, None,
         q.shape[-2], k.shape[-2], 0.0, causal, no_rng, no_rng, scale=scale)
     return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
+
+
+# cuDNN's fused attention ("cuda_cudnn"; the module docstring says what the upstream sources
+# establish). Kept apart from the FlashAttention-2 functions above.
+
+def _cudnn_check_square(q, k, causal: bool) -> None:
+    """cuDNN's causal mask is top-left aligned, FlashAttention-2's bottom-right: they agree on
+    square tiles only, which is what every causal tile here is."""
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"a causal tile must be square for cuDNN's top-left causal mask, got "
+                         f"{q.shape[-2]} queries x {k.shape[-2]} keys")
+
+
+def _cudnn_operand(tensor: torch.Tensor) -> torch.Tensor:
+    """q, k or v as cuDNN takes it: its own strides (described to the graph, and part of the
+    graph cache's key), copied only when its last dimension is strided (refused)."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _cudnn_output_strides(q: torch.Tensor) -> tuple[int, ...]:
+    """The layout out and grad_out are passed in: q's own strides (q as passed to cuDNN, last
+    stride 1), which the graph cache's key holds, so every call that finds a cached backward
+    graph passes out/grad_out in the layout the graph was built for. The trainer's paths hold
+    them so already (also a head chunk's slices, whose strides have gaps); any other layout is
+    copied into a buffer of q's strides (for a sliced q, the span of its strides). An
+    expanded q (a zero stride: out would overlap itself) gets contiguous ones instead."""
+    if any(stride == 0 and size > 1 for size, stride in zip(q.shape, q.stride())):
+        return tuple(torch.empty(q.shape, device="meta").stride())
+    return tuple(q.stride())
+
+
+def _cudnn_in_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    if tuple(tensor.stride()) == strides:
+        return tensor
+    return torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype,
+                               device=tensor.device).copy_(tensor)
+
+
+def _cudnn_backward_operands(grad_out, q, k, v, out, lse):
+    """(grad_out, q, k, v, out, stats) as the cuDNN backward is called with them: q/k/v by
+    :func:`_cudnn_operand`, out and grad_out in :func:`_cudnn_output_strides` of q, the
+    row's log-sum-exp as a contiguous fp32 [b, heads, s_q, 1] (cuDNN's own Stats layout)."""
+    q, k, v = (_cudnn_operand(t) for t in (q, k, v))
+    if out.shape != q.shape or grad_out.shape != q.shape:
+        raise ValueError(f"cuDNN tile: out {tuple(out.shape)} and grad_out "
+                         f"{tuple(grad_out.shape)} must be shaped like q {tuple(q.shape)}")
+    strides = _cudnn_output_strides(q)
+    out, grad_out = (_cudnn_in_layout(t, strides) for t in (out, grad_out))
+    stats = lse.float().contiguous().unsqueeze(-1)
+    return grad_out, q, k, v, out, stats
+
+
+def _cuda_cudnn_forward(q, k, v, scale, causal):
+    """(out [b, heads, s_q, d] in q's layout, lse [b, heads, s_q] fp32 contiguous)."""
+    _cudnn_check_square(q, k, causal)
+    q, k, v = (_cudnn_operand(t) for t in (q, k, v))
+    out, stats, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
+    # Stats is [b, heads, s_q, 1] (an older torch allocated [b, heads, s_q]): same values.
+    return out, stats.reshape(q.shape[:3]).float().contiguous()
+
+
+def _cuda_cudnn_backward(grad_out, q, k, v, out, lse, scale, causal):
+    """(dq, dk, dv) in q/k/v's shapes and layouts; dk/dv in the K/V group count (GQA native).
+    ``out`` and ``lse`` are the rows' merged output and log-sum-exp, as for every tile."""
+    _cudnn_check_square(q, k, causal)
+    grad_out, q, k, v, out, stats = _cudnn_backward_operands(grad_out, q, k, v, out, lse)
+    # No dropout: the seed/offset are never read (autograd would pass the forward's 0-d ones).
+    no_rng = torch.zeros((), dtype=torch.int64, device=q.device)
+    # attn_bias, cum_seq_q, cum_seq_k: None -> undefined tensors (empty ones would be a bias
+    # and the ragged kernel); max_q/max_k are the dense lengths the kernel uses.
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        grad_out, q, k, v, out, stats, no_rng, no_rng, None, None, None, q.shape[-2],
+        k.shape[-2], 0.0, causal, scale=scale)
+    return dq, dk, dv
 
 
 def _explicit_probabilities(q, k, scale, causal, lse=None):

@@ -41,9 +41,10 @@ REPO = Path(__file__).resolve().parents[2]
 #: efficient) are kernels the trainer never dispatches: not imported.
 KERNEL_NAMES = {"cuda_flash": "flash-attn-2", "sdpa flash (FA2)": "flash-attn-2",
                 "cuda_cudnn": "cudnn", "cudnn": "cudnn", "sdpa cudnn": "cudnn"}
-#: The evidence's backend name for the trainer's own tile ops (its record's ``kernel`` field
-#: says what they dispatched).
+#: The evidence's backend names for the trainer's own tile ops, as dispatched and with their
+#: FlashAttention-2 path forced (each record's ``kernel`` field says which kernel ran).
 TILE_OPS = "memo tile ops (as dispatched)"
+TILE_OPS_BACKENDS = (TILE_OPS, "memo tile ops (FA2 path)")
 
 _COMMENT = ("Kernel rows measured on GPUs, derived from GPU evidence files by `python "
             "bench/gpu_evidence.py --import-rows bench/results/gpu_evidence_<gpu>.json` "
@@ -117,7 +118,7 @@ def _attention_rows(records: list[dict]) -> list[dict]:
         if r["section"] != "attention" or not _measured(r, "seq", "head_dim", "forward_tflops",
                                                         "backward_tflops"):
             continue
-        tile_ops = r["backend"] == TILE_OPS
+        tile_ops = r["backend"] in TILE_OPS_BACKENDS
         kernel = KERNEL_NAMES.get(r.get("kernel") if tile_ops else r["backend"])
         if kernel is None:
             continue

@@ -43,7 +43,8 @@ def test_dry_run_checks_every_composition_and_plans_every_measurement(evidence, 
     correctness = by_section["correctness"]
     assert [r["case"] for r in correctness] == [c.name for c in ring_composition.cases(128)]
     assert all(r["status"] == "PASS" and r["kernel"] == "cpu_flash" for r in correctness)
-    assert len(by_section["attention"]) == 4 * 2 * len(evidence.ATTENTION_LENGTHS)
+    assert len(by_section["attention"]) == (len(evidence.ATTENTION_BACKENDS) * 2
+                                          * len(evidence.ATTENTION_LENGTHS))
     assert len(by_section["gemm"]) == len(evidence.gemm_shapes())
     assert len(by_section["long"]) == len(evidence.LONG_POLICIES) * len(evidence.LONG_LENGTHS)
     for section in ("attention", "gemm", "bandwidth", "long"):

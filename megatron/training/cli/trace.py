@@ -169,8 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "iteration; 'auto' is 'iteration' with --memo-offload, else "
                             "'forward'.")
     trace.add_argument("--no-flash-workspace", action="store_true",
-                       help="Do not record flash-attention 2's backward workspaces (declared "
-                            "next to the kernels in memo_ext.attention.kernels).")
+                       help="Do not record the attention tiles' backward workspaces "
+                            "(FlashAttention-2's, or cuDNN's where the trainer dispatches it on "
+                            "the --gpu: Hopper with --attention-backend auto; declared next to "
+                            "the kernels in memo_ext.attention.kernels).")
     trace.add_argument("--gpu", default=DEFAULT_GPU, metavar="PROFILE",
                        help="The GPU (a profile of memo_ext/estimate/hardware.json) whose CUDA "
                             "kernels' workspaces the trace records: cuBLAS workspace size, "
@@ -469,7 +471,10 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
         model = pretrain_gpt.model_provider(
             config, args, pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(), memo=memo)
-        stack.enter_context(kernels.declared_workspaces(not opts.no_flash_workspace))
+        attention_kernel = traced_attention_kernel(opts, args, target)
+        stack.enter_context(kernels.declared_workspaces(
+            not opts.no_flash_workspace, kernel=attention_kernel,
+            capability=target.compute_capability))
         # FakeTensorMode's op cache costs more than it saves on DDP's thousands of one-off
         # views into the contiguous buffers (measured: 9.5 s -> 5.5 s for 7B).
         with uncached(fake_mode):
@@ -497,8 +502,27 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
             "deallocate_pipeline_outputs": config.deallocate_pipeline_outputs,
         }
         yield TracedRank(args=args, config=config, model=ddp, recorder=recorder,
-                         header=trace_header(opts, args, coordinates, constants),
+                         header=trace_header(opts, args, coordinates, constants,
+                                             attention_kernel),
                          record_kwargs=record_kwargs)
+
+
+def traced_attention_kernel(opts: argparse.Namespace, args: argparse.Namespace, target) -> str:
+    """The CUDA tile kernel whose backward workspaces the trace declares: the one the trainer
+    dispatches on the target GPU for its --attention-backend (memo_ext.attention.kernels.
+    cuda_backend: cuDNN's fused attention on Hopper with 'auto', assuming the CUDA build of
+    this torch release, which bundles cuDNN 9). FlashAttention-2's under --no-cuda-semantics,
+    as before the choice existed."""
+    from memo_ext.attention import kernels
+
+    if opts.no_cuda_semantics:
+        return "cuda_flash"
+    try:
+        return kernels.cuda_backend(target.compute_capability,
+                                    kernels.cudnn_attention_op_exists(), args.attention_backend,
+                                    deterministic=bool(args.deterministic_mode))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def record(opts: argparse.Namespace):
@@ -560,7 +584,8 @@ def warmup_mode(opts: argparse.Namespace) -> str:
     return "iteration" if opts.memo_offload else "forward"
 
 
-def trace_header(opts, args, coordinates: dict, constants) -> dict:
+def trace_header(opts, args, coordinates: dict, constants,
+                 attention_kernel: str = "cuda_flash") -> dict:
     """Plain-data description of what was traced (the trace file's first line)."""
     from megatron.core import package_info
 
@@ -595,6 +620,8 @@ def trace_header(opts, args, coordinates: dict, constants) -> dict:
                     "grad_buffer_fp32": bool(args.accumulate_allreduce_grads_in_fp32),
                     "warmup": warmup_mode(opts),
                     "flash_workspace": not opts.no_flash_workspace,
+                    # The CUDA tile kernel whose backward workspaces are declared.
+                    "attention_kernel": attention_kernel,
                     "cuda_semantics": not opts.no_cuda_semantics,
                     "attention": "memo_ext.attention (ring CP, flash tiles)"},
         "constants": dataclasses.asdict(constants),

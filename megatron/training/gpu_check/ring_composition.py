@@ -3,8 +3,10 @@
 Every attention the trainer runs is a composition of tiles (memo_ext.attention): the zigzag ring
 of context parallelism, the document-cut tiles of packed sequences, head chunks. Each tile's
 backward gets a slice of the rows' log-sum-exp. On a GPU the flash kernels read their inputs by
-raw pointer, so how a slice is laid out in memory matters there and nowhere else: a
-composition can be exact on CPU and wrong on CUDA. This check runs the compositions the
+raw pointer, and cuDNN's fused attention (dispatched on Hopper) reads out, grad_out and the
+log-sum-exp with the strides of the call that built its cached graph, so how a slice is laid
+out in memory matters there and nowhere else: a composition can be exact on CPU and wrong on
+CUDA. This check runs the compositions the
 trainer runs, with the kernels the device dispatches, and compares dQ/dK/dV with a dense fp32
 attention (every score materialised, causal and document masks as boolean masks) through
 autograd.
