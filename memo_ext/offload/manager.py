@@ -31,6 +31,17 @@ freed when the chunk's first layer's backward ends (nothing needs it until the n
 
 Everything here is written against :class:`memo_ext.device.CopyEngine`, so the same protocol
 runs on CUDA streams and on the CPU copy worker used in tests.
+
+Lifetimes. A layer's saved-tensor handles (buffer slices, view descriptions, recomputed
+entries) point at its :class:`LayerRecord`; autograd holds the handles, so the record lives as
+long as the layer's part of the graph and is freed by reference counting when that part is.
+The record must therefore never point back at its handles once autograd has them: a
+record <-> handle cycle outlives the graph until Python's full collection, which in a training
+process (hundreds of thousands of long-lived objects) runs rarely, and every record waiting for
+it pins its copy events and storage headers (issue 42: host memory grew every iteration). The
+record's lookup tables (``registered``, ``stored_whole``) serve only its forward and are emptied
+when the forward ends; its drop regions are held weakly. tests/unit/test_reference_cycles.py
+checks that no iteration leaves anything of ours to the cycle collector.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional, Sequence
 
@@ -266,13 +278,18 @@ class LayerRecord:
     prefetch_event: Optional[CopyEvent] = None
     resident: bool = True
     previous: Optional["LayerRecord"] = None
+    # Storage key -> registered tensor (forward only: emptied by end_layer, see the module
+    # docstring's "Lifetimes").
     registered: dict = field(default_factory=dict)
+    # Weak references to the layer's drop regions: their handles in autograd's graph keep them
+    # alive while anything can unpack them, and a region refers back to this record (through
+    # its inputs' buffer slices), so a strong list would be a cycle.
     regions: list = field(default_factory=list)
     current_region: Optional[DropRegion] = None
     checkpoint: bool = False
     # Storage key -> (weak reference to the storage of, slice of) a saved tensor stored whole
     # (it filled its storage), which register_whole can then reuse instead of storing the
-    # same bytes again.
+    # same bytes again. Forward only, like ``registered``: emptied by end_layer.
     stored_whole: dict = field(default_factory=dict)
 
     def store(self, tensor: torch.Tensor, compress: bool = False) -> _BufferSlice:
@@ -377,6 +394,11 @@ class OffloadManager:
         """Finish a layer's forward: start the D2H of its buffer, hook its backward."""
         self.active = None
         self.last_record = record
+        # Nothing looks tensors up by storage after the forward (backward reaches them through
+        # the handles autograd saved), and the tables' entries refer back to this record: kept,
+        # they would tie it in cycles to its slices until Python's full collection.
+        record.registered.clear()
+        record.stored_whole.clear()
         self.largest_layer_bytes = max(self.largest_layer_bytes, record.used_bytes)
         self.layer_bytes[record.layer] = record.used_bytes
         self.most_stored_tensors = max(self.most_stored_tensors, record.stored_tensors)
@@ -409,7 +431,7 @@ class OffloadManager:
         ]
         region = DropRegion(function, descriptions,
                             [t is not None and t.requires_grad for t in inputs], keep_outputs)
-        record.regions.append(region)
+        record.regions.append(weakref.ref(region))
         record.current_region = region
         try:
             outputs = function(*inputs)
@@ -538,16 +560,17 @@ class OffloadManager:
             # which allocates it at its first layer's size. Freed, it costs nothing through the
             # optimizer step, and each iteration allocates and frees it alike.
             record.buffer.release()
-        for region in record.regions:
-            region.release()
+        for reference in record.regions:
+            region = reference()
+            if region is not None:  # None: its handles were all unpacked, its tensors freed
+                region.release()
         if record.host_slot is not None:
             for event in (record.offload_event, record.prefetch_event):
                 if event is not None:
                     event.synchronize()
             self.host_slots.release(record.layer, record.host_slot)
             record.host_slot = None
-        # The record and its buffer slices refer to each other; breaking the cycle here frees
-        # its device tensors (token indices, RNG states) now rather than at the next gc.
+        # The chain to earlier layers' records would keep them (and their events) alive for as
+        # long as anything holds this one (the buffer's owner, the manager's last record).
         record.regions.clear()
-        record.registered.clear()
         record.previous = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Optional
 
@@ -55,7 +56,15 @@ class _GraphTagger(TorchFunctionMode):
 
     def __init__(self, recorder: AllocationRecorder):
         super().__init__()
-        self.recorder = recorder
+        # Weak: the recorder owns this tagger (``recorder.tagger``), and a strong reference
+        # back would make every recorder a cycle left to Python's full collection. --memo-plan
+        # makes one recorder per iteration (issue 42: tests/unit/test_reference_cycles.py).
+        # The tagger only runs while its recorder is in use, so the reference is always live.
+        self._recorder = weakref.ref(recorder)
+
+    @property
+    def recorder(self) -> AllocationRecorder:
+        return self._recorder()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
