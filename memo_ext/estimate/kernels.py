@@ -60,12 +60,22 @@ def _published_tables() -> dict:
 FALLBACK_ATTENTION_KERNEL = "flash-attn-2"
 
 
-def cuda_attention_backend(compute_capability: str) -> str:
+#: memo_ext.attention.kernels' CUDA kernels by the kernel tables' name of their algorithm.
+TABLE_KERNELS = {"cuda_cudnn": "cudnn", "cuda_flash": "flash-attn-2"}
+
+
+def cuda_attention_backend(compute_capability: str, backend: str = "auto") -> str:
     """The attention kernel the trainer dispatches on a CUDA GPU of ``compute_capability``
-    ("9.0"), by its kernel-table name. Mirrors the trainer's dispatch
-    (memo_ext.attention.kernels.kernel_for): every CUDA GPU runs its tiles on FlashAttention-2
-    (the flash-attn package, or torch's own build of it), whatever the capability."""
-    return "flash-attn-2"
+    ("9.0") for ``--attention-backend backend``, by its kernel-table name: the trainer's own
+    choice (memo_ext.attention.kernels.cuda_backend), cuDNN's fused attention from compute
+    capability 9.0 with ``auto`` and FlashAttention-2 before, for the CUDA build of this torch
+    release (which bundles cuDNN 9). The explicit kernel (``unfused``) has no rows: priced at
+    FlashAttention-2's."""
+    from memo_ext.attention import kernels  # the trainer's dispatch (imports megatron.core)
+
+    major, minor = (int(part) for part in str(compute_capability).split(".")[:2])
+    kernel = kernels.cuda_backend((major, minor), kernels.cudnn_attention_op_exists(), backend)
+    return TABLE_KERNELS.get(kernel, FALLBACK_ATTENTION_KERNEL)
 
 
 def dispatched_attention_kernel(hardware: dict) -> Optional[str]:

@@ -35,7 +35,7 @@ from tests.conftest import REPO_ROOT, run_estimate_cli
 
 H200_EVIDENCE = REPO_ROOT / "bench" / "results" / "gpu_evidence_h200.json"
 H200_LINE = ("kernel rows: measured on NVIDIA H200 (bench/results/gpu_evidence_h200.json, "
-             "commit 93b2990, 2026-11-27); attention kernel flash-attn-2")
+             "commit 93b2990, 2026-11-27); attention kernel cudnn")
 LLAMA3_8B = {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336,
              "num_attention_heads": 32, "num_query_groups": 8, "vocab_size": 128256,
              "swiglu": True, "seq_length": 1 << 20}
@@ -89,7 +89,7 @@ def test_measured_rows_win_where_there_are_some_published_otherwise():
     h200 = priced_rows(load_hardware("h200"))
     assert h200.source.startswith("measured on NVIDIA H200")
     assert len(h200.gemm) > 60 and all("source" not in row for row in h200.gemm)
-    assert {row["kernel"] for row in h200.attention} == {"flash-attn-2"}
+    assert {row["kernel"] for row in h200.attention} == {"cudnn"}  # dispatched on Hopper
     h100 = priced_rows(load_hardware("h100"))  # no H100 evidence: the published rows
     assert h100.source.startswith("published (memo_ext/estimate/kernel_tables.json, "
                                   "table 'h100'")
@@ -187,18 +187,23 @@ def test_a_bad_evidence_file_is_one_line_naming_it(evidence, tmp_path, capsys, c
 
 
 def test_attention_is_priced_at_the_dispatched_kernel(monkeypatch):
-    """The estimator prices the kernel cuda_attention_backend names; a GPU with no rows of it
-    falls back to FlashAttention-2's and says so."""
-    fa2 = _efficiency("h200")
-    monkeypatch.setattr(kernels, "cuda_attention_backend", lambda capability: "cudnn")
+    """The estimator prices the kernel the trainer dispatches (cuda_attention_backend: cuDNN on
+    Hopper, FlashAttention-2 on Ampere); a GPU with no rows of it falls back to
+    FlashAttention-2's and says so."""
+    assert [kernels.cuda_attention_backend(c) for c in ("8.0", "9.0")] == ["flash-attn-2",
+                                                                           "cudnn"]
+    assert kernels.cuda_attention_backend("9.0", "flash") == "flash-attn-2"
     cudnn = priced_rows(load_hardware("h200"))
     assert cudnn.attention_kernel == "cudnn"
     assert {row["backend"] for row in cudnn.attention} == {"sdpa cudnn"}
-    assert _efficiency("h200").attention_forward > 1.7 * fa2.attention_forward
-    assert _efficiency("h200").gemm == fa2.gemm
     h100 = kernel_rows_line(load_hardware("h100"))
     assert h100.endswith("attention kernel flash-attn-2 (the dispatched cudnn has no rows for "
                          "this GPU)")
+    with_cudnn = _efficiency("h200")
+    monkeypatch.setattr(kernels, "cuda_attention_backend", lambda capability: "flash-attn-2")
+    fa2 = _efficiency("h200")
+    assert with_cudnn.attention_forward > 1.7 * fa2.attention_forward
+    assert with_cudnn.gemm == fa2.gemm
 
 
 def test_measured_gemm_rows_give_the_layer_shapes_own_rate():
