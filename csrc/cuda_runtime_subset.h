@@ -36,6 +36,7 @@ using EventCreateWithFlagsFn = Status (*)(void**, unsigned int);
 using EventRecordFn = Status (*)(void*, void*);
 using StreamWaitEventFn = Status (*)(void*, void*, unsigned int);
 using EventDestroyFn = Status (*)(void*);
+using GetLastErrorFn = Status (*)();
 
 // enum cudaMemPoolAttr
 constexpr int kMemPoolAttrReleaseThreshold = 4;

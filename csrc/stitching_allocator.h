@@ -1,6 +1,8 @@
 // GMLake virtual memory stitching allocator (Guo et al., ASPLOS'24), the real one: every block it
 // hands out is a readable, writable virtual range backed by physical memory, and a stitched
 // block is one contiguous virtual range mapped onto several non-contiguous physical pieces.
+// Why one file: one class; its segments, the normal path and the stitching pools' hooks are
+// its private parts and change together (the decisions themselves are stitching_rules.h's).
 //
 // The stitching decisions (BestFit S1-S5, split, stitch, StitchFree, slot numbering, release
 // order) are csrc/stitching_rules.h's, the code the "stitching" allocator model
@@ -37,6 +39,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -80,6 +83,10 @@ class PhysicalBackend {
   virtual void map(uintptr_t va, int64_t h, int64_t offset, int64_t bytes) = 0;
   // Unmap [va, va + bytes); the range stays reserved.
   virtual void unmap(uintptr_t va, int64_t bytes) = 0;
+  // Wait until the work queued on `stream` so far has finished. The allocator calls it before
+  // it unmaps or releases memory a block of that stream used (see StitchingAllocator::settle);
+  // host memory has no queued work, so the host backend keeps this no-op.
+  virtual void synchronize(int64_t stream) { (void)stream; }
 };
 
 // What the allocator counts, beyond the stitching pools' counters. Bytes, counts, seconds.
@@ -102,6 +109,7 @@ struct Stats : StitchCounters {
   int64_t physical_creates = 0;     // backend create() calls that succeeded (model: mallocs)
   int64_t physical_releases = 0;    // pieces handed back (model: frees)
   int64_t map_calls = 0;            // map + unmap calls (each may cover several chunks)
+  int64_t stream_syncs = 0;         // backend synchronize() calls before unmapping
   int64_t reserve_calls = 0;        // reserve + unreserve calls
   double map_seconds = 0;           // wall time in map and unmap
   double reserve_seconds = 0;       // wall time in reserve and unreserve
@@ -174,6 +182,7 @@ class StitchingAllocator {
     if (it == live_.end()) return -1;
     const Live live = it->second;
     live_.erase(it);
+    unsettled_.insert(live.stream);
     ++st_.frees;
     --st_.live_blocks;
     st_.active_bytes -= live.bytes;
@@ -198,9 +207,13 @@ class StitchingAllocator {
   void teardown() {
     if (torn_down_) return;
     torn_down_ = true;
+    // blocks in use go too: wait for every stream that may still use one
+    for (const auto& kv : live_) unsettled_.insert(kv.second.stream);
+    for (int64_t stream : unsettled_) synchronize(stream);
+    unsettled_.clear();
     pools_.release_all();
     for (int32_t g = 0; g < static_cast<int32_t>(segments_.size()); ++g) {
-      if (segments_[g].alive) release_segment(g, segments_[g].live);
+      if (segments_[g].alive) release_segment(g, segments_[g].live, 0);  // settled above
     }
     live_.clear();
     st_.live_blocks = st_.active_bytes = st_.requested_bytes = 0;
@@ -430,8 +443,32 @@ class StitchingAllocator {
     return g;
   }
 
-  // Hand back `bytes` at `offset` of segment g (unmapped first); the range goes with the last.
-  void release_piece(int32_t g, int64_t offset, int64_t bytes) {
+  // Streams that freed a block since they were last synchronized. Unmapping is not ordered
+  // with any stream: cuMemUnmap and cuMemRelease take effect when the host calls them, unlike
+  // cudaFree (which waits for the device) or a block's reuse (which the pools allow only on the
+  // block's own stream, whose work runs in order). A block freed on stream S may still be read
+  // or written by kernels S has queued; unmapping its memory then makes those kernels fault.
+  // So memory a stream used is unmapped only after that stream was synchronized, as PyTorch's
+  // ExpandableSegment::unmapHandles (c10/cuda/CUDACachingAllocator.cpp) synchronizes its
+  // segment's stream (or the whole device when the segment serves several) before its
+  // cuMemUnmap/cuMemRelease. Other streams a block was recorded on need nothing here: its free
+  // waited for their events (csrc/cuda/stitching_cuda.cpp) before the block came back. One
+  // synchronize per stream and release batch: a stream is settled once, until it frees again.
+  std::set<int64_t> unsettled_;
+
+  void synchronize(int64_t stream) {
+    be_.synchronize(stream);
+    ++st_.stream_syncs;
+  }
+
+  void settle(int64_t stream) {
+    if (unsettled_.erase(stream)) synchronize(stream);
+  }
+
+  // Hand back `bytes` at `offset` of segment g (unmapped first, after the work queued on
+  // `stream`, the stream its blocks were used on, finished); the range goes with the last.
+  void release_piece(int32_t g, int64_t offset, int64_t bytes, int64_t stream) {
+    settle(stream);
     Segment& seg = segments_[g];
     const bool last = seg.live == bytes;
     // unmapped even when the range goes too: cuMemAddressFree wants a range with no mappings
@@ -453,7 +490,9 @@ class StitchingAllocator {
     }
   }
 
-  void release_segment(int32_t g, int64_t bytes) { release_piece(g, 0, bytes); }
+  void release_segment(int32_t g, int64_t bytes, int64_t stream) {
+    release_piece(g, 0, bytes, stream);
+  }
 
   void add_log(int64_t kind, int64_t bytes) {
     if (opt_.log) log_.push_back(LogEntry{event_, kind, bytes});
@@ -473,8 +512,8 @@ class StitchingAllocator {
       return b;
     }
     void reorganising() { ++a.st_.reorganisations; }
-    void release_segment(const NBlock* b) {
-      a.release_segment(b->segment, a.segments_[b->segment].size);
+    void release_segment(const NBlock* b) {  // a segment's blocks share its stream
+      a.release_segment(b->segment, a.segments_[b->segment].size, b->stream);
     }
   };
 
@@ -500,7 +539,7 @@ class StitchingAllocator {
     }
 
     void release_piece(const PrimitiveBlock& p) {
-      a.release_piece(static_cast<int32_t>(p.base), p.offset, p.size);
+      a.release_piece(static_cast<int32_t>(p.base), p.offset, p.size, p.stream);
     }
 
     uintptr_t map_stitched(const std::vector<int32_t>& parts, int64_t bytes,
@@ -528,7 +567,11 @@ class StitchingAllocator {
       return va;
     }
 
+    // A stitched block is dropped (StitchFree's least recently used one, or by
+    // release_cached()) once inactive: its last user freed it on its stream, whose kernels may
+    // still read the range.
     void unmap_stitched(const StitchedBlock& s) {
+      a.settle(s.stream);
       Stats& st = a.st_;
       a.timed(st.map_seconds, [&] { a.be_.unmap(s.va, s.size); });
       ++st.map_calls;

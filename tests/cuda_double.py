@@ -25,10 +25,21 @@ listed in docs/gpu.md as PyTorch documents them, raising where PyTorch raises:
   functions up with ctypes, as PyTorch does; ``memory.change_current_allocator`` refuses once
   the current allocator is initialized (PyTorch initializes it at the first CUDA allocation);
   from then on :meth:`CudaDouble.allocate` calls the library's functions with the stream's
-  handle, the statistics and snapshot calls raise PyTorch's RuntimeError ("CUDAPluggableAllocator
-  does not yet support ..."), ``set_per_process_memory_fraction`` and ``empty_cache`` do nothing,
-  and ``Tensor.record_stream`` no longer reaches the allocator (the Python API cannot set the
-  pluggable allocator's record-stream hook).
+  handle as torch/csrc/cuda/CUDAPluggableAllocator.cpp does: the alloc hook for every size, 0
+  included; whatever it returns, null included, becomes the tensor's address and is recorded
+  by address without replacing an entry already there; the free hook runs for non-null
+  addresses only (a DataPtr's deleter is never called for null) with the recorded size, device
+  and stream, and an address with no record raises "Trying to free a pointer not allocated
+  here". A C++ exception the hook throws becomes the Python exception PyTorch's binding layer
+  makes of it (c10::OutOfMemoryError: torch.OutOfMemoryError; another c10::Error or
+  std::exception: RuntimeError), through tests/pluggable_shim.cpp (ctypes cannot catch C++
+  exceptions; built on first use against the installed torch's c10). The statistics and
+  snapshot calls raise PyTorch's RuntimeError ("CUDAPluggableAllocator does not yet support
+  ..."), ``set_per_process_memory_fraction`` and ``empty_cache`` do nothing, and
+  ``Tensor.record_stream`` no longer reaches the allocator (the Python API cannot set the
+  pluggable allocator's record-stream hook);
+- the native caching allocator gives 0 bytes a null address without allocating
+  (NativeCachingAllocator::allocate), as the double does.
 
 - the CUDA flash-attention kernels (:class:`FlashKernelDouble`): torch's FlashAttention-2 build
   (``aten._scaled_dot_product_flash_attention`` and its backward) and flash-attn's
@@ -51,13 +62,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import functools
+import hashlib
 import itertools
 import math
+import os
 import pickle
+import shutil
+import subprocess
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
@@ -66,7 +83,6 @@ import torch
 #: What the pluggable allocator says for every statistic (torch/csrc/cuda/CUDAPluggableAllocator.cpp).
 PLUGGABLE_UNSUPPORTED = ("CUDAPluggableAllocator does not yet support {}. If you need it, please "
                          "file an issue describing your use case.")
-_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 _FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
                             ctypes.c_void_p)
 # The caching allocator rounds requests to 512 bytes and reserves 2 MiB segments for small ones
@@ -225,8 +241,51 @@ class _Caching:
     blocks: dict = field(default_factory=dict)  # fake address -> rounded size
 
 
+SHIM_SOURCE = Path(__file__).with_name("pluggable_shim.cpp")
+SHIM_BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "test_shims"
+#: What tests/pluggable_shim.cpp reports a hook's exception as (kind 1: c10::OutOfMemoryError).
+_EXCEPTION_KINDS = {1: torch.OutOfMemoryError, 2: RuntimeError, 3: RuntimeError, 4: RuntimeError}
+
+
+@functools.lru_cache(maxsize=None)
+def _shim() -> ctypes.CDLL:
+    """tests/pluggable_shim.cpp built (once per source and torch, under build/test_shims/) and
+    loaded."""
+    from memo_ext import torch_build
+
+    include, lib_dir = torch_build.torch_dirs()
+    digest = hashlib.sha256(SHIM_SOURCE.read_bytes() + str(include).encode()).hexdigest()[:16]
+    library = SHIM_BUILD_DIR / f"libmemo_pluggable_shim_{digest}.so"
+    if not library.is_file():
+        SHIM_BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([shutil.which("g++") or "c++", "-std=c++17", "-O1", "-shared", "-fPIC",
+                        *torch_build.compile_flags(), str(SHIM_SOURCE), "-o", str(partial),
+                        *torch_build.link_flags()], check=True, capture_output=True, timeout=300)
+        os.replace(partial, library)
+    shim = ctypes.CDLL(str(library))
+    shim.memo_test_call_alloc_hook.restype = ctypes.c_void_p
+    shim.memo_test_call_alloc_hook.argtypes = [
+        ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
+    return shim
+
+
+def call_alloc_hook(hook: int, nbytes: int, device: int, stream: int) -> int:
+    """``hook`` (an alloc function's address) called as CUDAPluggableAllocator::malloc calls
+    it: its pointer as an int (0 for null, passed on unchecked), or the Python exception
+    PyTorch's binding layer raises for the C++ exception it threw."""
+    kind, message = ctypes.c_int(0), ctypes.create_string_buffer(4096)
+    address = _shim().memo_test_call_alloc_hook(hook, nbytes, device, stream,
+                                                ctypes.byref(kind), message, len(message))
+    if kind.value:
+        raise _EXCEPTION_KINDS[kind.value](message.value.decode(errors="replace"))
+    return address or 0
+
+
 class _Pluggable:
-    """What ``torch._C._cuda_customAllocator`` keeps: the library's two functions."""
+    """What ``torch._C._cuda_customAllocator`` keeps: the library's two functions, and the
+    table of live allocations CUDAPluggableAllocator keeps by address."""
 
     def __init__(self, path: str, alloc_fn_name: str, free_fn_name: str):
         library = ctypes.CDLL(path)
@@ -237,8 +296,25 @@ class _Pluggable:
         if free_fn is None:
             raise AssertionError(f"free_fn '{free_fn_name}' is None")
         self.path = path
-        self.malloc = _ALLOC_FN(alloc_fn)
+        self.alloc_fn = alloc_fn
         self.free = _FREE_FN(free_fn)
+        self.metadata: dict[int, tuple[int, int, int]] = {}  # address -> (size, device, stream)
+
+    def malloc(self, nbytes: int, device: int, stream: int) -> int:
+        """CUDAPluggableAllocator::malloc: the hook's pointer, unchecked, recorded with
+        emplace (an address already recorded keeps its first entry: null is one)."""
+        address = call_alloc_hook(self.alloc_fn, nbytes, device, stream)
+        self.metadata.setdefault(address, (nbytes, device, stream))
+        return address
+
+    def raw_delete(self, address: int) -> None:
+        """CUDAPluggableAllocator::raw_delete, reached from a DataPtr's deleter (so never for
+        null): the free hook with the recorded size, device and stream. PyTorch raises this
+        inside a deleter, which terminates the process; the double raises it."""
+        if address not in self.metadata:
+            raise RuntimeError("Trying to free a pointer not allocated here")
+        nbytes, device, stream = self.metadata.pop(address)
+        self.free(address, nbytes, device, stream)
 
     def allocator(self) -> "_Pluggable":
         return self
@@ -275,27 +351,32 @@ class CudaDouble:
     def allocate(self, nbytes: int, device: Optional[int] = None,
                  stream: Optional[FakeStream] = None) -> int:
         """A CUDA tensor of ``nbytes`` on ``device``, allocated on ``stream`` (default: the
-        current one) by the current allocator: its address. Raises torch.OutOfMemoryError
-        when the allocator returns nullptr, as PyTorch does."""
+        current one) by the current allocator: its data pointer, 0 for null. A pluggable
+        allocator's hook is called for every size and its pointer is not checked (PyTorch
+        does not check it either): a hook that answers a request with null gives a tensor at
+        address 0. The caching allocator answers 0 bytes with null, allocating nothing, and
+        raises torch.OutOfMemoryError past the device's memory."""
         device = self.device if device is None else device
         stream = stream or self._current[device]
         self.initialized = True
         if self.pluggable is not None:
             address = self.pluggable.malloc(nbytes, device, stream.cuda_stream)
-            if not address:
-                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} "
-                                             "bytes (pluggable allocator returned nullptr)")
+        elif nbytes == 0:
+            address = 0
         else:
             address = self._caching_malloc(nbytes, device)
-        self._live[address] = (nbytes, device, stream.cuda_stream)
+        if address:
+            self._live[address] = (nbytes, device, stream.cuda_stream)
         return address
 
     def free(self, address: int) -> None:
         """The tensor at ``address`` is gone: the allocator frees it with the size, device and
-        stream of its allocation, as PyTorch's deleter does."""
+        stream of its allocation, as PyTorch's deleter does; nothing for a null address."""
+        if not address:
+            return
         nbytes, device, stream = self._live.pop(address)
         if self.pluggable is not None:
-            self.pluggable.free(address, nbytes, device, stream)
+            self.pluggable.raw_delete(address)
             return
         state = self.caching[device]
         state.allocated -= state.blocks.pop(address)

@@ -59,6 +59,7 @@ MEMO_CHECK_RUNTIME_FUNCTION(cudaEventRecord, EventRecordFn, cudaEvent_t, cudaStr
 MEMO_CHECK_RUNTIME_FUNCTION(cudaStreamWaitEvent, StreamWaitEventFn, cudaStream_t, cudaEvent_t,
                             unsigned int)
 MEMO_CHECK_RUNTIME_FUNCTION(cudaEventDestroy, EventDestroyFn, cudaEvent_t)
+MEMO_CHECK_RUNTIME_FUNCTION(cudaGetLastError, GetLastErrorFn, void)
 
 static_assert(cudaSuccess == 0, "cudaSuccess");
 static_assert(memo_cudart::kMemPoolAttrReleaseThreshold == cudaMemPoolAttrReleaseThreshold,

@@ -3,10 +3,14 @@
 //
 // Built as its own shared library (not part of memo_ext._C, which must build without CUDA) by
 // memo_ext/alloc/stitching_cuda.py when the CUDA toolkit headers are present:
-//   g++ -std=c++17 -O3 -shared -fPIC -Icsrc -I$CUDA_HOME/include csrc/cuda/stitching_cuda.cpp
-//       -o libmemo_stitching_cuda.so -ldl
+//   g++ -std=c++17 -O3 -shared -fPIC -Icsrc -I$CUDA_HOME/include -isystem $TORCH/include
+//       csrc/cuda/stitching_cuda.cpp -o libmemo_stitching_cuda.so -ldl -L$TORCH/lib -lc10
 // The driver entry points are looked up at run time (dlopen of libcuda.so.1, or of the library
-// named by MEMO_STITCH_CUDA_DRIVER), so the library links against nothing CUDA.
+// named by MEMO_STITCH_CUDA_DRIVER), so the library links against nothing CUDA; it links c10,
+// whose out-of-memory error the alloc hook throws (csrc/torch_errors.h).
+// Why one file: it is the one source memo_ext/alloc/stitching_cuda.py compiles on the machine
+// that runs it, and its parts (driver table, backend, deferred frees, hooks) share the globals
+// one mutex guards; the allocator core it wraps is csrc/stitching_allocator.h.
 //
 // Backend (one per device):
 //   create(bytes)          bytes / 2 MiB calls of cuMemCreate, one handle per 2 MiB chunk: a
@@ -17,6 +21,9 @@
 //   map(va, h, off, bytes) cuMemMap of each chunk in the range at consecutive addresses, then
 //                          one cuMemSetAccess (read/write for this device) over the range
 //   unmap(va, bytes)       cuMemUnmap over the range (it covers whole chunk mappings only)
+//   synchronize(stream)    cuStreamSynchronize in the stream's context: the allocator calls it
+//                          before it unmaps or releases memory a block of that stream used
+//                          (csrc/stitching_allocator.h, StitchingAllocator::settle, says why)
 // The normal path's segments come from the same backend (GMLake keeps cudaMalloc for it: a
 // difference that changes no decision, only which API holds the bytes).
 //
@@ -58,6 +65,7 @@
 #include <vector>
 
 #include "../stitching_allocator.h"
+#include "../torch_errors.h"
 
 namespace {
 
@@ -82,6 +90,7 @@ struct Driver {
   decltype(&cuStreamGetCtx) stream_context = nullptr;
   decltype(&cuCtxPushCurrent) context_push = nullptr;
   decltype(&cuCtxPopCurrent) context_pop = nullptr;
+  decltype(&cuStreamSynchronize) stream_synchronize = nullptr;
 };
 
 template <class F>
@@ -114,6 +123,7 @@ const Driver& driver() {
     load(lib, "cuStreamGetCtx", out.stream_context);
     load(lib, "cuCtxPushCurrent_v2", out.context_push);
     load(lib, "cuCtxPopCurrent_v2", out.context_pop);
+    load(lib, "cuStreamSynchronize", out.stream_synchronize);
     return out;
   }();
   return d;
@@ -126,6 +136,21 @@ void check(CUresult r, const char* what) {
   throw std::runtime_error(std::string(what) + " failed: " + (text ? text : "unknown error") +
                            " (" + std::to_string(static_cast<int>(r)) + ")");
 }
+
+// ------------------------------------------------------------------------------ contexts
+// An event is created, recorded, queried and destroyed, and a stream synchronized, in the
+// context of that stream: the thread that frees a block (a Python deleter, an autograd thread)
+// may have another device's context current, or none.
+class ContextScope {
+ public:
+  explicit ContextScope(CUcontext ctx) { check(driver().context_push(ctx), "cuCtxPushCurrent"); }
+  ~ContextScope() {
+    CUcontext popped = nullptr;
+    driver().context_pop(&popped);
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+};
 
 // ------------------------------------------------------------------------------ the backend
 class CudaBackend : public memo_stitch::PhysicalBackend {
@@ -220,6 +245,29 @@ class CudaBackend : public memo_stitch::PhysicalBackend {
           "cuMemUnmap");
   }
 
+  // Called from the hooks under the library's mutex, without Python's GIL (PyTorch's
+  // unmapHandles calls cudaStreamSynchronize directly rather than c10's stream_synchronize for
+  // the same reason: that one may take the GIL, and the allocator lock must come after it).
+  void synchronize(int64_t stream) override {
+    auto it = contexts_.find(stream);
+    if (it == contexts_.end()) {
+      throw std::logic_error("synchronize of a stream no block was allocated on");
+    }
+    ContextScope scope(it->second);
+    check(driver().stream_synchronize(reinterpret_cast<CUstream>(stream)), "cuStreamSynchronize");
+  }
+
+  // Remember the context of a stream requests come on, read from the allocating thread (for
+  // the NULL stream: its current context), for synchronize(): the thread that later unmaps
+  // (a Python deleter, empty_cache) may have another context current, or none.
+  void note_stream(void* stream) {
+    const int64_t key = reinterpret_cast<int64_t>(stream);
+    if (contexts_.count(key)) return;
+    CUcontext ctx = nullptr;
+    check(driver().stream_context(static_cast<CUstream>(stream), &ctx), "cuStreamGetCtx");
+    contexts_[key] = ctx;
+  }
+
   int64_t physical_bytes() const { return physical_bytes_; }
   int64_t live_handles() const { return static_cast<int64_t>(handles_.size()); }
 
@@ -232,25 +280,12 @@ class CudaBackend : public memo_stitch::PhysicalBackend {
   CUmemAllocationProp prop_{};
   CUmemAccessDesc access_{};
   std::unordered_map<int64_t, std::vector<Chunk>> handles_;
+  std::unordered_map<int64_t, CUcontext> contexts_;  // stream -> its context
   int64_t next_ = 0;
   int64_t physical_bytes_ = 0;
 };
 
 // ------------------------------------------------------------------ streams and events
-// An event is created, recorded, queried and destroyed in the context of the stream it is
-// recorded on: the thread that frees a block (a Python deleter, an autograd thread) may have
-// another device's context current, or none.
-class ContextScope {
- public:
-  explicit ContextScope(CUcontext ctx) { check(driver().context_push(ctx), "cuCtxPushCurrent"); }
-  ~ContextScope() {
-    CUcontext popped = nullptr;
-    driver().context_pop(&popped);
-  }
-  ContextScope(const ContextScope&) = delete;
-  ContextScope& operator=(const ContextScope&) = delete;
-};
-
 // A stream that uses a block besides its allocation stream, with the context it belongs to.
 struct StreamUse {
   CUstream stream;
@@ -393,25 +428,82 @@ DeviceAllocator* owner_of(uintptr_t ptr) {
 }  // namespace
 
 // ------------------------------------------------------------------------- exported hooks
+namespace {
+
+enum class Outcome { kServed, kOutOfMemory, kFailed };
+
+// The allocation behind both alloc exports. Sets *out, and g_last_error unless served.
+Outcome allocate(ssize_t size, int device, void* stream, void** out, std::string* detail) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  *out = nullptr;
+  try {
+    DeviceAllocator& d = device_for(device);
+    d.backend->note_stream(stream);
+    if (!d.events.empty()) process_events(d);
+    const uintptr_t p = d.alloc->malloc(static_cast<int64_t>(size),
+                                        reinterpret_cast<int64_t>(stream));
+    if (p) {
+      *out = reinterpret_cast<void*>(p);
+      return Outcome::kServed;
+    }
+    const memo_stitch::Stats& s = d.alloc->stats();
+    g_last_error = "out of memory: " + std::to_string(size) + " bytes";
+    if (detail) {
+      *detail = "It holds " + std::to_string(s.reserved_bytes) + " bytes of physical memory, " +
+                std::to_string(s.active_bytes) + " of them in blocks in use, after dropping its "
+                "cache and waiting for the frees other streams held back (" +
+                std::to_string(d.pending_bytes) + " bytes still held back).";
+    }
+    return Outcome::kOutOfMemory;
+  } catch (const std::exception& e) {
+    g_last_error = e.what();
+    if (detail) *detail = e.what();
+    return Outcome::kFailed;
+  }
+}
+
+constexpr const char* kAllocatorName =
+    "MEMO's GMLake stitching allocator (--memo-stitching-allocator: memo_stitch_malloc)";
+
+}  // namespace
+
 // Signatures of torch.cuda.memory.CUDAPluggableAllocator's alloc/free functions. The stream (a
-// cudaStream_t) keys the pools, as PyTorch's allocator keys its own. A failure returns nullptr
-// (PyTorch raises its out-of-memory error); memo_stitch_last_error() says why.
+// cudaStream_t) keys the pools, as PyTorch's allocator keys its own.
+//
+// PyTorch's pluggable allocator calls the alloc hook for every size, 0 included, and never
+// checks what comes back (torch/csrc/cuda/CUDAPluggableAllocator.cpp): 0 bytes get nullptr
+// here, as PyTorch's caching allocator gives them (no block, and the free hook is never called
+// for a null pointer); a request that cannot be served throws c10::OutOfMemoryError
+// (torch.OutOfMemoryError; any other failure c10::Error, a RuntimeError) instead of handing
+// PyTorch a null pointer for a tensor of `size` bytes (csrc/torch_errors.h). Driver API calls
+// leave no error state behind to clear (that is the runtime's cudaGetLastError, for runtime
+// calls); cuMemCreate's CUDA_ERROR_OUT_OF_MEMORY is only its return value.
 extern "C" {
 
 __attribute__((visibility("default"))) void* memo_stitch_malloc(ssize_t size, int device,
                                                               void* stream) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  try {
-    DeviceAllocator& d = device_for(device);
-    if (!d.events.empty()) process_events(d);
-    const uintptr_t p = d.alloc->malloc(static_cast<int64_t>(size),
-                                        reinterpret_cast<int64_t>(stream));
-    if (!p) g_last_error = "out of memory: " + std::to_string(size) + " bytes";
-    return reinterpret_cast<void*>(p);
-  } catch (const std::exception& e) {
-    g_last_error = e.what();
-    return nullptr;
+  if (size == 0) return nullptr;
+  void* ptr = nullptr;
+  std::string detail;
+  switch (allocate(size, device, stream, &ptr, &detail)) {
+    case Outcome::kServed:
+      return ptr;
+    case Outcome::kOutOfMemory:
+      memo_torch::throw_out_of_memory(kAllocatorName, size, device, detail);
+    case Outcome::kFailed:
+      break;
   }
+  memo_torch::throw_error(kAllocatorName, detail);
+}
+
+// memo_stitch_malloc for callers that cannot catch a C++ exception (ctypes): nullptr for 0
+// bytes and on any failure, memo_stitch_last_error() says why.
+__attribute__((visibility("default"))) void* memo_stitch_try_malloc(ssize_t size, int device,
+                                                                  void* stream) {
+  if (size == 0) return nullptr;
+  void* ptr = nullptr;
+  allocate(size, device, stream, &ptr, nullptr);
+  return ptr;
 }
 
 // A block used by other streams (memo_stitch_record_stream) is freed once their work queued so
@@ -520,7 +612,8 @@ __attribute__((visibility("default"))) int memo_stitch_stats(int device, int64_t
       s.physical_releases, s.map_calls, static_cast<int64_t>(s.map_seconds * 1e9),
       it->second.backend->physical_bytes(), it->second.backend->live_handles(),
       static_cast<int64_t>(it->second.pending.size()), it->second.pending_bytes,
-      it->second.events_pending, it->second.events_recorded, it->second.event_syncs};
+      it->second.events_pending, it->second.events_recorded, it->second.event_syncs,
+      s.stream_syncs};
   const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
   int k = 0;
   for (; k < n && k < count; ++k) out[k] = values[k];
@@ -532,7 +625,7 @@ __attribute__((visibility("default"))) const char* memo_stitch_stat_names() {
          "sblocks_alive,allocs,frees,exact_hits,splits,stitches,new_pblocks,sblocks_dropped,"
          "reorganisations,ooms,physical_creates,physical_releases,map_calls,map_nanoseconds,"
          "backend_physical_bytes,backend_handles,deferred_frees,deferred_bytes,events_pending,"
-         "events_recorded,event_syncs";
+         "events_recorded,event_syncs,stream_syncs";
 }
 
 // Peak reserved, active and mapped bytes of `device` back to their current values

@@ -1,6 +1,6 @@
 // A stand-in for the CUDA driver's virtual memory, event and context calls, on host memory, for
 // testing csrc/cuda/stitching_cuda.cpp on a machine without a GPU. It is NOT a CUDA driver: it
-// implements only the seventeen entry points that backend loads (MEMO_STITCH_CUDA_DRIVER points
+// implements only the eighteen entry points that backend loads (MEMO_STITCH_CUDA_DRIVER points
 // at this library), memory with host memfd/mmap, and it enforces the rules the CUDA
 // documentation states for them, so that a backend that breaks one fails here:
 //   - cuMemCreate sizes and every cuMemMap/cuMemUnmap/cuMemAddressReserve address and size are
@@ -16,7 +16,12 @@
 //   - cuEventRecord: a live event and a stream of the event's context ("must be from the same
 //     context"); the NULL stream and CU_STREAM_LEGACY mean the current context's;
 //   - cuEventQuery / cuEventSynchronize / cuEventDestroy: a live event (never a destroyed one);
-//   - cuStreamGetCtx on the NULL/legacy stream, and cuCtxPopCurrent: a context is current.
+//   - cuStreamGetCtx and cuStreamSynchronize on the NULL/legacy stream, and cuCtxPopCurrent: a
+//     context is current.
+// cuStreamSynchronize completes the events recorded on the stream (the host waited for it).
+// Every cuStreamSynchronize, cuMemUnmap and cuMemRelease is logged in call order
+// (fake_cuda_call_log), so a test can check that memory a stream used is unmapped only after
+// that stream was synchronized: nothing here runs kernels, so an unmap too early cannot fault.
 // One device, one context (the primary), current from the start as in a thread that has used
 // CUDA; fake_cuda_set_current_context(0) pops it, as in a thread that never did. Streams are any
 // other handle, all of that context. The GPU's progress is the test's: a recorded event stays
@@ -34,6 +39,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -70,6 +76,10 @@ struct Event {
 std::map<uintptr_t, Event> g_events;  // live events; handles are never reused
 uintptr_t g_next_event = 1;
 long long g_events_created = 0, g_event_syncs = 0;
+
+// The ordered log of the calls fake_cuda_call_log reports: (kind, value).
+enum : long long { kLogSync = 1, kLogUnmap = 2, kLogRelease = 3 };
+std::vector<std::pair<long long, long long>> g_call_log;
 
 CUresult violation() {
   ++g_violations;
@@ -158,6 +168,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
 }
 
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+  g_call_log.emplace_back(kLogRelease, static_cast<long long>(handle));
   auto it = g_handles.find(handle);
   if (it == g_handles.end() || it->second.released) return violation();
   it->second.released = true;
@@ -230,6 +241,7 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* des
 }
 
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  g_call_log.emplace_back(kLogUnmap, static_cast<long long>(ptr));
   // whole mappings only, covering the range exactly
   CUdeviceptr p = ptr;
   auto it = g_mappings.find(ptr);
@@ -274,6 +286,18 @@ CUresult cuStreamGetCtx(CUstream stream, CUcontext* ctx) {
     return CUDA_ERROR_INVALID_CONTEXT;
   }
   *ctx = kPrimary;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(CUstream stream) {
+  if (is_null_stream(stream) && !current()) {
+    ++g_violations;
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
+  g_call_log.emplace_back(kLogSync, static_cast<long long>(reinterpret_cast<uintptr_t>(stream)));
+  for (auto& kv : g_events) {
+    if (kv.second.stream == stream) kv.second.pending = false;
+  }
   return CUDA_SUCCESS;
 }
 
@@ -360,4 +384,21 @@ __attribute__((visibility("default"))) void fake_cuda_counts(long long* out) {
   out[4] = g_creates;
   out[5] = g_violations;
 }
+}
+
+extern "C" {
+// Up to `max` entries of the call log into out[2 * i], out[2 * i + 1] as (kind, value): kind 1
+// cuStreamSynchronize (value: the stream), 2 cuMemUnmap (the address), 3 cuMemRelease (the
+// handle). Returns the log's length; fake_cuda_clear_call_log() empties it.
+__attribute__((visibility("default"))) long long fake_cuda_call_log(long long* out,
+                                                                   long long max) {
+  const long long n = static_cast<long long>(g_call_log.size());
+  for (long long i = 0; i < n && i < max; ++i) {
+    out[2 * i] = g_call_log[i].first;
+    out[2 * i + 1] = g_call_log[i].second;
+  }
+  return n;
+}
+
+__attribute__((visibility("default"))) void fake_cuda_clear_call_log() { g_call_log.clear(); }
 }

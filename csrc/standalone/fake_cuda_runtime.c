@@ -1,4 +1,4 @@
-// A stand-in for the nine CUDA runtime calls the planned arena's allocator hooks make
+// A stand-in for the ten CUDA runtime calls the planned arena's allocator hooks make
 // (csrc/cuda_runtime_subset.h), on host memory, for testing those hooks on a machine without a
 // GPU. It is NOT a CUDA runtime: allocations are malloc'ed, streams and events are opaque
 // handles, and nothing runs asynchronously. It keeps what a test needs to check the hooks'
@@ -7,6 +7,9 @@
 // malloc'ed and not freed, since this pool caches nothing), and every cross-stream dependency
 // (an event recorded on one stream and waited for by another), with the documented rules:
 // recording or waiting on a destroyed event fails; waiting on one never recorded is a no-op.
+// fake_capacity (bytes, -1: none) makes cudaMallocAsync fail with cudaErrorMemoryAllocation
+// beyond it; like the runtime it then records that error as the thread's last error, which
+// cudaGetLastError returns and resets (fake_last_error reads it without resetting).
 //
 // Tests build it as libcudart.so.<major> and load it as PyTorch loads its runtime (RTLD_LOCAL).
 //   cc -shared -fPIC -O1 fake_cuda_runtime.c -o libcudart.so.13
@@ -26,11 +29,15 @@ int fake_waits = 0;               // successful cudaStreamWaitEvent calls
 void* fake_last_waiter = 0;       // ... the stream that waited in the last one
 void* fake_last_waited_for = 0;   // ... and the stream its event was recorded on
 int fake_live_events = 0;
+int fake_invalid_frees = 0;       // cudaFreeAsync of an address it never handed out
+int64_t fake_capacity = -1;
+int fake_last_error = kSuccess;
 
 typedef struct { int live; int recorded; void* stream; } Event;
 static Event events[kMaxEvents];
 typedef struct { void* ptr; size_t size; } Block;
-static Block blocks[4096];
+enum { kMaxBlocks = 1 << 16 };
+static Block blocks[kMaxBlocks];
 
 static Event* event_of(void* handle) {
   intptr_t i = (intptr_t)handle - 1;
@@ -40,11 +47,22 @@ static Event* event_of(void* handle) {
 int cudaMallocAsync(void** ptr, size_t size, void* stream) {
   ++fake_mallocs;
   fake_last_stream = stream;
-  *ptr = malloc(size ? size : 1);
-  if (!*ptr) return kErrorMemoryAllocation;
-  for (int i = 0; i < 4096; ++i) {
-    if (!blocks[i].ptr) { blocks[i].ptr = *ptr; blocks[i].size = size; break; }
+  if (fake_capacity >= 0 && fake_reserved + (int64_t)size > fake_capacity) {
+    *ptr = 0;
+    fake_last_error = kErrorMemoryAllocation;
+    return kErrorMemoryAllocation;
   }
+  *ptr = malloc(size ? size : 1);
+  if (!*ptr) return fake_last_error = kErrorMemoryAllocation;
+  int slot = 0;
+  while (slot < kMaxBlocks && blocks[slot].ptr) ++slot;
+  if (slot == kMaxBlocks) {  // more live blocks than this fake keeps: refuse, as out of memory
+    free(*ptr);
+    *ptr = 0;
+    return fake_last_error = kErrorMemoryAllocation;
+  }
+  blocks[slot].ptr = *ptr;
+  blocks[slot].size = size;
   fake_reserved += (int64_t)size;
   if (fake_reserved > fake_reserved_high) fake_reserved_high = fake_reserved;
   return kSuccess;
@@ -53,11 +71,18 @@ int cudaMallocAsync(void** ptr, size_t size, void* stream) {
 int cudaFreeAsync(void* ptr, void* stream) {
   ++fake_frees;
   fake_last_stream = stream;
-  for (int i = 0; i < 4096; ++i) {
-    if (blocks[i].ptr == ptr) { fake_reserved -= (int64_t)blocks[i].size; blocks[i].ptr = 0; break; }
+  for (int i = 0; i < kMaxBlocks; ++i) {
+    if (blocks[i].ptr == ptr) {
+      fake_reserved -= (int64_t)blocks[i].size;
+      blocks[i].ptr = 0;
+      free(ptr);
+      return kSuccess;
+    }
   }
-  free(ptr);
-  return kSuccess;
+  // Not an address cudaMallocAsync handed out (say, one inside a block it did): the runtime
+  // refuses it; freeing it here would corrupt the host heap.
+  ++fake_invalid_frees;
+  return fake_last_error = kErrorInvalidValue;
 }
 
 int cudaDeviceGetDefaultMemPool(void** pool, int device) {
@@ -125,4 +150,10 @@ int cudaEventDestroy(void* event) {
   e->live = 0;
   --fake_live_events;
   return kSuccess;
+}
+
+int cudaGetLastError(void) {
+  int error = fake_last_error;
+  fake_last_error = kSuccess;
+  return error;
 }

@@ -12,7 +12,8 @@ A mechanism may, each hook a no-op unless it says otherwise:
 - ``step(iteration)``: a context around one training step (forward, backward, optimizer);
 - ``optimizer_phase()``: a context around ``optimizer.step()``;
 - ``end_step(iteration)``: work between steps, right after one (before its log line);
-- ``report(iteration, logger)``: after the step's log line (collective where it gathers).
+- ``report(iteration, logger)``: after the step's log line (collective where it gathers);
+- ``close()``: training is over (``pretrain`` returns or raises); runs in reverse order.
 
 Order. Mechanisms are registered, and every hook runs, in this order:
 
@@ -78,6 +79,9 @@ class Mechanism:
         pass
 
     def report(self, iteration: int, logger) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -176,6 +180,10 @@ class PlannerMechanism(Mechanism):
         if iteration % self.log_interval == 0:
             self.log(f"> {self.planner.stats_line()}")
 
+    def close(self) -> None:
+        """The CUDA arena stops serving (memo_ext.planner.CudaArena.close)."""
+        self.planner.close()
+
 
 class Mechanisms:
     """The registered mechanisms, in hook order (see the module docstring); empty: plain
@@ -235,6 +243,14 @@ class Mechanisms:
     def report(self, iteration: int, logger) -> None:
         for mechanism in self:
             mechanism.report(iteration, logger)
+
+    def close(self) -> None:
+        """Every mechanism's ``close``, last registered first (the planner, registered last,
+        was set up last); each runs even if one before it raised (the first error is
+        raised after)."""
+        with contextlib.ExitStack() as stack:
+            for mechanism in self:
+                stack.callback(mechanism.close)
 
 
 def build_mechanisms(args: argparse.Namespace, log: Log) -> Mechanisms:

@@ -355,6 +355,18 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
 
     for chunk in model:
         chunk.train()
+    try:
+        return _train(args, state, model, optimizer, scheduler, mechanisms, logger, signal_handler,
+                      train_forward_step, forward_step, train_iterator, valid_iterator)
+    finally:
+        # Training is over, or died: --memo-plan's CUDA arena stops serving before the caller
+        # (or the interpreter's teardown) frees what is left.
+        mechanisms.close()
+
+
+def _train(args, state, model, optimizer, scheduler, mechanisms, logger, signal_handler,
+           train_forward_step, forward_step, train_iterator, valid_iterator) -> TrainState:
+    """pretrain's loop: train to --train-iters, evaluating and saving on their intervals."""
     while state.iteration < args.train_iters:
         # An out-of-memory error in the step becomes a report and MemoryBudgetExceeded.
         with mechanisms.step(state.iteration + 1):

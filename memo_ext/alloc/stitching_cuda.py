@@ -13,8 +13,10 @@ installed, PyTorch's memory statistics raise and ``Tensor.record_stream`` does n
 Python API cannot set a pluggable allocator's record-stream hook): read memory and hand tensors
 to other streams through :mod:`memo_ext.device_memory`, with which :func:`install` registers it.
 
-The library is compiled with the host C++ compiler against the CUDA toolkit's ``cuda.h`` only
-(the driver is opened at run time), on the machine that uses it. Status: exercised on a CPU
+The library is compiled with the host C++ compiler against the CUDA toolkit's ``cuda.h`` (the
+driver is opened at run time) and the installed torch's c10 (memo_ext.torch_build: its alloc
+hook throws ``c10::OutOfMemoryError``, which PyTorch raises as ``torch.OutOfMemoryError``), on
+the machine that uses it. Status: exercised on a CPU
 machine against a fake driver (tests/unit/test_stitching_cuda_backend.py); the GPU test
 (tests/gpu/test_stitching_cuda.py) has not run in this project. See docs/stitching.md.
 """
@@ -27,6 +29,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from memo_ext import torch_build
+
 __all__ = ["CudaStitchingAllocator", "build_library", "cuda_home", "install"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +40,7 @@ CSRC = (REPO_ROOT / "csrc" if (REPO_ROOT / "csrc" / "cuda" / "stitching_cuda.cpp
         else Path(__file__).resolve().with_name("_csrc"))
 SOURCE = CSRC / "cuda" / "stitching_cuda.cpp"
 HEADERS = tuple(CSRC / name for name in (
-    "stitching_allocator.h", "stitching_rules.h", "caching_rules.h"))
+    "stitching_allocator.h", "stitching_rules.h", "caching_rules.h", "torch_errors.h"))
 LIBRARY_NAME = "libmemo_stitching_cuda.so"
 
 
@@ -93,8 +97,10 @@ def build_library(out_dir: str | os.PathLike | None = None, *,
     include = cuda_home(cuda_home_dir) / "include"
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{LIBRARY_NAME}.{os.getpid()}"
+    # c10 (the torch this process runs): the alloc hook throws PyTorch's out-of-memory error
     cmd = [compiler, "-std=c++17", optimize, "-shared", "-fPIC", "-fvisibility=hidden",
-           f"-I{CSRC}", f"-I{include}", str(SOURCE), "-o", str(tmp), "-ldl"]
+           f"-I{CSRC}", f"-I{include}", *torch_build.compile_flags(), str(SOURCE), "-o",
+           str(tmp), "-ldl", *torch_build.link_flags()]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"building {SOURCE} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
@@ -117,8 +123,11 @@ class CudaStitchingAllocator:
         self.lib.memo_stitch_stat_names.restype = ctypes.c_char_p
         self.lib.memo_stitch_last_error.restype = ctypes.c_char_p
         self.lib.memo_stitch_configure.argtypes = [ctypes.c_int64] * 3
-        self.lib.memo_stitch_malloc.restype = ctypes.c_void_p
-        self.lib.memo_stitch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        # memo_stitch_malloc raises (a C++ exception: PyTorch's out-of-memory error) and is for
+        # PyTorch alone; ctypes callers use memo_stitch_try_malloc, which answers null instead
+        for name in ("memo_stitch_malloc", "memo_stitch_try_malloc"):
+            getattr(self.lib, name).restype = ctypes.c_void_p
+            getattr(self.lib, name).argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         self.lib.memo_stitch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
                                               ctypes.c_void_p]
         self.lib.memo_stitch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]

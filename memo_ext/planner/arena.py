@@ -41,7 +41,9 @@ class ArenaRuntime:
         self.kind_of: dict[tuple[int, str], int] = {}
         for kind, level in enumerate(plan.level1):
             table = np.array(level["table"], np.int64).reshape(-1, 2)
-            self.arena.add_kind(kind, table[:, 0].copy(), table[:, 1].copy())
+            requested = level.get("requested")  # absent in plans written before it was kept
+            self.arena.add_kind(kind, table[:, 0].copy(), table[:, 1].copy(),
+                                None if requested is None else np.array(requested, np.int64))
             for layer, group, *_ in level["phases"]:
                 self.kind_of.setdefault((layer, group), kind)
         self._current: Optional[tuple[int, str]] = None
@@ -116,7 +118,7 @@ class ArenaShadow(AllocationRecorder):
         self._offsets: dict[int, int] = {}
 
     def _emit_alloc(self, token: int, nbytes: int, pool: str) -> None:
-        if pool != POOL_DEVICE or nbytes == 0:
+        if pool != POOL_DEVICE or nbytes == 0:  # zero bytes: no request (the recorder's rule)
             return
         phase, _module, layer = self._context()
         offset = self.runtime.request(layer, phase, nbytes)
@@ -232,6 +234,14 @@ class MemoPlanner:
             return
         self._use(plan_trace(recorder.trace(header=dict(self.run_header))))
 
+    def close(self) -> None:
+        """Training is over: end the open layer phase and close the CUDA arena (requests go to
+        the normal allocator from now on). Idempotent."""
+        if self.runtime is not None:
+            self.runtime.close()
+        if self.cuda_arena is not None:
+            self.cuda_arena.close()
+
     def stats_line(self) -> str:
         """What the arena served so far (empty before a plan exists)."""
         if self.runtime is None:
@@ -319,6 +329,12 @@ def install_cuda_allocator() -> None:
     register_allocator(ArenaHooksMemory())
 
 
+#: Closed arenas whose buffers still hold live planned tensors (see CudaArena.close).
+_DRAINING: list = []
+#: The CudaArena memo_arena_malloc serves from, if any.
+_SERVING: Optional["CudaArena"] = None
+
+
 class CudaArena:
     """The runtime arena on a GPU (trained 10 iterations on one H100: make gpu-check).
 
@@ -327,11 +343,18 @@ class CudaArena:
     current (compute) stream inside it and sends every other request to the pool. Needs
     :func:`install_cuda_allocator` first. Layer phases are opened by an
     :class:`ArenaPhaseTagger`.
+
+    :meth:`close` when training is over: the trainer closes it at the end of ``pretrain``
+    (megatron.training.mechanisms, ``close``), and an ``atexit`` handler closes it if nothing
+    else did (a run that died), before the interpreter starts tearing down modules.
     """
 
     def __init__(self, runtime: ArenaRuntime, device):
+        import atexit
+
         import torch
 
+        global _SERVING
         self.runtime = runtime
         # PyTorch's pluggable allocator keys what it hands out by address, so no planned tensor
         # may start at the buffer's own address: the planned offsets begin ARENA_HEAD_BYTES in
@@ -341,7 +364,33 @@ class CudaArena:
                                   device=device)
         self.base = self.buffer.data_ptr() + ARENA_HEAD_BYTES  # address of planned offset 0
         self.stream = torch.cuda.current_stream(device)
+        self.closed = False
         _C.set_cuda_arena(runtime.arena, self.base, self.stream.cuda_stream)
+        _SERVING = self
+        atexit.register(self.close)
 
     def close(self) -> None:
-        _C.set_cuda_arena(None, 0, 0)
+        """Stop serving: requests go to the stream-ordered pool from now on. Idempotent.
+
+        Planned tensors may outlive this (a traceback holding an iteration's frames, tensors
+        freed while the interpreter tears down modules, in no set order). Their frees still
+        come back to this arena: memo_ext._C's hooks keep the C++ arena, whatever becomes of
+        the Python objects, until its last block is freed (a destroyed arena, or a free passed
+        to cudaFreeAsync for an address inside the buffer, was what a late free met before).
+        The buffer those tensors live in is given back now only if none is alive; otherwise
+        it is kept to the end of the process, so that the pool never hands out memory a live
+        planned tensor still uses."""
+        import atexit
+
+        global _SERVING
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
+        if _SERVING is self:
+            _C.set_cuda_arena(None, 0, 0)
+            _SERVING = None
+        if self.runtime.arena.stats()["live_blocks"]:
+            _DRAINING.append(self)
+        else:
+            self.buffer = None

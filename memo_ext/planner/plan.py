@@ -240,7 +240,11 @@ def plan_trace(trace: Trace, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
                        # What the runtime arena serves: every request of the phase, in order,
                        # with its offset (-1: outlives the phase, the normal allocator's).
                        "table": [[size, local.get(row, -1)] for row, (size, _) in
-                                 zip(representative.alloc_rows, signature[1])]})
+                                 zip(representative.alloc_rows, signature[1])],
+                       # The bytes each of those requests asked for: the runtime arena serves a
+                       # request of one alignment unit only if it asks for these very bytes (a
+                       # kernel's untraced 16-byte RNG state must not take a 4-byte sum's entry).
+                       "requested": [events[row]["bytes"] for row in representative.alloc_rows]})
         for phase in members:
             alloc_rows = [row for row in phase.transient_rows if events[row]["action"] == "alloc"]
             phase_peak[phase.key] = placement.peak

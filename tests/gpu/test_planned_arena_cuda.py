@@ -49,6 +49,59 @@ def test_pluggable_allocator_serves_planned_offsets():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+ISSUE_42_SCRIPT = textwrap.dedent("""
+    import numpy as np, torch
+    from memo_ext import _C
+    from memo_ext.planner.arena import ArenaRuntime, CudaArena, install_cuda_allocator
+
+    class Plan:  # 1 KiB at 0, 2 KiB at 1 KiB, 512 B at 3 KiB, 1 KiB at 3.5 KiB
+        level1 = [{"peak": 4608, "phases": [[0, "forward", None, 0]],
+                   "table": [[1024, 0], [2048, 1024], [512, 3072], [1024, 3584]]}]
+
+    install_cuda_allocator()
+    assert [torch.empty(0, device="cuda").data_ptr() for _ in range(3)] == [0, 0, 0]
+    runtime = ArenaRuntime(Plan())
+    arena = CudaArena(runtime, torch.device("cuda", 0))
+    runtime.enter(0, "forward")
+    # a 16-byte RNG state and a zero-byte tensor between planned requests leave the plan alone
+    ts = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1000, 16, 0, 2000, 500, 1024)]
+    offsets = [t.data_ptr() - arena.base for t in ts]
+    assert [offsets[i] for i in (0, 3, 4, 5)] == [0, 1024, 3072, 3584], offsets
+    assert not 0 <= offsets[1] < 4608 and ts[2].data_ptr() == 0, offsets
+    for t in ts:
+        t.fill_(1)
+    torch.cuda.synchronize()
+    del ts
+    # out of memory: PyTorch's error, naming the allocator; CUDA stays usable
+    try:
+        torch.empty(2 * torch.cuda.mem_get_info()[1], dtype=torch.uint8, device="cuda")
+        raise AssertionError("no out-of-memory error")
+    except torch.OutOfMemoryError as error:
+        assert "planned-arena allocator" in str(error), str(error)
+    assert torch.ones(1024, device="cuda").sum().item() == 1024
+    # a planned tensor freed after the close goes back to the arena
+    runtime.close()
+    runtime.enter(0, "forward")
+    held = torch.empty(1000, dtype=torch.uint8, device="cuda")
+    assert held.data_ptr() == arena.base
+    arena.close()
+    assert _C.cuda_arena_hooks()["draining_live_blocks"] == 1
+    held.fill_(2)
+    torch.cuda.synchronize()
+    del held
+    assert _C.cuda_arena_hooks()["draining"] == 0
+    print("ok")
+""")
+
+
+def test_zero_bytes_small_untraced_requests_out_of_memory_and_a_late_free():
+    """Issue 42's arena findings on a GPU (CPU versions: tests/unit/test_arena_cuda_requests.py,
+    tests/unit/test_gpu_readiness.py); not yet run on one."""
+    result = subprocess.run([sys.executable, "-c", ISSUE_42_SCRIPT], cwd=REPO_ROOT,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
 def test_auto_plan_trains_with_the_losses_of_no_plan(tmp_path):
     common = TINY_GPT_ARGS + ["--deterministic-mode", "--train-iters", "8"]
     baseline, planned = tmp_path / "baseline.jsonl", tmp_path / "planned.jsonl"

@@ -77,3 +77,38 @@ def test_a_training_step_pattern_converges_to_exact_reuse():
         print("ok", later["exact_hits"] - first["exact_hits"])
     """)
     assert out.startswith("ok")
+
+
+def test_out_of_memory_raises_and_unmapping_waits_for_the_stream():
+    """Issue 42, findings 4 and 5 on a GPU (CPU versions against the fake driver:
+    tests/unit/test_stitching_cuda_backend.py); not yet run on one. A block freed while a
+    kernel queued on its stream still uses it: empty_cache must wait for that stream before it
+    unmaps (an unmap first would fault the kernel); a request past the capacity raises
+    torch.OutOfMemoryError."""
+    out = run("""
+        import time, torch
+        from memo_ext.alloc.stitching_cuda import install
+        MiB = 1 << 20
+        st = install(frag_limit_bytes=4 * MiB, capacity_bytes=256 * MiB)
+        assert torch.empty(0, device="cuda").data_ptr() == 0
+        try:
+            torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+            raise AssertionError("no out-of-memory error")
+        except torch.OutOfMemoryError as error:
+            assert "stitching allocator" in str(error), str(error)
+        side = torch.cuda.Stream()
+        for size in (8 * MiB, 64 * 1024):  # a primitive block, a normal-path block
+            with torch.cuda.stream(side):
+                t = torch.zeros(size // 4, device="cuda")
+                torch.cuda._sleep(int(1e9))  # about half a second queued before the use
+                t.add_(1)
+            del t  # freed on the host now; the add is still queued
+            syncs = st.stats()["stream_syncs"]
+            start = time.perf_counter()
+            st.empty_cache()
+            waited = time.perf_counter() - start
+            torch.cuda.synchronize()  # an unmap before the add ran would fault here
+            assert st.stats()["stream_syncs"] > syncs, st.stats()
+            print("waited", round(waited, 3))
+    """)
+    assert out.count("waited") == 2

@@ -2,7 +2,7 @@
 machine without a GPU: csrc/cuda/check_runtime_subset.cu checks the planned arena's CUDA runtime
 signatures and constants (csrc/cuda_runtime_subset.h) against the toolkit's cuda_runtime_api.h,
 and the GMLake stitching backend (csrc/cuda/stitching_cuda.cpp) builds through nvcc against the
-toolkit's cuda.h. Compiling says nothing about running on a GPU (tests/gpu/ is for that)."""
+toolkit's cuda.h (and torch's c10, whose out-of-memory error its alloc hook throws). Compiling says nothing about running on a GPU (tests/gpu/ is for that)."""
 from __future__ import annotations
 
 import os
@@ -43,6 +43,11 @@ def test_arena_runtime_subset_matches_the_toolkits_cuda_runtime_api(tmp_path):
 
 
 def test_stitching_backend_builds_with_nvcc(tmp_path):
+    from memo_ext import torch_build
+
+    _, torch_lib = torch_build.torch_dirs()
     _compile(["-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-              f"-I{REPO_ROOT / 'csrc'}", str(REPO_ROOT / "csrc" / "cuda" / "stitching_cuda.cpp"),
-              "-o", str(tmp_path / "libmemo_stitching_cuda.so"), "-ldl"])
+              f"-I{REPO_ROOT / 'csrc'}", *torch_build.compile_flags(),
+              str(REPO_ROOT / "csrc" / "cuda" / "stitching_cuda.cpp"),
+              "-o", str(tmp_path / "libmemo_stitching_cuda.so"), "-ldl", f"-L{torch_lib}",
+              "-lc10"])

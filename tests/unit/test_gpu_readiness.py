@@ -76,6 +76,84 @@ def test_telemetry_samples_the_planned_arena_and_skips_snapshots(planned_arena, 
     planned_arena.free(block)
 
 
+def test_out_of_memory_under_the_planned_arena_is_pytorchs_error_and_telemetry_reports_it(
+        planned_arena, loaded_fake_cuda_runtime, tmp_path):
+    """Issue 42, finding 4: PyTorch's pluggable allocator does not check the hook's pointer
+    (the double calls the hook as it does), so the hook's null answer to a request the pool
+    refused gave a 64 MiB tensor at address 0, left the runtime's error pending, and no
+    torch.OutOfMemoryError reached telemetry. Now: PyTorch's error naming the allocator and the
+    bytes, the runtime's error cleared, telemetry's report written, the next request served."""
+    import ctypes
+    import json
+
+    from memo_ext.telemetry.monitor import MemoryBudgetExceeded
+
+    fake = loaded_fake_cuda_runtime
+    capacity = ctypes.c_int64.in_dll(fake, "fake_capacity")
+    telemetry = MemoryTelemetry(TelemetryConfig(telemetry=True, oom_report_dir=str(tmp_path)),
+                                log_interval=1, log=lambda line: None)
+    capacity.value = ctypes.c_int64.in_dll(fake, "fake_reserved").value + MiB
+    try:
+        with pytest.raises(MemoryBudgetExceeded, match="out of device memory") as stopped:
+            with telemetry.step(7):
+                planned_arena.allocate(64 * MiB)
+        assert ctypes.c_int.in_dll(fake, "fake_last_error").value == 0  # cleared
+        block = planned_arena.allocate(MiB // 2)  # what fits is still served
+        assert block
+        planned_arena.free(block)
+    finally:
+        capacity.value = -1
+    error = stopped.value.__cause__
+    assert isinstance(error, torch.OutOfMemoryError), repr(error)
+    assert str(error).startswith(f"CUDA out of memory. Tried to allocate 64.00 MiB ({64 * MiB} "
+                                 "bytes) on device 0 from MEMO's planned-arena allocator"), error
+    report = json.loads((tmp_path / "oom_rank0_iter7.json").read_text())
+    assert report["kind"] == "oom" and report["error"].startswith("CUDA out of memory")
+
+
+class OnePhasePlan:
+    """One forward phase kind of layer 0: 1 KiB at 0, 1 KiB at 1 KiB."""
+
+    level1 = [{"peak": 2048, "phases": [[0, "forward", None, 0]],
+               "table": [[1024, 0], [1024, 1024]]}]
+
+
+def test_a_closed_arena_takes_back_its_late_frees_whatever_python_dropped(
+        planned_arena, loaded_fake_cuda_runtime, monkeypatch):
+    """Issue 42, finding 8 (the arena part): CudaArena.close() was never called, and a planned
+    tensor freed late (after its iteration's traceback, or while the interpreter tears down
+    modules) met either the hooks still pointing at an arena Python had destroyed, or, after a
+    close, cudaFreeAsync of an address inside the arena's buffer. The hooks now keep the arena
+    until its last block comes back, and the close stops it serving."""
+    import ctypes
+    import gc
+
+    from memo_ext.planner.arena import ArenaRuntime, CudaArena
+
+    host_empty = torch.empty  # the arena's buffer on the host: the hooks only use its address
+    monkeypatch.setattr(torch, "empty", lambda *size, device=None, **kwargs: host_empty(
+        *size, **kwargs))
+    invalid_frees = ctypes.c_int.in_dll(loaded_fake_cuda_runtime, "fake_invalid_frees")
+    before = invalid_frees.value
+    _C.set_cuda_arena(None, 0, 0)
+    runtime = ArenaRuntime(OnePhasePlan())
+    arena = CudaArena(runtime, torch.device("cuda", 0))
+    runtime.enter(0, "forward")
+    held = planned_arena.allocate(1000)
+    assert held == arena.base
+    arena.close()  # what the trainer does when training ends (and atexit, if it did not)
+    arena.close()  # idempotent
+    pooled = planned_arena.allocate(1000)  # requests go to the pool once it is closed
+    assert not arena.base <= pooled < arena.base + 2048
+    planned_arena.free(pooled)
+    del runtime, arena  # Python's share of the arena goes first, as at interpreter teardown
+    gc.collect()
+    planned_arena.free(held)  # the late free: back to the arena the hooks kept
+    assert invalid_frees.value == before  # never passed to cudaFreeAsync
+    hooks = _C.cuda_arena_hooks()  # the hooks let go of it with its last block
+    assert (hooks["serving"], hooks["draining_live_blocks"]) == (False, 0)
+
+
 def test_caching_allocator_statistics_and_snapshots_still_come_from_pytorch(cuda_double,
                                                                             tmp_path):
     telemetry = MemoryTelemetry(TelemetryConfig(telemetry=True, oom_report_dir=str(tmp_path)),

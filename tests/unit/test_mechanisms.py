@@ -1,5 +1,6 @@
 """megatron.training.mechanisms: the registry runs hooks in registration order and nests the
-step and optimizer contexts as ``with`` blocks would (first registered outermost)."""
+step and optimizer contexts as ``with`` blocks would (first registered outermost); close runs in
+reverse order."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ class Recording(Mechanism):
     def report(self, iteration, logger):
         self.events.append(f"report {self.name}")
 
+    def close(self):
+        self.events.append(f"close {self.name}")
+
 
 def test_contexts_nest_in_registration_order_and_hooks_run_in_it():
     events: list[str] = []
@@ -57,12 +61,13 @@ def test_contexts_nest_in_registration_order_and_hooks_run_in_it():
             events.append("body")
     mechanisms.end_step(3)
     mechanisms.report(3, logger=None)
+    mechanisms.close()
     assert events == [
         "attach a", "attach b",
         "call step a", "enter step 3 a", "call step b", "enter step 3 b",
         "enter optimizer a", "enter optimizer b", "body", "exit optimizer b", "exit optimizer a",
         "exit step 3 b", "exit step 3 a",
-        "end_step a", "end_step b", "report a", "report b",
+        "end_step a", "end_step b", "report a", "report b", "close b", "close a",
     ]
 
 
@@ -126,3 +131,22 @@ def test_telemetry_writes_the_gathered_record_to_the_logger():
     for iteration in (3, 4):
         TelemetryMechanism(Telemetry()).report(iteration, logger)
     assert logger.records == [{"iteration": 4}]
+
+
+def test_the_trainer_closes_the_arena_when_training_ends():
+    """pretrain closes its mechanisms in a finally (megatron/training/training.py): the
+    planner's close ends its phase and closes the CUDA arena."""
+    from memo_ext.planner.arena import MemoPlanner
+
+    closed = []
+
+    class Arena:
+        def close(self):
+            closed.append("arena")
+
+    planner = MemoPlanner("auto", [], {"model": {}, "layout": {}}, log=lambda line: None)
+    planner.cuda_arena = Arena()
+    mechanisms = Mechanisms()
+    mechanisms.register(PlannerMechanism(planner, log_interval=1, log=lambda line: None))
+    mechanisms.close()
+    assert closed == ["arena"]

@@ -83,10 +83,10 @@ def allocator(libs, tmp_path, monkeypatch):
 def test_stitched_pointer_aliases_the_chunks_through_the_cuda_hooks(allocator):
     a = allocator
     a.configure(frag_limit_bytes=4 * MiB)
-    first = a.lib.memo_stitch_malloc(8 * MiB, 0, None)
+    first = a.lib.memo_stitch_try_malloc(8 * MiB, 0, None)
     assert first and a.stats()["new_pblocks"] == 1
     a.lib.memo_stitch_free(first, 8 * MiB, 0, None)
-    block = a.lib.memo_stitch_malloc(14 * MiB, 0, None)  # 8 MiB + a new 6 MiB, stitched
+    block = a.lib.memo_stitch_try_malloc(14 * MiB, 0, None)  # 8 MiB + a new 6 MiB, stitched
     s = a.stats()
     assert s["stitches"] == 1 and s["reserved_bytes"] == s["backend_physical_bytes"] == 14 * MiB
     # one cuMemCreate per 2 MiB chunk: 4 + 3
@@ -119,7 +119,7 @@ def test_random_use_breaks_no_driver_rule_and_leaks_nothing(allocator):
             size = rng.choice([rng.randint(1, MiB), rng.randint(MiB, 40 * MiB),
                                rng.randint(1, 20) * 2 * MiB])
             stream = rng.choice([None, 1])
-            ptr = a.lib.memo_stitch_malloc(size, 0, stream)
+            ptr = a.lib.memo_stitch_try_malloc(size, 0, stream)
             assert ptr, a.last_error()
             tag = step.to_bytes(8, "little") * 8
             ctypes.memmove(ptr, tag, 64)
@@ -138,19 +138,104 @@ def test_random_use_breaks_no_driver_rule_and_leaks_nothing(allocator):
     assert a.last_error() == ""
 
 
-def test_out_of_device_memory_reorganises_then_returns_null(allocator, monkeypatch):
+def test_out_of_device_memory_reorganises_then_refuses(allocator, monkeypatch):
     a = allocator
     a.configure(frag_limit_bytes=4 * MiB)
     monkeypatch.setenv("FAKE_CUDA_CAPACITY", str(30 * MiB))
-    p = a.lib.memo_stitch_malloc(20 * MiB, 0, None)
+    p = a.lib.memo_stitch_try_malloc(20 * MiB, 0, None)
     a.lib.memo_stitch_free(p, 20 * MiB, 0, None)
-    q = a.lib.memo_stitch_malloc(24 * MiB, 0, ctypes.c_void_p(1))  # another stream
+    q = a.lib.memo_stitch_try_malloc(24 * MiB, 0, ctypes.c_void_p(1))  # another stream
     assert q and a.stats()["reorganisations"] == 1  # the cached 20 MiB went back first
-    assert a.lib.memo_stitch_malloc(40 * MiB, 0, None) is None
+    # the variant for ctypes answers null; PyTorch's hook raises (the test after this one)
+    assert a.lib.memo_stitch_try_malloc(40 * MiB, 0, None) is None
     assert "out of memory" in a.last_error() and a.stats()["ooms"] == 1
     assert a.fake_counts()["violations"] == 0
     with pytest.raises(RuntimeError, match="before the first CUDA allocation"):
         a.configure(frag_limit_bytes=8 * MiB)
+
+
+def test_out_of_memory_is_pytorchs_out_of_memory_error_and_telemetry_reports_it(
+        allocator, cuda_double, monkeypatch, tmp_path):
+    """Issue 42, finding 4: PyTorch's pluggable allocator does not check the hook's pointer
+    (tests/cuda_double.py calls the hook as it does): a null answer gave a 40 MiB tensor at
+    address 0 and no error. The hook raises torch.OutOfMemoryError, naming itself and the
+    bytes, and telemetry's out-of-memory report is written."""
+    import torch
+
+    from memo_ext.config import TelemetryConfig
+    from memo_ext.telemetry import MemoryTelemetry
+    from memo_ext.telemetry.monitor import MemoryBudgetExceeded
+
+    stitching_cuda.install(frag_limit_bytes=4 * MiB, library=allocator.path)
+    monkeypatch.setenv("FAKE_CUDA_CAPACITY", str(30 * MiB))
+    telemetry = MemoryTelemetry(TelemetryConfig(telemetry=True, oom_report_dir=str(tmp_path)),
+                                log_interval=1, log=lambda line: None)
+    with pytest.raises(MemoryBudgetExceeded, match="out of device memory") as stopped:
+        with telemetry.step(3):
+            cuda_double.allocate(40 * MiB)
+    error = stopped.value.__cause__
+    assert isinstance(error, torch.OutOfMemoryError), repr(error)
+    assert str(error).startswith("CUDA out of memory. Tried to allocate 40.00 MiB "
+                                 f"({40 * MiB} bytes) on device 0 from MEMO's GMLake stitching "
+                                 "allocator"), str(error)
+    assert (tmp_path / "oom_rank0_iter3.json").is_file()
+    address = cuda_double.allocate(8 * MiB)  # what fits is still served
+    assert address
+    cuda_double.free(address)
+    allocs = allocator.stats()["allocs"]
+    assert cuda_double.allocate(0) == 0  # 0 bytes: null, as the caching allocator answers
+    assert allocator.stats()["allocs"] == allocs  # no block for it
+    assert allocator.fake_counts()["violations"] == 0
+
+
+# --------------------------------------------------------------- unmapping after the stream
+SYNC, UNMAP, RELEASE = 1, 2, 3  # csrc/standalone/fake_cuda_driver.cpp's call log kinds
+
+
+def call_log(a) -> list[tuple[int, int]]:
+    """The fake driver's (kind, value) log of cuStreamSynchronize / cuMemUnmap / cuMemRelease."""
+    out = (ctypes.c_longlong * 8192)()
+    a.fake_driver.fake_cuda_call_log.restype = ctypes.c_longlong
+    n = a.fake_driver.fake_cuda_call_log(out, ctypes.c_longlong(4096))
+    return [(out[2 * i], out[2 * i + 1]) for i in range(min(n, 4096))]
+
+
+def _unmapped_after_their_stream(log: list, stream: int) -> None:
+    first = next(i for i, (kind, _) in enumerate(log) if kind in (UNMAP, RELEASE))
+    assert (SYNC, stream) in log[:first], log
+    assert log.count((SYNC, stream)) == 1, log  # once per stream and release batch
+
+
+def test_memory_a_stream_used_is_unmapped_only_after_that_stream_is_synchronized(allocator):
+    """Issue 42, finding 5: a block freed on its stream may still be read by kernels queued
+    there, and cuMemUnmap / cuMemRelease do not wait for them (PyTorch's
+    ExpandableSegment::unmapHandles synchronizes its stream first for that reason). The fake
+    driver logs the calls in order: each stream is synchronized before memory it used goes."""
+    a = allocator
+    a.configure(frag_limit_bytes=4 * MiB, max_sblocks=1)
+    # empty_cache: a primitive block and a normal-path block freed on the copy stream
+    for size in (8 * MiB, 4096):
+        block = a.lib.memo_stitch_try_malloc(size, 0, COPY)
+        a.lib.memo_stitch_free(block, size, 0, COPY)
+    a.fake_driver.fake_cuda_clear_call_log()
+    a.empty_cache()
+    log = call_log(a)
+    assert sum(kind == UNMAP for kind, _ in log) == 2
+    _unmapped_after_their_stream(log, COPY)
+    # StitchFree: above max_sblocks stitched blocks, the least recently used inactive one is
+    # unmapped inside a malloc
+    first = [a.lib.memo_stitch_try_malloc(size, 0, NCCL) for size in (8 * MiB, 6 * MiB)]
+    for ptr, size in zip(first, (8 * MiB, 6 * MiB)):
+        a.lib.memo_stitch_free(ptr, size, 0, NCCL)
+    stitched = a.lib.memo_stitch_try_malloc(14 * MiB, 0, NCCL)  # 8 + 6 MiB, stitched
+    a.lib.memo_stitch_free(stitched, 14 * MiB, 0, NCCL)
+    assert (a.stats()["stitches"], a.stats()["sblocks_dropped"]) == (1, 0)
+    a.fake_driver.fake_cuda_clear_call_log()
+    again = a.lib.memo_stitch_try_malloc(10 * MiB, 0, NCCL)  # stitched anew: one too many
+    assert again and (a.stats()["stitches"], a.stats()["sblocks_dropped"]) == (2, 1)
+    _unmapped_after_their_stream(call_log(a), NCCL)
+    a.lib.memo_stitch_free(again, 10 * MiB, 0, NCCL)
+    assert a.fake_counts()["violations"] == 0 and a.last_error() == ""
 
 
 # ------------------------------------------------------------------------- streams and events
@@ -162,14 +247,14 @@ COMPUTE, COPY, NCCL = 0x10, 0x20, 0x30
 def test_a_block_used_by_another_stream_waits_for_its_event_before_reuse(allocator):
     a = allocator
     a.configure(frag_limit_bytes=4 * MiB)
-    block = a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE)
-    keep = a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE)  # so that reuse has one candidate
+    block = a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE)
+    keep = a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE)  # so that reuse has one candidate
     a.record_stream(block, COMPUTE)  # its own stream: nothing to wait for
     a.record_stream(block, COPY)
     a.record_stream(block, COPY)  # once per stream
     a.lib.memo_stitch_free(block, 8 * MiB, 0, COMPUTE)
     # the copy stream may still read it: the next block of the same size is another one
-    other = a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE)
+    other = a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE)
     assert other and other != block
     s = a.stats()
     assert (s["deferred_frees"], s["deferred_bytes"], s["events_pending"],
@@ -177,7 +262,7 @@ def test_a_block_used_by_another_stream_waits_for_its_event_before_reuse(allocat
     assert s["active_bytes"] == 24 * MiB  # not free until the copy stream is done with it
     assert a.fake_events()["pending"] == 1 and a.stats()["event_syncs"] == 0  # queried only
     a.complete_events(COPY)
-    again = a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE)
+    again = a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE)
     assert again == block
     s = a.stats()
     assert (s["deferred_frees"], s["deferred_bytes"], s["events_pending"], s["new_pblocks"]) == (
@@ -192,8 +277,8 @@ def test_a_block_used_by_another_stream_waits_for_its_event_before_reuse(allocat
 def test_a_block_used_by_two_streams_waits_for_both(allocator):
     a = allocator
     a.configure(frag_limit_bytes=4 * MiB)
-    block = a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE)
-    keep = a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE)
+    block = a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE)
+    keep = a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE)
     a.record_stream(block, COPY)
     a.record_stream(block, NCCL)
     # freed from a thread with no current context: the events go to the streams' own context
@@ -201,10 +286,10 @@ def test_a_block_used_by_two_streams_waits_for_both(allocator):
     a.lib.memo_stitch_free(block, 8 * MiB, 0, COMPUTE)
     assert a.stats()["events_pending"] == 2
     a.complete_events(COPY)
-    other = a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE)
+    other = a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE)
     assert other != block and a.stats()["deferred_frees"] == 1  # NCCL's event still pending
     a.complete_events(NCCL)
-    assert a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE) == block
+    assert a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE) == block
     assert a.fake_events()["live"] == 0 and a.fake_counts()["violations"] == 0
     assert a.last_error() == "" and keep
 
@@ -212,8 +297,8 @@ def test_a_block_used_by_two_streams_waits_for_both(allocator):
 def test_empty_cache_waits_for_pending_frees_and_releases_them(allocator):
     a = allocator
     a.configure(frag_limit_bytes=4 * MiB)
-    block = a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE)
-    small = a.lib.memo_stitch_malloc(4096, 0, COMPUTE)  # the embedded caching path's block
+    block = a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE)
+    small = a.lib.memo_stitch_try_malloc(4096, 0, COMPUTE)  # the embedded caching path's block
     a.record_stream(block, COPY)
     a.record_stream(small, NCCL)
     a.lib.memo_stitch_free(block, 8 * MiB, 0, COMPUTE)
@@ -232,11 +317,11 @@ def test_a_request_out_of_memory_waits_for_pending_frees_and_retries(allocator, 
     a = allocator
     a.configure(frag_limit_bytes=4 * MiB)
     monkeypatch.setenv("FAKE_CUDA_CAPACITY", str(20 * MiB))
-    block = a.lib.memo_stitch_malloc(16 * MiB, 0, COMPUTE)
+    block = a.lib.memo_stitch_try_malloc(16 * MiB, 0, COMPUTE)
     a.record_stream(block, COPY)
     a.lib.memo_stitch_free(block, 16 * MiB, 0, COMPUTE)
     # no room for another 16 MiB: rather than fail, wait for the copy stream and reuse the block
-    assert a.lib.memo_stitch_malloc(16 * MiB, 0, COMPUTE) == block
+    assert a.lib.memo_stitch_try_malloc(16 * MiB, 0, COMPUTE) == block
     s = a.stats()
     assert (s["ooms"], s["event_syncs"], s["deferred_frees"]) == (0, 1, 0)
     assert a.fake_counts()["violations"] == 0 and a.last_error() == ""
@@ -245,7 +330,7 @@ def test_a_request_out_of_memory_waits_for_pending_frees_and_retries(allocator, 
 def test_record_stream_and_free_refuse_what_is_not_a_live_block(allocator):
     a = allocator
     a.configure(frag_limit_bytes=4 * MiB)
-    block = a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE)
+    block = a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE)
     with pytest.raises(RuntimeError, match="not a live block of this allocator"):
         a.record_stream(block + 4096, COPY)  # inside the block, not its start
     a.record_stream(block, COPY)
@@ -264,8 +349,8 @@ def test_memory_statistics_and_peak_reset_for_device_memory(allocator):
     a = allocator
     a.configure(frag_limit_bytes=4 * MiB)
     assert a.memory(0) == DeviceMemory(0, 0, 0, 0)  # no allocation on the device yet
-    first = a.lib.memo_stitch_malloc(8 * MiB, 0, COMPUTE)
-    second = a.lib.memo_stitch_malloc(6 * MiB, 0, COMPUTE)
+    first = a.lib.memo_stitch_try_malloc(8 * MiB, 0, COMPUTE)
+    second = a.lib.memo_stitch_try_malloc(6 * MiB, 0, COMPUTE)
     a.lib.memo_stitch_free(first, 8 * MiB, 0, COMPUTE)
     assert a.memory(0) == DeviceMemory(allocated=6 * MiB, reserved=14 * MiB,
                                        peak_allocated=14 * MiB, peak_reserved=14 * MiB)

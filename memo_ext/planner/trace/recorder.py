@@ -332,7 +332,11 @@ class AllocationRecorder(DeviceMemoryTracker):
     # ------------------------------------------------------------------ events
     def _emit_alloc(self, token, nbytes: int, pool: str) -> None:
         if not self.recording or nbytes == 0 or getattr(_TLS, "untraced", 0):
-            return  # the CUDA caching allocator is not called for 0 bytes
+            # Zero bytes are no request: the CUDA caching allocator is not called for them, and
+            # the planned arena's hook, which PyTorch's pluggable allocator does call, answers
+            # them with null without asking the arena (csrc/planned_arena.cpp), so no plan
+            # table may hold one.
+            return
         phase, module, layer = self._context()
         category, name = _current_override()
         event = [next(self._ids), "alloc", int(nbytes), COMPUTE_STREAM, layer, phase,
