@@ -3,6 +3,7 @@ metrics it writes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,16 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 SNAPSHOTS = SHARED_DATA / "snapshots"
 MEMORY_REPORT = REPO_ROOT / "tools" / "memory_report.py"
 PRETRAIN_GPT = REPO_ROOT / "pretrain_gpt.py"
+
+def load_script(path: Path, name: str):
+    """Import a script that is not in a package (bench/*.py, examples/*.py) as module ``name``,
+    registered in sys.modules before it runs: its dataclasses look their module up there."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 # A model small enough for 2-4 CPU processes to run 20 iterations in ~10-25 s.
 TINY_GPT_ARGS = [

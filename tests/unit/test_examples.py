@@ -12,7 +12,6 @@ SIGTERM to the ranks -> requeue.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -30,6 +29,8 @@ from memo_ext.estimate.flops import gpt_shape, parameter_count
 from memo_ext.estimate.models import model_shape
 
 from megatron.training.arguments import ArgumentValidationError, parse_args
+
+from tests.conftest import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"
@@ -50,11 +51,7 @@ SHELL_SCRIPTS = sorted([*EXAMPLES.rglob("*.sh"), *EXAMPLES.rglob("*.sbatch")])
 
 
 def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(path, name)
 
 
 plot_loss = _load("plot_loss", REPO_ROOT / "tools" / "plot_loss.py")

@@ -4,7 +4,6 @@ one that does not)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,18 +14,14 @@ import pytest
 from bench import common
 from memo_ext import _C
 from memo_ext.planner.trace import Trace as EventTrace
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, load_script, subprocess_env
 
 BENCH = REPO_ROOT / "bench" / "fragmentation.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("fragmentation_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fragmentation_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH, "fragmentation_bench")
 
 
 def _event(event_id, action, nbytes, phase, pool="device"):

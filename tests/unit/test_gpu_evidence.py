@@ -1,29 +1,18 @@
 """bench/gpu_evidence.py end to end on CPU (--dry-run), and the tile-composition check it and
 make gpu-check run (megatron.training.gpu_check.ring_composition)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron.training.gpu_check import ring_composition
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load_evidence():
-    spec = importlib.util.spec_from_file_location("gpu_evidence", REPO / "bench" / "gpu_evidence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import REPO_ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def evidence():
-    return _load_evidence()
+    return load_script(REPO_ROOT / "bench" / "gpu_evidence.py", "gpu_evidence")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ the published rows of kernel_tables.json otherwise, and says which."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 
@@ -31,7 +30,7 @@ from memo_ext.planner.work import (
     ATTENTION_BACKWARD_FLOPS_PER_PAIR_DIM,
     ATTENTION_FORWARD_FLOPS_PER_PAIR_DIM,
 )
-from tests.conftest import REPO_ROOT, run_estimate_cli
+from tests.conftest import REPO_ROOT, load_script, run_estimate_cli
 
 H200_EVIDENCE = REPO_ROOT / "bench" / "results" / "gpu_evidence_h200.json"
 H200_LINE = ("kernel rows: measured on NVIDIA H200 (bench/results/gpu_evidence_h200.json, "
@@ -43,11 +42,7 @@ LLAMA3_8B = {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336,
 
 @pytest.fixture(scope="module")
 def evidence():
-    spec = importlib.util.spec_from_file_location("gpu_evidence",
-                                                  REPO_ROOT / "bench" / "gpu_evidence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO_ROOT / "bench" / "gpu_evidence.py", "gpu_evidence")
 
 
 def _efficiency(gpu: str, layout=(4, 2)) -> Efficiency:

@@ -13,25 +13,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, load_script, subprocess_env
 
 BENCH = REPO_ROOT / "bench" / "memo_convergence.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("memo_convergence_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["memo_convergence_bench"] = module  # dataclasses resolve annotations here
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH, "memo_convergence_bench")
 
 
 @pytest.mark.slow

@@ -3,21 +3,15 @@ with a published point (its estimator runs are the benchmark, not a test)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def pareto():
-    spec = importlib.util.spec_from_file_location("pareto_bench", REPO_ROOT / "bench" / "pareto.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO_ROOT / "bench" / "pareto.py", "pareto_bench")
 
 
 def _row(seq: int, mfu: float) -> dict:

@@ -3,24 +3,18 @@ noise floor from the plain run's quarters, the verdict, and the report it render
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, load_script
 
 BENCH = REPO_ROOT / "bench" / "soak.py"
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("soak_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak_bench"] = module  # dataclasses resolve annotations here
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH, "soak_bench")
 
 
 def _series(slope: float, noise: float, seed: int, iterations: int = 400,

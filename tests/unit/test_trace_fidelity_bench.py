@@ -4,24 +4,17 @@ start. The programs themselves are public repositories the bench reads from a ch
 its command line (docs/tracing.md); they are not part of the suite."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import random
-import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("trace_fidelity_bench",
-                                                  REPO_ROOT / "bench" / "trace_fidelity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["trace_fidelity_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO_ROOT / "bench" / "trace_fidelity.py", "trace_fidelity_bench")
 
 
 def _lcs_length(a, b) -> int:
