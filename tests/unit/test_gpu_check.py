@@ -4,6 +4,7 @@ double with the trainings run on CPU (slow). The GPU path itself is not verified
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -42,23 +43,91 @@ def test_without_a_gpu_one_line_and_status_2():
     assert done.stderr.splitlines() == [check.NO_GPU_LINE]
 
 
-@pytest.mark.parametrize("gpus, data_parallel", [(1, 1), (2, 2), (4, 4), (8, 8), (16, 8)])
+@pytest.mark.parametrize("gpus, data_parallel", [(1, 1), (2, 1), (3, 1), (4, 2), (8, 2),
+                                                (16, 2)])
 def test_plan_for_the_gpus_present(gpus, data_parallel):
     runs = planned(gpus)
     assert list(runs) == ["plain", "memo-offload-alpha-auto", "memo-offload-one-buffer",
-                          "planned-arena", "sppo", "metp", "telemetry", "stitching-allocator"]
+                          "planned-arena", "sppo", "metp", "context-parallel", "telemetry",
+                          "stitching-allocator"]
     for name in ("plain", "memo-offload-alpha-auto", "memo-offload-one-buffer",
                  "planned-arena", "telemetry", "stitching-allocator"):
         run = runs[name]
-        assert (run.tp, run.pp, run.dp, run.skip_reason) == (1, 1, data_parallel, None)
-        assert run.global_batch == 4 * data_parallel
-    for name, tp, pp in (("sppo", 1, 2), ("metp", 2, 1)):
+        assert (run.tp, run.cp, run.pp, run.dp, run.skip_reason) == (1, 1, 1, data_parallel, None)
+        assert run.global_batch == 4 * data_parallel and run.reference is None
+    for name, tp, cp, pp in (("sppo", 1, 1, 2), ("metp", 2, 1, 1), ("context-parallel", 1, 2, 1)):
         run = runs[name]
-        assert (run.tp, run.pp) == (tp, pp)
+        assert (run.tp, run.cp, run.pp, run.dp) == (tp, cp, pp, 1)
         if gpus == 1:
-            assert run.skip_reason == "skipped: needs 2 GPUs (TP=%d PP=%d), 1 present" % (tp, pp)
+            assert run.skip_reason == "skipped: needs 2 GPUs (TP=%d %sPP=%d), 1 present" % (
+                tp, "CP=2 " if cp == 2 else "", pp)
         else:
-            assert run.skip_reason is None and run.nproc == data_parallel
+            assert run.skip_reason is None and run.nproc == 2
+
+
+def test_context_parallel_row_and_its_reference(tmp_path):
+    """CP=2 on 2 GPUs at DP=1; its reference: CP=1 on one GPU, DP=1, the same global batch of
+    micro-batches of one (so the same sequences in the same order) and otherwise the same
+    command line."""
+    run = planned(8)["context-parallel"]
+    ref = run.reference
+    assert run.layout() == "TP=1 CP=2 PP=1 DP=1 (2 GPUs)"
+    assert (ref.tp, ref.cp, ref.pp, ref.dp, ref.nproc) == (1, 1, 1, 1, 1)
+    assert ref.global_batch == run.global_batch == 4
+    assert ref.mechanism.estimator is None and ref.skip_reason is None
+    ours, theirs = run.argv(tmp_path / "m.jsonl"), ref.argv(tmp_path / "m.jsonl")
+    assert ours[ours.index("--context-parallel-size") + 1] == "2"
+    assert theirs[theirs.index("--context-parallel-size") + 1] == "1"
+    assert len(ours) == len(theirs) and sum(a != b for a, b in zip(ours, theirs)) == 1
+    two = planned(2)
+    assert plan.launches(list(two.values()))[6:8] == [two["context-parallel"],
+                                                      two["context-parallel"].reference]
+    assert plan.launches(list(planned(1).values())) == [
+        r for r in planned(1).values() if r.skip_reason is None]
+
+
+@pytest.mark.parametrize("gpus", range(1, 10))
+def test_waves_use_disjoint_gpus(gpus):
+    runs = list(planned(gpus).values())
+    waves = plan.waves(runs, gpus)
+    launched = sorted(run.mechanism.name for wave in waves for run, _ in wave)
+    assert launched == sorted(run.mechanism.name for run in plan.launches(runs))
+    for wave in waves:
+        used = [d for run, devices in wave for d in devices]
+        assert len(used) == len(set(used)) and set(used) <= set(range(min(gpus, 8)))
+        assert all(len(devices) == run.nproc for run, devices in wave)
+
+
+def test_eight_gpus_fit_the_budget():
+    """8 GPUs: 10 launches in 3 waves (4, 4 and 2 at once). From the H100's measured GPU tests
+    (111.25 s) and launch (35 s) and the stated assumptions of schedule.py, the trainings end
+    at 241.25 s, before the 480 s after which none starts, and the check at 281.25 s; with the
+    GPU tests at their 240 s limit and every launch 1.5 times as long, still by 430 s. Launched
+    one after another as before (finding 6 of issue 42) the latter would end at 730 s."""
+    from megatron.training.gpu_check import schedule
+
+    waves = plan.waves(list(planned(8).values()), 8)
+    assert [len(wave) for wave in waves] == [4, 4, 2]
+    expected = schedule.schedule(8)
+    assert expected.waves_s == (40.0, 40.0, 40.0)
+    assert expected.trainings_start_s == 121.25
+    assert expected.trainings_end_s == 241.25 <= check.TOTAL_BUDGET_S
+    assert expected.end_s == 241.25 + 8 * 5.0 <= 600
+    worst = schedule.schedule(8, schedule.Durations(gpu_tests_s=check.GPU_TESTS_LIMIT_S,
+                                                     launch_scale=1.5))
+    assert worst.trainings_end_s == 430.0 <= check.TOTAL_BUDGET_S
+    assert max(worst.waves_s) <= check.RUN_LIMIT_S  # no launch cut by its own limit
+    serial = schedule.serial_trainings_end_s(8, schedule.Durations(
+        gpu_tests_s=check.GPU_TESTS_LIMIT_S, launch_scale=1.5))
+    assert serial == 730.0 > check.TOTAL_BUDGET_S
+
+
+@pytest.mark.parametrize("gpus", range(1, 9))
+def test_every_gpu_count_fits_the_budget(gpus):
+    from megatron.training.gpu_check import schedule
+
+    assert schedule.schedule(gpus).trainings_end_s <= check.TOTAL_BUDGET_S
+    assert schedule.schedule(gpus).end_s <= 600
 
 
 def test_planned_flags_are_valid_trainer_flags(tmp_path):
@@ -66,7 +135,7 @@ def test_planned_flags_are_valid_trainer_flags(tmp_path):
     planned, on CPU without the CUDA-only flags), except what needs a GPU."""
     from megatron.training.arguments import ArgumentValidationError, parse_args
 
-    for run in planned(8).values():
+    for run in plan.launches(list(planned(8).values())):
         argv = run.argv(tmp_path / "metrics.jsonl")
         assert all(flag in argv for flag in CUDA_ONLY_FLAGS)
         parse_args(argv, world_size=run.nproc, cuda_available=True)
@@ -93,7 +162,8 @@ def test_run_flags_match_what_the_estimator_traces(tmp_path):
              "--ffn-hidden-size", str(shape["ffn_hidden_size"]),
              "--num-attention-heads", str(shape["num_attention_heads"]),
              "--vocab-size", str(shape["vocab_size"]), "--seq-length",
-             str(run.model.seq_length), "--tp", str(run.tp), "--pp", str(run.pp), "--dp",
+             str(run.model.seq_length), "--tp", str(run.tp), "--cp", str(run.cp),
+             "--pp", str(run.pp), "--dp",
              str(run.dp), "--bf16"])
         traced = trace_tool.trainer_argv(opts)
         ours = run.argv(tmp_path / "m.jsonl")
@@ -107,6 +177,84 @@ def test_run_flags_match_what_the_estimator_traces(tmp_path):
             value = traced[traced.index(flag) + 1]
             mine = ours[ours.index(flag) + 1]
             assert mine == value or float(mine) == float(value), flag
+
+
+def _records(losses, norms):
+    return [{"iteration": i, "iteration_time_s": 0.1, "lm_loss": loss, "grad_norm": norm,
+             "mem_peak_rss_mib": 100.0}
+            for i, (loss, norm) in enumerate(zip(losses, norms), 1)]
+
+
+def test_agreement_with_the_reference():
+    ref = _records([8.0, 7.9, 7.8], [2.0, 1.5, 1.0])
+    found = measure.agreement(_records([8.0, 7.9 * 1.004, 7.8], [2.0, 1.5, 1.03]), ref, 3)
+    assert found.loss == pytest.approx(0.004) and found.loss_iteration == 2
+    assert found.grad_norm == pytest.approx(0.03) and found.grad_norm_iteration == 3
+    assert found.passed
+    assert "lm loss 4.0e-03 (iteration 2, tolerance 0.01)" in found.describe()
+    assert not measure.agreement(_records([8.0, 7.9, 7.8], [2.0, 1.5, 1.1]), ref, 3).passed
+    assert not measure.agreement(_records([8.0, 7.9, 7.9], [2.0, 1.5, 1.0]), ref, 3).passed
+    assert not measure.agreement(_records([8.0, 7.9, math.nan], [2.0, 1.5, 1.0]), ref, 3).passed
+    with pytest.raises(RunFailure, match="the reference logged no grad_norm at iteration 3"):
+        measure.agreement(ref, ref[:2] + [{**ref[2], "grad_norm": None}], 3)
+
+
+def _write_run(directory, records):
+    directory.mkdir(parents=True)
+    (directory / "train.log").write_text("done\n")
+    (directory / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records))
+
+
+def _no_prediction(run, alpha):
+    raise predict.NoPrediction("no prediction: test")
+
+
+@pytest.mark.parametrize("norm, verdict", [(1.01, "PASS"), (1.2, "FAIL")])
+def test_context_parallel_row_compares_with_its_reference(tmp_path, norm, verdict):
+    model = ModelSettings(train_iters=3, steady_from=2)
+    run = plan.plan(2, model)[6]
+    assert run.mechanism.name == "context-parallel"
+    _write_run(tmp_path / "context-parallel", _records([8.0, 7.9, 7.8], [2.0, 1.5, norm]))
+    _write_run(tmp_path / run.reference.mechanism.name,
+               _records([8.0, 7.9, 7.8], [2.0, 1.5, 1.0]))
+    ok = Completed(0, 30.0, 75)
+    completed = {"context-parallel": ok, run.reference.mechanism.name: ok}
+    row = check.training_row(run, completed, tmp_path, "mem_peak_rss_mib", _no_prediction)
+    assert row.verdict == verdict, row.notes
+    assert "against CP=1 on one GPU" in row.notes[0]
+    assert row.notes[-1] == "no prediction: test"
+    if verdict == "FAIL":
+        assert "differ from CP=1 beyond bf16 noise" in row.notes[1]
+    missing = check.training_row(run, {"context-parallel": ok}, tmp_path, "mem_peak_rss_mib",
+                                 _no_prediction)
+    assert missing.verdict == "FAIL" and "CP=1 reference not run" in missing.notes[0]
+
+
+def test_waves_run_at_once_on_their_gpus(tmp_path):
+    """check.run_waves gives each launch its GPUs and the wave's limit, and starts no wave once
+    the budget is spent (a fake runner: nothing launched)."""
+    calls = []
+
+    def runner(run, metrics, log, timeout_s, devices):
+        calls.append((run.mechanism.name, devices, timeout_s))
+        return Completed(0, 1.0, timeout_s)
+
+    runs = plan.plan(8)
+    clock = iter([0.0, 100.0, 470.0])  # the third wave would get 10 s: not started
+    done = check.run_waves(runs, 8, runner, tmp_path, deadline=480.0, clock=lambda: next(clock))
+    assert sorted(calls)[:2] == [("context-parallel", (4, 5), 75),
+                                 ("context-parallel-cp1-reference", (6,), 75)]
+    assert len(calls) == 8 and done["telemetry"] is None and done["stitching-allocator"] is None
+    assert done["plain"].returncode == 0
+
+
+def test_launch_gets_its_own_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    assert measure.launch_env((1, 2))["CUDA_VISIBLE_DEVICES"] == "5,6"
+    assert measure.launch_env()["CUDA_VISIBLE_DEVICES"] == "3,5,6,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert measure.launch_env((6, 7))["CUDA_VISIBLE_DEVICES"] == "6,7"
 
 
 def test_figures_from_a_real_training_log(tmp_path):
@@ -202,14 +350,15 @@ class CpuRunner:
 
     memory_key = "mem_peak_rss_mib"
 
-    def __call__(self, run, metrics_path, log_path, timeout_s):
+    def __call__(self, run, metrics_path, log_path, timeout_s, devices=None):
         return launch(run.nproc, run.argv(metrics_path, cuda=False), log_path, timeout_s)
 
 
 @pytest.mark.slow
 def test_end_to_end_under_the_cuda_double(tmp_path, monkeypatch, capsys):
     """Two doubled H100s: the GPU tests (all skipped in the subprocess, which sees no CUDA),
-    then every mechanism trained on CPU and predicted by the estimator; the stitching allocator
+    then every mechanism trained on CPU in waves (two one-GPU trainings at once) and predicted
+    by the estimator, the CP=2 row compared with its CP=1 reference; the stitching allocator
     needs a real GPU and fails with the trainer's one-line error."""
     from tests.cuda_double import CudaDouble
 
@@ -226,11 +375,14 @@ def test_end_to_end_under_the_cuda_double(tmp_path, monkeypatch, capsys):
     # The double has no CUDA kernels to compose: the row reports the refusal, not a crash.
     assert rows["tile compositions"][1] == "FAIL"
     for name in ("plain", "memo-offload-alpha-auto", "memo-offload-one-buffer",
-                 "planned-arena", "sppo", "metp", "telemetry"):
+                 "planned-arena", "sppo", "metp", "context-parallel", "telemetry"):
         cells = rows[name]
         assert cells[1] == "PASS", text
         assert float(cells[3]) > 0 and float(cells[6]) > 0  # measured peak and time
-        if name == "metp":
+        if name == "context-parallel":
+            assert cells[2] == "TP=1 CP=2 PP=1 DP=1 (2 GPUs)"
+            assert "against CP=1 on one GPU" in cells[8], text  # CPU fp32: well within
+        elif name == "metp":
             assert cells[4] == "-" and "no prediction for this mechanism" in cells[8]
         else:
             assert float(cells[4]) > 0 and float(cells[7]) > 0, text  # predicted

@@ -3,10 +3,12 @@ tests/gpu``, train each mechanism of :mod:`.plan` for 10 iterations, predict eac
 estimator, write the markdown report. Exit status: 0 when no row failed, 1 otherwise, 2 when
 no CUDA GPU is visible (one line, nothing else).
 
-Budget: the whole check must end within 10 minutes on one H100, so the GPU tests get
-:data:`GPU_TESTS_LIMIT_S`, each training :data:`RUN_LIMIT_S` (a small model starts in ~20 s and
-trains 10 iterations in seconds) and nothing starts after :data:`TOTAL_BUDGET_S`; a run cut
-short is a FAIL row, not a hang.
+Budget: the whole check must end within 10 minutes on 1 to 8 GPUs, so the GPU tests get
+:data:`GPU_TESTS_LIMIT_S`, each wave of trainings (up to four at once on disjoint GPU pairs,
+:func:`.plan.waves`) :data:`RUN_LIMIT_S` (a small model starts in ~20 s and trains 10
+iterations in seconds) and no wave starts after :data:`TOTAL_BUDGET_S`; a run cut short is a
+FAIL row, not a hang. The predictions are made after the last wave. :mod:`.schedule` computes
+the expected wall time from measured durations.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,14 +27,16 @@ from typing import Callable, Optional
 from megatron.training.gpu_check.measure import (
     IN_CHECKOUT,
     REPO_ROOT,
+    Completed,
     RunFailure,
     TorchrunRunner,
+    agreement,
     failure_reason,
     measure,
     read_records,
     run_logged,
 )
-from megatron.training.gpu_check.plan import MECHANISMS, ModelSettings, PlannedRun, plan
+from megatron.training.gpu_check.plan import MECHANISMS, ModelSettings, PlannedRun, plan, waves
 from megatron.training.gpu_check.predict import NoPrediction, hardware_profile_name, predict
 from megatron.training.gpu_check.report import (
     FAIL,
@@ -143,38 +148,101 @@ def composition_row() -> Row:
     return Row("tile compositions", verdict, "1 GPU, ranks as threads", notes=[summary])
 
 
-def training_row(run: PlannedRun, runner, run_dir: Path, timeout_s: Optional[float],
-                 predictor: Callable) -> Row:
-    """Train ``run`` (unless skipped or out of time), measure it and predict it."""
+def start_training(run: PlannedRun, runner, run_dir: Path, timeout_s: float,
+                   devices: tuple[int, ...]) -> Completed:
+    """Launch ``run`` on ``devices`` (indices of the visible GPUs) with its log and metrics in
+    ``run_dir`` (emptied first: the trainer appends to metrics.jsonl)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    return runner(run, run_dir / "metrics.jsonl", run_dir / "train.log", timeout_s,
+                  devices=devices)
+
+
+def run_waves(runs: list[PlannedRun], gpus: int, runner, run_dir: Path, deadline: float,
+              clock: Callable[[], float] = time.monotonic) -> dict[str, Optional[Completed]]:
+    """Every launch of :func:`.plan.waves`, the trainings of a wave at once on their own GPUs,
+    each wave given :func:`run_limit` (``deadline`` on ``clock``): mechanism name ->
+    Completed, None for a launch not started (the budget was spent)."""
+    done: dict[str, Optional[Completed]] = {}
+    all_waves = waves(runs, gpus)
+    for number, wave in enumerate(all_waves, 1):
+        timeout = run_limit(deadline, clock(), RUN_LIMIT_S)
+        names = ", ".join(f"{run.mechanism.name} on {run.layout()}" for run, _ in wave)
+        if timeout is None:
+            print(f"gpu-check: wave {number}/{len(all_waves)} not started (budget spent): "
+                  f"{names}", flush=True)
+            done.update((run.mechanism.name, None) for run, _ in wave)
+            continue
+        print(f"gpu-check: wave {number}/{len(all_waves)}: {names}", flush=True)
+        with ThreadPoolExecutor(max_workers=len(wave)) as pool:
+            futures = {run.mechanism.name: pool.submit(
+                start_training, run, runner, run_dir / run.mechanism.name, timeout, devices)
+                for run, devices in wave}
+        done.update((name, future.result()) for name, future in futures.items())
+    return done
+
+
+def training_row(run: PlannedRun, completed: dict[str, Optional[Completed]], run_dir: Path,
+                 memory_key: str, predictor: Callable) -> Row:
+    """The row of ``run`` from its launch (and its reference's) in ``completed``
+    (:func:`run_waves`): measured, compared with the reference, predicted."""
     row = Row(run.mechanism.name, SKIP, run.layout())
     if run.skip_reason:
         row.notes.append(run.skip_reason)
         return row
-    if timeout_s is None:
+    launched = completed.get(run.mechanism.name)
+    if launched is None:
         row.verdict = FAIL
         row.notes.append("not run: the check's 10-minute budget was spent")
         return row
-    shutil.rmtree(run_dir, ignore_errors=True)  # the trainer appends to metrics.jsonl
-    run_dir.mkdir(parents=True)
-    metrics, log = run_dir / "metrics.jsonl", run_dir / "train.log"
-    completed = runner(run, metrics, log, timeout_s)
-    log_text = log.read_text(errors="replace")
-    reason = failure_reason(completed, log_text)
-    if reason is None:
-        try:
-            row.measured = measure(read_records(metrics), log_text, memory_key=runner.memory_key,
-                                   train_iters=run.model.train_iters,
-                                   steady_from=run.model.steady_from)
-        except RunFailure as failure:
-            reason = str(failure)
+    reason = _figures(run, launched, run_dir / run.mechanism.name, memory_key, row)
+    if reason is None and run.reference is not None:
+        reason = _compare(run, completed.get(run.reference.mechanism.name), run_dir, row)
     row.verdict = FAIL if reason else PASS
     if reason:
-        row.notes.append(f"{reason} ({log})")
+        row.notes.append(reason)
     try:
         row.predicted = predictor(run, row.measured and row.measured.memo_alpha)
     except NoPrediction as missing:
         row.notes.append(str(missing))
     return row
+
+
+def _figures(run: PlannedRun, launched: Completed, run_dir: Path, memory_key: str,
+             row: Row) -> Optional[str]:
+    """Measure a finished launch into ``row``; the failure reason, None when it is fine."""
+    log = run_dir / "train.log"
+    log_text = log.read_text(errors="replace")
+    reason = failure_reason(launched, log_text)
+    if reason is None:
+        try:
+            row.measured = measure(read_records(run_dir / "metrics.jsonl"), log_text,
+                                   memory_key=memory_key, train_iters=run.model.train_iters,
+                                   steady_from=run.model.steady_from)
+        except RunFailure as failure:
+            reason = str(failure)
+    return f"{reason} ({log})" if reason else None
+
+
+def _compare(run: PlannedRun, launched: Optional[Completed], run_dir: Path,
+             row: Row) -> Optional[str]:
+    """Compare ``run`` with its CP=1 reference, the comparison in ``row``'s notes; the failure
+    reason, None when within tolerance."""
+    reference = run.reference
+    ref_dir = run_dir / reference.mechanism.name
+    if launched is None:
+        return "CP=1 reference not run: the check's 10-minute budget was spent"
+    log = ref_dir / "train.log"
+    failure = failure_reason(launched, log.read_text(errors="replace"))
+    if failure:
+        return f"CP=1 reference: {failure} ({log})"
+    try:
+        found = agreement(read_records(run_dir / run.mechanism.name / "metrics.jsonl"),
+                          read_records(ref_dir / "metrics.jsonl"), run.model.train_iters)
+    except RunFailure as missing:
+        return f"CP=1 reference: {missing}"
+    row.notes.append(found.describe())
+    return None if found.passed else "losses or grad norms differ from CP=1 beyond bf16 noise"
 
 
 def _commit() -> str:
@@ -237,12 +305,9 @@ def main(argv: Optional[list[str]] = None, runner=None,
     rows.append(composition_row())
     print(f"gpu-check: tile compositions: {rows[-1].verdict}: {rows[-1].notes[0]}", flush=True)
     runs = plan(gpus, model, tuple(known[n] for n in names))
+    completed = run_waves(runs, gpus, runner, opts.run_dir, deadline)
     for index, run in enumerate(runs, 1):
-        timeout = run_limit(deadline, time.monotonic(), RUN_LIMIT_S)
-        print(f"gpu-check: [{index}/{len(runs)}] {run.mechanism.name} on {run.layout()}",
-              flush=True)
-        rows.append(training_row(run, runner, opts.run_dir / run.mechanism.name, timeout,
-                                 predictor))
+        rows.append(training_row(run, completed, opts.run_dir, runner.memory_key, predictor))
         print(f"gpu-check: [{index}/{len(runs)}] {run.mechanism.name}: {rows[-1].verdict}"
               + (f": {'; '.join(rows[-1].notes)}" if rows[-1].verdict != PASS else ""),
               flush=True)

@@ -63,10 +63,22 @@ class Measurement:
     memo_alpha: Optional[float] = None
 
 
-def launch_env() -> dict:
+def visible_devices() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (indices 0-7 when it
+    is unset): a launch on visible GPUs (1, 2) gets the second and third of these."""
+    names = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+             if d.strip()]
+    return names if "CUDA_VISIBLE_DEVICES" in os.environ else [str(i) for i in range(8)]
+
+
+def launch_env(devices: Optional[tuple[int, ...]] = None) -> dict:
     """This environment without rendezvous variables, with the checkout importable (an
-    installed package already is)."""
+    installed package already is); ``devices``: the visible GPUs (indices) the launch gets,
+    by CUDA_VISIBLE_DEVICES (None: all of this process's)."""
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+    if devices is not None:
+        names = visible_devices()
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(names[i] for i in devices)
     if IN_CHECKOUT:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                           env.get("PYTHONPATH")]))
@@ -74,13 +86,15 @@ def launch_env() -> dict:
     return env
 
 
-def run_logged(command: list[str], log_path: Path, timeout_s: float) -> Completed:
-    """Run ``command`` (in the checkout, if this is one) with its output in ``log_path``;
-    killed (its whole process group) after ``timeout_s`` seconds."""
+def run_logged(command: list[str], log_path: Path, timeout_s: float,
+               devices: Optional[tuple[int, ...]] = None) -> Completed:
+    """Run ``command`` (in the checkout, if this is one) on ``devices`` (:func:`launch_env`)
+    with its output in ``log_path``; killed (its whole process group) after ``timeout_s``
+    seconds."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT if IN_CHECKOUT else None,
-                                   env=launch_env(), stdout=log,
+                                   env=launch_env(devices), stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
             returncode = process.wait(timeout=timeout_s)
@@ -90,12 +104,14 @@ def run_logged(command: list[str], log_path: Path, timeout_s: float) -> Complete
     return Completed(returncode, time.perf_counter() - start, timeout_s)
 
 
-def launch(nproc: int, argv: list[str], log_path: Path, timeout_s: float) -> Completed:
+def launch(nproc: int, argv: list[str], log_path: Path, timeout_s: float,
+           devices: Optional[tuple[int, ...]] = None) -> Completed:
     """``torchrun --standalone --nproc-per-node nproc -m pretrain_gpt argv`` (see
-    :func:`run_logged`); the module is the checkout's or the installed one."""
+    :func:`run_logged`); the module is the checkout's or the installed one. ``--standalone``
+    gives each launch its own free rendezvous port, so launches on disjoint GPUs run at once."""
     return run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc-per-node={nproc}", "-m", "pretrain_gpt", *argv],
-                      log_path, timeout_s)
+                      log_path, timeout_s, devices)
 
 
 def _stop_group(process: subprocess.Popen) -> None:
@@ -118,8 +134,9 @@ class TorchrunRunner:
     memory_key = "mem_peak_allocated_mib"
 
     def __call__(self, run: PlannedRun, metrics_path: Path, log_path: Path,
-                 timeout_s: float) -> Completed:
-        return launch(run.nproc, run.argv(metrics_path, cuda=True), log_path, timeout_s)
+                 timeout_s: float, devices: Optional[tuple[int, ...]] = None) -> Completed:
+        return launch(run.nproc, run.argv(metrics_path, cuda=True), log_path, timeout_s,
+                      devices)
 
 
 def read_records(metrics_path: Path) -> list[dict]:
@@ -176,3 +193,60 @@ def measure(records: list[dict], log_text: str, *, memory_key: str, train_iters:
     return Measurement(peak_mib=max(r[memory_key] for r in steady),
                        iteration_s=statistics.median(r["iteration_time_s"] for r in steady),
                        memo_alpha=solved_alpha(log_text))
+
+
+#: Largest relative difference of a CP=2 run's lm loss from its CP=1 reference's, per
+#: iteration. Both train in bf16 from the same weights on the same sequences; CP splits each
+#: sequence's attention into ring tiles merged by log-sum-exp, whose bf16 outputs round
+#: differently (unit round-off 2^-8 = 3.9e-3 per element). The loss is a mean over 16384
+#: tokens, so that rounding largely averages out: 1e-2 is several bf16 ulps of the loss, and
+#: a wrong ring (a missing or misplaced tile, a wrong causal mask) moves it by more. Not yet
+#: calibrated on a GPU.
+CP_LOSS_TOLERANCE = 1e-2
+#: The same for the grad norm: a norm over every gradient, after 10 Adam steps whose
+#: per-element updates amplify round-off differences in near-zero gradients, so looser than
+#: the loss. A missing CP gradient reduction changes it by about a factor 2 (1 - 1/sqrt(2) =
+#: 0.29 at the least), far above 5e-2.
+CP_GRAD_NORM_TOLERANCE = 5e-2
+
+
+@dataclass
+class Agreement:
+    """Largest relative differences over the iterations, and the iteration of each."""
+
+    loss: float
+    loss_iteration: int
+    grad_norm: float
+    grad_norm_iteration: int
+
+    @property
+    def passed(self) -> bool:
+        return self.loss <= CP_LOSS_TOLERANCE and self.grad_norm <= CP_GRAD_NORM_TOLERANCE
+
+    def describe(self) -> str:
+        return (f"against CP=1 on one GPU, same sequences: largest relative difference of lm "
+                f"loss {self.loss:.1e} (iteration {self.loss_iteration}, tolerance "
+                f"{CP_LOSS_TOLERANCE:g}), of grad norm {self.grad_norm:.1e} (iteration "
+                f"{self.grad_norm_iteration}, tolerance {CP_GRAD_NORM_TOLERANCE:g})")
+
+
+def agreement(records: list[dict], reference: list[dict], train_iters: int) -> Agreement:
+    """How far a run's per-iteration ``lm_loss`` and ``grad_norm`` are from its reference's
+    over iterations 1..``train_iters`` (relative to the reference). Raises RunFailure when an
+    iteration or a figure is missing from either."""
+    def by_iteration(rows, what):
+        out = {r["iteration"]: r for r in rows if "iteration_time_s" in r}
+        for i in range(1, train_iters + 1):
+            for key in ("lm_loss", "grad_norm"):
+                if i not in out or out[i].get(key) is None:
+                    raise RunFailure(f"{what} logged no {key} at iteration {i}")
+        return out
+
+    ours, theirs = by_iteration(records, "the run"), by_iteration(reference, "the reference")
+    worst = {}
+    for key in ("lm_loss", "grad_norm"):
+        diffs = [(abs(ours[i][key] - theirs[i][key]) / max(abs(theirs[i][key]), 1e-30), i)
+                 for i in range(1, train_iters + 1)]
+        worst[key] = max(diffs, key=lambda d: (not math.isfinite(d[0]), d[0]))
+    return Agreement(worst["lm_loss"][0], worst["lm_loss"][1], worst["grad_norm"][0],
+                     worst["grad_norm"][1])

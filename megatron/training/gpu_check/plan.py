@@ -1,5 +1,10 @@
 """Which trainings ``make gpu-check`` runs on G GPUs: one per mechanism, each with its layout
-(TP x PP x DP, at most G ranks) and pretrain_gpt.py flags.
+(TP x CP x PP x DP) and pretrain_gpt.py flags, and on which GPUs.
+
+A one-GPU mechanism trains at DP=2 from 4 GPUs on (DP=1 below), the others at DP=1; the
+trainings are packed into waves that run at once on disjoint GPUs (:func:`waves`: four at a
+time on 8 GPUs). A context-parallel run is paired with a CP=1
+reference on one GPU with the same global batch (:attr:`PlannedRun.reference`).
 
 The trainer flags mirror what tools/trace.py traces for the estimator (bf16, distributed
 optimizer, fp32 gradient accumulation, untied embeddings, rope, no dropout, sequence parallelism
@@ -18,6 +23,9 @@ from typing import Optional
 CUDA_ONLY_FLAGS = ("--bf16", "--use-distributed-optimizer")
 #: Most GPUs a check uses (one node of 8).
 MAX_GPUS = 8
+#: Data-parallel replicas of a one-GPU mechanism from 4 GPUs on: 2 covers data parallelism
+#: while 8 GPUs run four trainings at once (docs/gpu_check.md, "Time budget").
+LANE_GPUS = 2
 
 
 @dataclass(frozen=True)
@@ -60,10 +68,11 @@ class Mechanism:
     tp: int = 1
     pp: int = 1
     estimator: Optional[tuple[str, str]] = ("megatron-none", "caching")
+    cp: int = 1
 
     @property
     def min_gpus(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.cp * self.pp
 
 
 #: SPPO's subsequences per sequence in the check (two of 2048 tokens at the default length).
@@ -86,6 +95,8 @@ MECHANISMS = (
     Mechanism("sppo", ("--memo-sppo", "--memo-sppo-subsequences", str(SPPO_SUBSEQUENCES),
                        "--memo-sppo-offload", "auto"), pp=2, estimator=("sppo", "solver")),
     Mechanism("metp", ("--memo-metp",), tp=2, estimator=None),
+    # The zigzag ring across 2 GPUs, its losses and grad norms compared with CP=1 (check.py).
+    Mechanism("context-parallel", (), cp=2),
     Mechanism("telemetry", ("--memo-telemetry",)),
     Mechanism("stitching-allocator", ("--memo-stitching-allocator",),
               estimator=("megatron-none", "stitching")),
@@ -94,7 +105,9 @@ MECHANISMS = (
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """One training: ``nproc`` ranks as TP x PP x DP, or a skip with its reason."""
+    """One training: ``nproc`` ranks as TP x CP x PP x DP, or a skip with its reason;
+    ``reference``: for CP > 1, the same model and global batch at CP=1 on one GPU, whose
+    per-iteration loss and grad norm the run must reproduce."""
 
     mechanism: Mechanism
     model: ModelSettings
@@ -102,10 +115,12 @@ class PlannedRun:
     pp: int
     dp: int
     skip_reason: Optional[str] = None
+    cp: int = 1
+    reference: Optional["PlannedRun"] = None
 
     @property
     def nproc(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def global_batch(self) -> int:
@@ -113,7 +128,9 @@ class PlannedRun:
         return self.dp * self.model.microbatches_per_replica
 
     def layout(self) -> str:
-        return f"TP={self.tp} PP={self.pp} DP={self.dp} ({self.nproc} GPU{'s' * (self.nproc > 1)})"
+        cp = f" CP={self.cp}" if self.cp > 1 else ""
+        return (f"TP={self.tp}{cp} PP={self.pp} DP={self.dp} "
+                f"({self.nproc} GPU{'s' * (self.nproc > 1)})")
 
     def argv(self, metrics_path: Path, cuda: bool = True) -> list[str]:
         """pretrain_gpt.py's flags; ``cuda=False`` drops :data:`CUDA_ONLY_FLAGS` (the CPU
@@ -132,6 +149,7 @@ class PlannedRun:
             "--log-interval", "1", "--eval-interval", str(m.train_iters + 1), "--eval-iters", "0",
             "--tensor-model-parallel-size", str(self.tp),
             "--pipeline-model-parallel-size", str(self.pp),
+            "--context-parallel-size", str(self.cp),
             # As the tracer: SP always asked for (the trainer drops it at TP=1).
             "--sequence-parallel", "--accumulate-allreduce-grads-in-fp32", *CUDA_ONLY_FLAGS,
             "--log-metrics-jsonl", str(metrics_path),
@@ -140,17 +158,67 @@ class PlannedRun:
         return argv if cuda else [flag for flag in argv if flag not in CUDA_ONLY_FLAGS]
 
 
+def lane_gpus(gpus: int) -> int:
+    """GPUs a one-GPU mechanism trains on (its data-parallel replicas) when ``gpus`` are
+    visible: :data:`LANE_GPUS` from 4 GPUs on, else 1 (on 2 or 3 GPUs, two such trainings run
+    at once rather than one at DP=2, which would not fit the budget, docs/gpu_check.md)."""
+    return LANE_GPUS if min(gpus, MAX_GPUS) >= 2 * LANE_GPUS else 1
+
+
 def plan(gpus: int, model: ModelSettings = ModelSettings(),
          mechanisms: tuple[Mechanism, ...] = MECHANISMS) -> list[PlannedRun]:
-    """The runs for ``gpus`` visible GPUs (at most :data:`MAX_GPUS` used): each mechanism at its
-    TP x PP with as many data-parallel replicas as fit, or skipped when it needs more GPUs."""
+    """The runs for ``gpus`` visible GPUs: a one-GPU mechanism at DP=:func:`lane_gpus`, the
+    others at their TP x CP x PP with DP=1, or skipped when they need more GPUs than present.
+    A CP > 1 run carries its CP=1 reference (one GPU, DP=1: with the run's DP=1 both see the
+    same micro-batches in the same order, the global batch split into micro-batches of one)."""
     usable = min(gpus, MAX_GPUS)
     runs = []
     for mechanism in mechanisms:
         reason = None
         if usable < mechanism.min_gpus:
             reason = (f"skipped: needs {mechanism.min_gpus} GPUs (TP={mechanism.tp} "
-                      f"PP={mechanism.pp}), {usable} present")
-        dp = max(1, usable // mechanism.min_gpus)
-        runs.append(PlannedRun(mechanism, model, mechanism.tp, mechanism.pp, dp, reason))
+                      + (f"CP={mechanism.cp} " if mechanism.cp > 1 else "")
+                      + f"PP={mechanism.pp}), {usable} present")
+        dp = lane_gpus(gpus) if mechanism.min_gpus == 1 else 1
+        reference = None
+        if mechanism.cp > 1:
+            reference = PlannedRun(
+                Mechanism(f"{mechanism.name}-cp1-reference", mechanism.flags, mechanism.tp,
+                          mechanism.pp, None), model, mechanism.tp, mechanism.pp, 1)
+        runs.append(PlannedRun(mechanism, model, mechanism.tp, mechanism.pp, dp, reason,
+                               mechanism.cp, reference))
     return runs
+
+
+def launches(runs: list[PlannedRun]) -> list[PlannedRun]:
+    """The trainings to launch: each run not skipped, its CP=1 reference after it."""
+    out = []
+    for run in runs:
+        if run.skip_reason is None:
+            out.append(run)
+            if run.reference is not None:
+                out.append(run.reference)
+    return out
+
+
+def waves(runs: list[PlannedRun], gpus: int) -> list[list[tuple[PlannedRun, tuple[int, ...]]]]:
+    """:func:`launches` packed first-fit, in order, into waves of trainings that run at once on
+    disjoint GPUs, each with its GPUs (indices into the visible GPUs); a wave starts when the
+    previous one has ended."""
+    usable = min(gpus, MAX_GPUS)
+    packed: list[list[PlannedRun]] = []
+    for run in launches(runs):
+        for wave in packed:
+            if sum(r.nproc for r in wave) + run.nproc <= usable:
+                wave.append(run)
+                break
+        else:
+            packed.append([run])
+    out = []
+    for wave in packed:
+        first, placed = 0, []
+        for run in wave:
+            placed.append((run, tuple(range(first, first + run.nproc))))
+            first += run.nproc
+        out.append(placed)
+    return out

@@ -92,7 +92,7 @@ def _predict_traced(run: PlannedRun, hardware: dict, cache, policy: str, allocat
     flags = run.mechanism.flags
     buffers = (int(flags[flags.index("--memo-offload-buffers") + 1])
                if "--memo-offload-buffers" in flags else 2)
-    layout = Layout(run.tp, 1, run.pp, run.dp, policy, memo_alpha if policy == "memo" else None,
+    layout = Layout(run.tp, run.cp, run.pp, run.dp, policy, memo_alpha if policy == "memo" else None,
                     offload_buffers=buffers)
     # Traced at the run's own length (and twice it): a check's short runs sit below the
     # estimator's fitted lengths, where the chunked loss's capped logits buffer breaks the line.
