@@ -311,7 +311,8 @@ def load(path: Path) -> dict:
 
 def save(data: dict, path: Path) -> None:
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(data, indent=1) + "\n")
+    # Compact: the per-iteration samples (kept for --render) are most of it.
+    temporary.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     temporary.replace(path)
 
 
@@ -364,21 +365,30 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
             lines += ["", f"Not run yet: {', '.join(missing)}."]
     others = {name: rows for name, rows in groups.items() if name != MAIN_GROUP}
     if others:
+        # Each shape's floor comes from a plain run of the same shape, in whatever group.
+        floors = {_shape(row): noise_floor(row) for rows in groups.values()
+                  for name, row in rows.items() if name == "plain"}
         lines += ["", "## Other runs (before/after pairs)", "",
+                  "The noise floor of a row is that of the plain run of its sequence length and "
+                  "batch.", "",
                   "| group | mechanism | seq | micro / global batch | commit | iterations "
-                  "| RSS slope (MiB/iteration) | second half | steady growth (MiB) "
-                  "| RSS at end (MiB) | s/iteration |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| RSS slope (MiB/iteration) | second half | noise floor | steady growth (MiB) "
+                  "| RSS at end (MiB) | s/iteration | verdict |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, rows in sorted(others.items()):
             for row in rows.values():
+                row_floor = floors.get(_shape(row))
+                slope = row.get("slope_mib_per_iteration")
+                second = row.get("second_half_slope_mib_per_iteration")
                 lines.append(
                     f"| {name} | {row['mechanism']} | {row['seq_length']} | "
                     f"{row.get('micro_batch_size', 1)} / {row.get('global_batch_size', 2)} | "
                     f"{row['commit']} | "
-                    f"{row['iterations']} | {_fmt(row.get('slope_mib_per_iteration'))} | "
-                    f"{_fmt(row.get('second_half_slope_mib_per_iteration'))} | "
+                    f"{row['iterations']} | {_fmt(slope)} | "
+                    f"{_fmt(second)} | {_fmt(row_floor)} | "
                     f"{_fmt(row.get('growth_mib'), 1)} | {_fmt(row.get('end_mib'), 0)} | "
-                    f"{_fmt(row.get('seconds_per_iteration'), 3)} |")
+                    f"{_fmt(row.get('seconds_per_iteration'), 3)} | "
+                    f"{verdict(slope, row_floor, second)} |")
     lines += ["", "Commands (from the repository root; each rank runs bench/soak.py, which wraps "
               "pretrain_gpt.py's logger to sample the RSS):", ""]
     for name, rows in sorted(groups.items()):
@@ -389,6 +399,10 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
               "at the end of the warm-up)."]
     md_path.write_text("\n".join(lines) + "\n")
     _plot(groups, png_path)
+
+
+def _shape(row: dict) -> tuple:
+    return (row["seq_length"], row.get("micro_batch_size", 1), row.get("global_batch_size", 2))
 
 
 def _plot(groups: dict, png_path: Path) -> None:
@@ -402,6 +416,8 @@ def _plot(groups: dict, png_path: Path) -> None:
               for m, row in rows.items()}
     figure, axes = plt.subplots(1, 2 if others else 1, figsize=(14 if others else 8, 5),
                                 squeeze=False)
+    for axis in axes[0]:
+        axis.set_prop_cycle(color=plt.cm.tab20.colors)  # 13 mechanisms: no repeated colour
     axis = axes[0][0]
     for name, row in panels[0][1].items():
         _series(axis, name, row)
