@@ -5,12 +5,15 @@ iterations. Every rank samples its own resident set size (psutil) once per itera
 same point (when the trainer's logger is called for the iteration, after the step and the
 mechanisms' end-of-step work). After ``--warmup`` iterations (MEMO's alpha solve, the planner's
 trace and plan, allocator arenas filling) a least-squares line is fitted to each rank's RSS;
-the mechanism's slope is the largest over its ranks, in MiB per iteration.
+the mechanism's slope is the largest over its ranks, in MiB per iteration. The same fit over the
+second half of the steady iterations tells growth that stops (a cache or allocator arena still
+filling after the warm-up) from growth that goes on (a leak).
 
 Noise floor: the plain run's steady iterations are cut into four windows and a line is fitted to
 each; the floor is the largest |slope| of any window on any rank. A shorter window gives a
 noisier slope than the whole run, so the floor is generous: a mechanism is ``flat`` when its
-whole-run slope is at most the floor, ``grows`` otherwise. (Issue 42's leak measured 0.36
+whole-run slope is at most the floor; ``settling`` when it is above but its second-half slope is
+within the floor; ``grows`` when both are above. (Issue 42's leak measured 0.36
 MiB/iteration with MEMO alpha 1 at seq 128, 4.5-6.3 at seq 512.)
 
     python bench/soak.py                                   # every mechanism, 1,000 iterations
@@ -184,6 +187,7 @@ def analyse(ranks: dict[int, list[tuple[int, float]]], warmup: int) -> dict:
         end_mib = sorted(y for _, y in tail[-20:])[len(tail[-20:]) // 2]
         per_rank[rank] = {
             "slope_mib_per_iteration": fit_slope(tail),
+            "second_half_slope_mib_per_iteration": fit_slope(tail[len(tail) // 2:]),
             "window_slopes": window_slopes(tail),
             "steady_start_mib": head_mib, "end_mib": end_mib,
             "growth_mib": end_mib - head_mib,
@@ -194,6 +198,8 @@ def analyse(ranks: dict[int, list[tuple[int, float]]], warmup: int) -> dict:
     worst = max(per_rank, key=lambda r: per_rank[r]["slope_mib_per_iteration"])
     return {"per_rank": per_rank, "worst_rank": worst,
             "slope_mib_per_iteration": per_rank[worst]["slope_mib_per_iteration"],
+            "second_half_slope_mib_per_iteration": max(
+                v["second_half_slope_mib_per_iteration"] for v in per_rank.values()),
             "growth_mib": max(v["growth_mib"] for v in per_rank.values()),
             "end_mib": max(v["end_mib"] for v in per_rank.values())}
 
@@ -205,12 +211,16 @@ def noise_floor(plain: dict) -> Optional[float]:
     return max(slopes) if slopes else None
 
 
-def verdict(slope: Optional[float], floor: Optional[float]) -> str:
+def verdict(slope: Optional[float], floor: Optional[float],
+            second_half: Optional[float] = None) -> str:
+    """flat, settling (above the floor, but not over the second half) or grows."""
     if slope is None:
         return "no data"
     if floor is None:
         return "no noise floor (plain not run)"
-    return "flat" if slope <= floor else "grows"
+    if slope <= floor:
+        return "flat"
+    return "settling" if second_half is not None and second_half <= floor else "grows"
 
 
 # ------------------------------------------------------------------------------ running
@@ -301,7 +311,8 @@ def load(path: Path) -> dict:
 
 def save(data: dict, path: Path) -> None:
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(data, indent=1) + "\n")
+    # Compact: the per-iteration samples (kept for --render) are most of it.
+    temporary.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     temporary.replace(path)
 
 
@@ -320,7 +331,9 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
              "line is fitted to the iterations after the warm-up; a mechanism's slope is its "
              "steepest rank's. Noise floor: the largest |slope| of any quarter of the plain "
              "run's steady iterations on any rank (a quarter is noisier than the whole run, so "
-             "the floor is generous); **flat**: slope <= floor.", ""]
+             "the floor is generous); **flat**: slope <= floor; **settling**: above the floor "
+             "over the whole run but within it over the second half of the steady iterations "
+             "(growth that stops); **grows**: above it over both.", ""]
     meta = data.get("meta", {})
     if meta:
         lines += [f"Machine: {meta.get('machine', '?')}. Written {meta.get('written', '?')}.", ""]
@@ -331,39 +344,51 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
                   f"{any_row.get('global_batch_size', 2)}, warm-up {any_row['warmup']} "
                   f"iterations, commit {any_row['commit']}. Noise floor (plain): "
                   f"**{_fmt(floor)} MiB/iteration**.", "",
-                  "| mechanism | layout | iterations | RSS slope (MiB/iteration) | noise floor "
-                  "| steady growth (MiB) | RSS at end (MiB, max rank) | s/iteration | verdict |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| mechanism | layout | iterations | RSS slope (MiB/iteration) | second half "
+                  "| noise floor | steady growth (MiB) | RSS at end (MiB, max rank) | s/iteration "
+                  "| verdict |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for mechanism in MECHANISMS:
             row = main.get(mechanism.name)
             if row is None:
                 continue
             slope = row.get("slope_mib_per_iteration")
+            second = row.get("second_half_slope_mib_per_iteration")
             status = "" if row["exit_status"] == 0 else f" (exit {row['exit_status']})"
             lines.append(
                 f"| {mechanism.name} | {row['layout']} | {row['iterations']}{status} | "
-                f"{_fmt(slope)} | {_fmt(floor)} | {_fmt(row.get('growth_mib'), 1)} | "
-                f"{_fmt(row.get('end_mib'), 0)} | {_fmt(row.get('seconds_per_iteration'), 3)} | "
-                f"{verdict(slope, floor)} |")
+                f"{_fmt(slope)} | {_fmt(second)} | {_fmt(floor)} | "
+                f"{_fmt(row.get('growth_mib'), 1)} | {_fmt(row.get('end_mib'), 0)} | "
+                f"{_fmt(row.get('seconds_per_iteration'), 3)} | {verdict(slope, floor, second)} |")
         missing = [m.name for m in MECHANISMS if m.name not in main]
         if missing:
             lines += ["", f"Not run yet: {', '.join(missing)}."]
     others = {name: rows for name, rows in groups.items() if name != MAIN_GROUP}
     if others:
+        # Each shape's floor comes from a plain run of the same shape, in whatever group.
+        floors = {_shape(row): noise_floor(row) for rows in groups.values()
+                  for name, row in rows.items() if name == "plain"}
         lines += ["", "## Other runs (before/after pairs)", "",
+                  "The noise floor of a row is that of the plain run of its sequence length and "
+                  "batch.", "",
                   "| group | mechanism | seq | micro / global batch | commit | iterations "
-                  "| RSS slope (MiB/iteration) | steady growth (MiB) | RSS at end (MiB) "
-                  "| s/iteration |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| RSS slope (MiB/iteration) | second half | noise floor | steady growth (MiB) "
+                  "| RSS at end (MiB) | s/iteration | verdict |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, rows in sorted(others.items()):
             for row in rows.values():
+                row_floor = floors.get(_shape(row))
+                slope = row.get("slope_mib_per_iteration")
+                second = row.get("second_half_slope_mib_per_iteration")
                 lines.append(
                     f"| {name} | {row['mechanism']} | {row['seq_length']} | "
                     f"{row.get('micro_batch_size', 1)} / {row.get('global_batch_size', 2)} | "
                     f"{row['commit']} | "
-                    f"{row['iterations']} | {_fmt(row.get('slope_mib_per_iteration'))} | "
+                    f"{row['iterations']} | {_fmt(slope)} | "
+                    f"{_fmt(second)} | {_fmt(row_floor)} | "
                     f"{_fmt(row.get('growth_mib'), 1)} | {_fmt(row.get('end_mib'), 0)} | "
-                    f"{_fmt(row.get('seconds_per_iteration'), 3)} |")
+                    f"{_fmt(row.get('seconds_per_iteration'), 3)} | "
+                    f"{verdict(slope, row_floor, second)} |")
     lines += ["", "Commands (from the repository root; each rank runs bench/soak.py, which wraps "
               "pretrain_gpt.py's logger to sample the RSS):", ""]
     for name, rows in sorted(groups.items()):
@@ -374,6 +399,10 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
               "at the end of the warm-up)."]
     md_path.write_text("\n".join(lines) + "\n")
     _plot(groups, png_path)
+
+
+def _shape(row: dict) -> tuple:
+    return (row["seq_length"], row.get("micro_batch_size", 1), row.get("global_batch_size", 2))
 
 
 def _plot(groups: dict, png_path: Path) -> None:
@@ -387,6 +416,8 @@ def _plot(groups: dict, png_path: Path) -> None:
               for m, row in rows.items()}
     figure, axes = plt.subplots(1, 2 if others else 1, figsize=(14 if others else 8, 5),
                                 squeeze=False)
+    for axis in axes[0]:
+        axis.set_prop_cycle(color=plt.cm.tab20.colors)  # 13 mechanisms: no repeated colour
     axis = axes[0][0]
     for name, row in panels[0][1].items():
         _series(axis, name, row)
@@ -446,7 +477,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     opts = build_parser().parse_args(argv)
     data = load(opts.json)
-    if not opts.render:
+    if opts.render:
+        # The figures again from the stored samples (the analysis may have changed since).
+        for rows in data["groups"].values():
+            for row in rows.values():
+                series = {int(rank): [tuple(p) for p in points]
+                          for rank, points in row["series"].items()}
+                row.update(analyse(series, row["warmup"]))
+        save(data, opts.json)
+    else:
         names = [n.strip() for n in opts.mechanisms.split(",") if n.strip()]
         unknown = [n for n in names if n not in BY_NAME]
         if unknown:

@@ -1,5 +1,6 @@
 """bench/soak.py's judgement on made-up RSS series (no training): the slope after warm-up, the
-noise floor from the plain run's quarters, the verdict, and the report it renders."""
+noise floor from the plain run's quarters, the verdict (flat, settling, grows), and the report
+it renders."""
 
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ def test_a_leak_grows_and_plain_noise_stays_flat(soak):
     assert soak.verdict(other["slope_mib_per_iteration"], floor) == "flat"
     leak = soak.analyse({0: _series(0.36, 0.2, 6), 1: _series(0.36, 0.2, 7)}, warmup=40)
     assert soak.verdict(leak["slope_mib_per_iteration"], floor) == "grows"
+    second = leak["second_half_slope_mib_per_iteration"]
+    assert soak.verdict(leak["slope_mib_per_iteration"], floor, second) == "grows"
+    # Growth that stops (an arena still filling after the warm-up) is told from a leak.
+    settling = [(x, y + (min(x, 220) - 40) * 0.05 if x > 40 else y)
+                for x, y in _series(0.0, 0.05, 8)]
+    settled = soak.analyse({0: settling}, warmup=40)
+    assert soak.verdict(settled["slope_mib_per_iteration"], floor,
+                        settled["second_half_slope_mib_per_iteration"]) == "settling"
     assert soak.verdict(None, floor) == "no data"
     assert soak.verdict(0.1, None).startswith("no noise floor")
 
