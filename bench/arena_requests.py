@@ -6,9 +6,9 @@ hook, ``memo_arena_malloc`` (memo_ext._C), is what PyTorch's CUDAPluggableAlloca
 every tensor, so it also sees what the attention kernels allocate inside the tile ops and drop
 before the op returns (:data:`UNTRACED`, from memo_ext/attention/kernels.py and the kernels'
 sources): zero-byte tensors, which PyTorch's pluggable allocator passes to the hook where its
-caching allocator would not, and the kernels' few-byte RNG state. The plan never saw them; on
-one H100 they pushed the rest of each layer phase off its plan
-(bench/results/gpu_check_h100.md).
+caching allocator would not. The plan never saw them; on one H100 they, and the kernels'
+few-byte RNG state (untraced then, recorded by the tracer's CUDA rules since), pushed the rest
+of each layer phase off its plan (bench/results/gpu_check_h100.md).
 
 :func:`cuda_requests` is that CUDA-faithful sequence: the trace's device requests with the
 untraced ones put where the kernels make them. :func:`replay_through_hooks` sends it through
@@ -42,25 +42,25 @@ FAKE_RUNTIME_SOURCE = REPO / "csrc" / "standalone" / "fake_cuda_runtime.c"
 #: The compute stream's cudaStream_t in the replay, and the arena's (fake) device base address.
 COMPUTE_STREAM, ARENA_BASE = 0x10, 1 << 40
 
-_PLACEHOLDERS = tuple(("tile_backward's empty workspace output", 0) for _ in range(4))
-
 #: What each tile op allocates on CUDA that no trace records, by kernel path: (requests before
 #: the op's outputs, requests after them), each (what, bytes), all freed when the op returns.
-#: torch: aten._scaled_dot_product_flash_attention (forward: the debug mask p, empty without
-#: dropout, then the Philox seed/offset tensor rng_state, uint64[2], and the uint64 scalar
-#: _unused) and its backward (the empty ``no_rng`` memo_ext passes for the RNG arguments before
-#: the call); flash-attn: mha_fwd's p (empty) and rng_state (int64[2]). Both backward paths end
-#: with the four zero-byte workspace outputs tile_backward returns in training
-#: (memo_ext.attention.kernels._workspaces, workspaces not declared). The kernels' real
-#: workspaces (softmax_d, dq_accum) are in the trace: the tracer declares them.
+#: torch: aten._scaled_dot_product_flash_attention's forward makes the debug mask p, empty
+#: without dropout, and its backward gets the empty ``no_rng`` memo_ext passes for the RNG
+#: arguments before the call; flash-attn: mha_fwd's p (empty). Everything else the kernels
+#: allocate is in the trace: the tracer's CUDA rules record it after the op's outputs
+#: (memo_ext.attention.kernels.forward_workspaces / backward_workspaces: rng_state, torch's
+#: _unused, softmax_d, dq_accum, ...), and tile_backward returns only dq, dk, dv (until the
+#: attention tiles' requests moved to the CUDA rules it also returned four zero-byte
+#: workspace outputs in training). cuDNN's path (the trainer's on Hopper) is not modelled here:
+#: its forward's two 0-d seed/offset tensors are not declared by the tracer either.
 UNTRACED = {
     "torch": {
-        TILE_FORWARD_OP: ((), (("p", 0), ("rng_state", 16), ("_unused", 8))),
-        TILE_BACKWARD_OP: ((("no_rng", 0),), _PLACEHOLDERS),
+        TILE_FORWARD_OP: ((), (("p", 0),)),
+        TILE_BACKWARD_OP: ((("no_rng", 0),), ()),
     },
     "flash-attn": {
-        TILE_FORWARD_OP: ((), (("p", 0), ("rng_state", 16))),
-        TILE_BACKWARD_OP: ((), _PLACEHOLDERS),
+        TILE_FORWARD_OP: ((), (("p", 0),)),
+        TILE_BACKWARD_OP: ((), ()),
     },
 }
 KERNELS = tuple(UNTRACED)

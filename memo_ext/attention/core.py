@@ -78,11 +78,10 @@ def _attend_backward(grad_out, query, key, value, out, lse, attention: RingAtten
                      causal: bool, seeds):
     """(dq, dk, dv) of one chunk of heads, in Megatron's [s, b, heads, d] layout."""
     if attention.ring is None and attention.documents is None:
-        dq, dk, dv, *workspaces = torch.ops.memo_attention.tile_backward(
+        dq, dk, dv = torch.ops.memo_attention.tile_backward(
             _heads_first(grad_out), _heads_first(query), _heads_first(key),
             _heads_first(value), _heads_first(out), lse, attention.scale, causal,
             attention.dropout_p, seeds[0])
-        del workspaces
         return tuple(g.permute(2, 0, 1, 3) for g in (dq, dk, dv))
     dq, dkv = attention.backward(grad_out, query, pack_key_value(key, value), out, lse, seeds)
     return dq, dkv[:, :, 0], dkv[:, :, 1]

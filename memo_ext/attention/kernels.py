@@ -8,14 +8,15 @@ backward (the flash-attention backward identity: with the row's own log-sum-exp 
 probabilities are exactly its share of the full softmax).
 
 ``memo_attention::tile_forward`` -> (out, lse) and ``memo_attention::tile_backward`` ->
-(dq, dk, dv, *workspaces) take [b, heads, s, d] tensors (views of Megatron's [s, b, heads, d]
-layout are fine) with K/V in ``groups`` query groups (GQA is never expanded outside the kernel).
-They are custom ops for one reason: their fake (meta) rules below are the allocation sizes of
-the CUDA kernels, declared here next to the dispatch, so a trace of the trainer's own modules
-under FakeTensorMode records what a GPU run allocates (out, the fp32 log-sum-exp [b, heads, s_q]
-and, in backward, dq/dk/dv plus the workspaces of the CUDA kernel the trace stands for:
-flash-attention 2's or cuDNN's, :func:`declared_workspaces`) and never an s x s tensor. Live
-CPU runs allocate the same outputs.
+(dq, dk, dv) take [b, heads, s, d] tensors (views of Megatron's [s, b, heads, d] layout are
+fine) with K/V in ``groups`` query groups (GQA is never expanded outside the kernel). They are
+custom ops for one reason: a trace of the trainer's own modules under FakeTensorMode sees each
+tile as one op, whose fake rule allocates its outputs (out, the fp32 log-sum-exp [b, heads,
+s_q]; dq/dk/dv) and never an s x s tensor, and whose CUDA kernels' other requests (workspaces,
+split-KV accumulators, GQA's expanded K/V; FlashAttention-2's or cuDNN's, whichever the trace's
+target GPU dispatches: :func:`declared_workspaces`) are stated here next to the dispatch
+(:func:`forward_workspaces`, :func:`backward_workspaces`) and recorded by the trace's CUDA rules
+(memo_ext.planner.cuda_rules). Live CPU runs allocate the same outputs.
 
 Kernels, by device and dtype (:func:`kernel_for`):
 
@@ -214,17 +215,12 @@ def kernel_for(query: torch.Tensor, dropout_p: float = 0.0,
         return "explicit"
     if query.device.type == "cpu":
         return "cpu_flash"
-    head_dim = query.shape[-1]
-    if (query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16)
-            and head_dim % CUDA_FLASH_HEAD_DIM_MULTIPLE == 0):
+    if query.device.type == "cuda" and fused_kernels_take(query.dtype, query.shape[-1]):
         capability = torch.cuda.get_device_capability(query.device)
-        available = cudnn_attention_available()
-        if (cuda_backend(capability, available, backend, _strictly_deterministic())
-                == "cuda_cudnn" and cudnn_takes(head_dim, key_length, capability,
-                                                torch.backends.cudnn.version())):
-            return "cuda_cudnn"
-        if head_dim <= CUDA_FLASH_MAX_HEAD_DIM:
-            return "cuda_flash"
+        preferred = cuda_backend(capability, cudnn_attention_available(), backend,
+                                 _strictly_deterministic())
+        return cuda_kernel(query.dtype, query.shape[-1], key_length, dropout_p, preferred,
+                           capability, torch.backends.cudnn.version())
     return "explicit"
 
 
@@ -245,78 +241,84 @@ def forced_kernel(kernel: Optional[str]):
 
 def declared_workspaces(enabled: bool = True, kernel: str = "cuda_flash",
                         capability: tuple[int, int] = CUDNN_PREFERRED_FROM):
-    """Make tile_backward also allocate (and return) the workspaces the CUDA ``kernel``
-    ("cuda_flash", "cuda_cudnn": :func:`cuda_backend` of the target GPU; "explicit": none)
-    allocates on a GPU of ``capability``, so a trace records them; off in training, where
-    nothing reads them. A tile cuDNN does not take (:func:`cudnn_takes`) declares
-    FlashAttention-2's, as the trainer would run it."""
+    """Make a trace's CUDA rules (memo_ext.planner.cuda_rules) record the requests the CUDA
+    ``kernel`` ("cuda_flash", "cuda_cudnn": :func:`cuda_backend` of the target GPU; "explicit":
+    none) makes on a GPU of ``capability`` besides the tile ops' outputs
+    (:func:`forward_workspaces`, :func:`backward_workspaces`); tools/trace.py turns it on unless
+    --no-flash-workspace. A tile cuDNN does not take (:func:`cudnn_takes`) declares
+    FlashAttention-2's, as the trainer would run it (:func:`cuda_kernel`). Off in training."""
     return _thread_setting("workspaces", (kernel, tuple(capability)) if enabled else None)
 
 
+def workspaces_declared() -> Optional[tuple[str, tuple[int, int]]]:
+    """(kernel, capability) of :func:`declared_workspaces`, None when it is off."""
+    return getattr(_STATE, "workspaces", None) or None
+
+
+def declared_tile_kernel(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> Optional[str]:
+    """The CUDA kernel whose requests a trace records for a tile of ``q`` and ``k``: the one the
+    GPU :func:`declared_workspaces` names runs it with (:func:`cuda_kernel`), None when
+    nothing is declared."""
+    declared = workspaces_declared()
+    if declared is None:
+        return None
+    kernel, capability = declared
+    return cuda_kernel(q.dtype, q.shape[-1], k.shape[-2], dropout_p, kernel, capability)
+
+
 # ------------------------------------------------------------- the CUDA kernels' allocations
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
-
-
-def flash_backward_workspace_shapes(batch: int, heads: int, seq_q: int,
-                                    head_dim: int) -> tuple[tuple, tuple]:
-    """Shapes (fp32) of flash-attention 2's ``mha_bwd`` workspaces: ``softmax_d`` [b, heads,
-    round128(s_q)] and ``dq_accum`` [b, round128(s_q), heads, d rounded to 32 (d <= 192) or to
-    256] (flash_api.cpp, non-deterministic backward)."""
-    seq_rounded = _round_up(seq_q, 128)
-    dim_rounded = _round_up(head_dim, 32) if head_dim <= 192 else 256
-    return (batch, heads, seq_rounded), (batch, seq_rounded, heads, dim_rounded)
-
-
-def _workspaces(q: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
-    """What flash-attention 2's backward allocates besides dq/dk/dv: softmax_d and dq_accum
-    (fp32), and with GQA dK/dV for every query head ([b, heads, s_k, d], k's dtype) before
-    they are summed over each group. Empty tensors when workspaces are not declared."""
-    batch, heads, seq_q, head_dim = q.shape
-    if not getattr(_STATE, "workspaces", False):
-        return [q.new_empty((0,), dtype=torch.float32) for _ in range(4)]
-    softmax_d, dq_accum = flash_backward_workspace_shapes(batch, heads, seq_q, head_dim)
-    expanded = ((batch, heads, k.shape[2], head_dim) if k.shape[1] != heads else (0,))
-    return [q.new_empty(softmax_d, dtype=torch.float32),
-            q.new_empty(dq_accum, dtype=torch.float32),
-            k.new_empty(expanded), k.new_empty(expanded)]
+# Stated in memo_ext.attention.kernel_requests (re-exported here); the dispatch rule the trace
+# applies to them is :func:`cuda_kernel`.
+from memo_ext.attention.kernel_requests import (  # noqa: E402,F401  (re-exported)
+    CUDNN_BACKWARD_WORKSPACE,
+    SPLIT_KV_LSE_ACCUM,
+    SPLIT_KV_OUT_ACCUM,
+    KernelRequest,
+    backward_workspaces,
+    cudnn_backward_workspace_shape,
+    flash_backward_workspace_shapes,
+    forward_workspaces,
+    padded_head_dim,
+    split_kv_splits,
+)
 
 
-def cudnn_backward_workspace_shape(batch: int, heads: int, seq_q: int,
-                                   head_dim: int) -> tuple[int, int, int, int]:
-    """Shape (fp32) of the one block cudnn-frontend's fused attention backward asks the caching
-    allocator for besides dQ/dK/dV (CompositeSDPABackwardNode::get_fe_workspace_size_node, dense
-    inputs, no bias gradient, not deterministic): its dQ accumulator [b, heads, s_q, d] and
-    softmax sum [b, heads, s_q], i.e. [b, heads, s_q, d + 1]. The cuDNN engine's own workspace
-    comes on top of it in the same block and is not modelled (to measure on a GPU)."""
-    return batch, heads, seq_q, head_dim + 1
+def installed_flash_attn() -> Optional[tuple[int, int]]:
+    """(major, minor) of the flash-attn the CUDA path uses here, None for torch's own
+    FlashAttention-2 build (flash-attn absent or older than 2.7)."""
+    flash = _flash_attn()
+    if flash is None:
+        return None
+    from flash_attn import __version__
+
+    major, minor = (int(part) for part in __version__.split(".")[:2])
+    return major, minor
 
 
-def _cudnn_workspaces(q: torch.Tensor) -> list[torch.Tensor]:
-    """What the cuDNN backward allocates besides dq/dk/dv: its one workspace block
-    (:func:`cudnn_backward_workspace_shape`), then three empty outputs. Not declared: the copies
-    :func:`_cudnn_backward_operands` makes of operands in another layout. The trainer's paths
-    need none for out and grad_out (already in q's strides; tests/unit/test_cudnn_attention.py
-    checks the ring, documents and head chunks); a sliced log-sum-exp's is b*heads*s_q floats,
-    1/(d+1) of the block. Whether a copy is made depends on the layouts the forward kernel
-    returned, which differ between a live CPU trace and a fake one, and the two traces must be
-    the same."""
-    return [q.new_empty(cudnn_backward_workspace_shape(*q.shape), dtype=torch.float32),
-            *(q.new_empty((0,), dtype=torch.float32) for _ in range(3))]
+def fused_kernels_take(dtype: torch.dtype, head_dim: int) -> bool:
+    """A CUDA tile of this dtype and head dim can go to a fused kernel at all (fp16/bf16, head
+    dim a multiple of 8); which one is :func:`cuda_kernel`'s choice."""
+    return (dtype in (torch.float16, torch.bfloat16)
+            and head_dim % CUDA_FLASH_HEAD_DIM_MULTIPLE == 0)
 
 
-def _declared_workspaces(grad_out, q, k, v, out, lse) -> list[torch.Tensor]:
-    """The four workspace outputs of tile_backward: those of the kernel
-    :func:`declared_workspaces` names, or four empty tensors."""
-    declared = getattr(_STATE, "workspaces", None)
-    if declared:
-        kernel, capability = declared
-        if kernel == "cuda_cudnn" and cudnn_takes(q.shape[-1], k.shape[-2], capability):
-            return _cudnn_workspaces(q)
-        if kernel != "explicit":
-            return _workspaces(q, k)
-    return [q.new_empty((0,), dtype=torch.float32) for _ in range(4)]
+def cuda_kernel(dtype: torch.dtype, head_dim: int, key_length: Optional[int],
+                dropout_p: float, preferred: str = "cuda_flash",
+                capability: tuple[int, int] = CUDNN_PREFERRED_FROM,
+                cudnn_version: Optional[int] = None) -> str:
+    """The kernel a CUDA tile runs on a GPU of ``capability`` whose choice for the run
+    (:func:`cuda_backend`) is ``preferred``: "cuda_cudnn" where cuDNN takes the tile
+    (:func:`cudnn_takes`), else "cuda_flash" up to head dim 256, else "explicit" (also with
+    dropout, fp32 and head dims not a multiple of 8). :func:`kernel_for`'s rule for CUDA
+    tensors, and the trace's for its target GPU (:func:`declared_tile_kernel`)."""
+    if dropout_p > 0 or preferred == "explicit" or not fused_kernels_take(dtype, head_dim):
+        return "explicit"
+    if preferred == "cuda_cudnn" and cudnn_takes(head_dim, key_length, capability,
+                                                 cudnn_version):
+        return "cuda_cudnn"
+    if head_dim <= CUDA_FLASH_MAX_HEAD_DIM:
+        return "cuda_flash"
+    return "explicit"
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -330,7 +332,10 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     if kernel == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
+        # The CPU kernel lays its lse out as [b, s_q, heads]; the CUDA kernels' (and the fake
+        # rule's) is a contiguous [b, heads, s_q]. Same layout here, so that a live CPU trace
+        # sees what a CUDA run does with it (its backward copies a strided lse).
+        return out, lse.float().contiguous()
     if kernel == "cuda_cudnn":
         return _cuda_cudnn_forward(q, k, v, scale, causal)
     if kernel == "cuda_flash":
@@ -347,10 +352,9 @@ def _(q, k, v, scale, causal, dropout_p, seed):
 @torch.library.custom_op("memo_attention::tile_backward", mutates_args=())
 def tile_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
-                  dropout_p: float, seed: int) -> list[torch.Tensor]:
-    """Gradients [dq, dk, dv] of one tile given the row's final ``out`` and ``lse`` over all
-    tiles, followed by the kernel's four workspaces (see :func:`_declared_workspaces`; the
-    caller drops them at once, as the kernel frees them)."""
+                  dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of one tile given the row's final ``out`` and ``lse`` over all
+    tiles. What the CUDA kernels allocate besides them is :func:`backward_workspaces`."""
     kernel = kernel_for(q, dropout_p, key_length=k.shape[-2])
     if kernel == "cpu_flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -361,19 +365,16 @@ def tile_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         grads = _cuda_flash_backward(grad_out, q, k, v, out, lse, scale, causal)
     else:
         grads = _explicit_backward(grad_out, q, k, v, out, lse, scale, causal, dropout_p, seed)
-    return [*grads, *_declared_workspaces(grad_out, q, k, v, out, lse)]
+    return tuple(grads)
 
 
 @tile_backward.register_fake
 def _(grad_out, q, k, v, out, lse, scale, causal, dropout_p, seed):
     # dq/dk/dv: empty_like of q/k/v, as every CUDA kernel here allocates them (cuDNN's in q/k/v's
     # own layout, which _cuda_cudnn_backward passes on).
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            *_declared_workspaces(grad_out, q, k, v, out, lse)]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-#: tile_backward outputs that are kernel workspaces, by op name (the trace tags them so).
-WORKSPACE_OUTPUTS = {"memo_attention.tile_backward.default": (3, 4, 5, 6)}
 TILE_FORWARD_OP = "memo_attention.tile_forward.default"
 TILE_BACKWARD_OP = "memo_attention.tile_backward.default"
 

@@ -119,11 +119,10 @@ class RingAttention:
             contribution = torch.zeros_like(key_value)
             grad_key, grad_value = _split(contribution)
             for tile in self._tiles(step):
-                dq, dk, dv, *workspaces = torch.ops.memo_attention.tile_backward(
+                dq, dk, dv = torch.ops.memo_attention.tile_backward(
                     grad[:, :, tile.rows], q[:, :, tile.rows], key[:, :, tile.cols],
                     value[:, :, tile.cols], o[:, :, tile.rows], lse[:, :, tile.rows],
                     self.scale, tile.causal, self.dropout_p, next(seeds))
-                del workspaces
                 grad_q[:, :, tile.rows] += dq
                 grad_key[:, :, tile.cols] += dk
                 grad_value[:, :, tile.cols] += dv

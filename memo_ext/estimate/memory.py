@@ -30,7 +30,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Optional
 
-from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
+from memo_ext.planner.cuda_rules import STEPWISE_SCRATCH
 from memo_ext.planner.trace import POOL_EXTERNAL, Trace, read_trace
 
 #: The tracer (memo-trace), run as ``python -m`` in a subprocess: memo_ext never imports the
@@ -102,12 +102,12 @@ def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:
 
 def _pair_outside_scratch(shorter: list[dict], longer: list[dict]) -> Optional[list]:
     """The longer trace's events, each with its counterpart in the shorter trace (None for
-    reduction scratch, which is not paired), or None when the two differ in anything but sizes
-    outside the scratch. Ids are compared by order of first appearance: scratch blocks take ids
-    too."""
+    stepwise scratch -- reduction scratch, split-KV accumulators -- which is not paired), or
+    None when the two differ in anything but sizes outside the scratch. Ids are compared by
+    order of first appearance: scratch blocks take ids too."""
     def scratch_ids(events) -> set:
         return {e["id"] for e in events
-                if e["action"] == "alloc" and e["module"] == REDUCTION_SCRATCH}
+                if e["action"] == "alloc" and e["module"] in STEPWISE_SCRATCH}
 
     def outside(events, scratch):
         ids: dict[int, int] = {}
@@ -145,8 +145,11 @@ def sized_events(events: list[dict], intercepts: list[Fraction], slopes: list[Fr
 class LinearTrace:
     """A trace whose every request size is ``a + b * seq`` (exact rationals).
 
-    Except the CUDA reductions' scratch (memo_ext.planner.cuda_rules, module
-    :data:`REDUCTION_SCRATCH`). Whether a reduction takes scratch, how much and in how many
+    Except the CUDA reductions' scratch and the flash forward's split-KV accumulators
+    (memo_ext.planner.cuda_rules, :data:`STEPWISE_SCRATCH`). The accumulators exist only while a
+    tile is too short to fill the GPU, in as many splits as the kernel's heuristic picks: kept as
+    the longer trace has them, they overstate a longer run a little (they are gone there) and
+    never understate it. Whether a reduction takes scratch, how much and in how many
     launches depends on the length in steps: it grows with the blocks per output, then splits
     into 32-bit-indexable launches, one after the other. So a line through two lengths would
     overshoot far beyond them, and the two traces may even differ in how many scratch blocks

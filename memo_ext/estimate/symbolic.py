@@ -28,7 +28,7 @@ pattern, instead of one layer; the few-layer stage is traced with the same patte
 
 Nothing is trusted unchecked: :meth:`SymbolicTrace.check` compares the symbolic trace with a
 real trace of k + 2 layers (a period more, for a run) at a longer length, event by event
-outside the reduction scratch, and its work. Any mismatch raises :class:`SymbolicError`, and the estimator traces the whole
+outside the stepwise scratch (reductions' scratch, split-KV accumulators), and its work. Any mismatch raises :class:`SymbolicError`, and the estimator traces the whole
 stage instead.
 
 The device peak is then a closed form: the live bytes after each event are A + B·s (sizes are
@@ -57,7 +57,7 @@ from memo_ext.estimate.memory import (
     _pair_outside_scratch,
     sized_events,
 )
-from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
+from memo_ext.planner.cuda_rules import STEPWISE_SCRATCH
 from memo_ext.planner.trace import OPTIMIZER_STEP, Trace
 
 #: Layers per stage a symbolic trace is made from by default; the copied layer. Five layers
@@ -407,16 +407,16 @@ class SymbolicTrace:
     # ------------------------------------------------------------------ the check
     def check(self, real: Trace) -> None:
         """Raise SymbolicError unless the symbolic trace at ``real``'s length and depth (with
-        ``real``'s persistent state) equals ``real`` event by event outside the reduction
-        scratch, structure and bytes, and its work equals ``real``'s."""
+        ``real``'s persistent state) equals ``real`` event by event outside the stepwise
+        scratch (reductions' scratch, split-KV accumulators), structure and bytes, and its work equals ``real``'s."""
         seq = real.header["model"]["seq_length"]
         layers = _stage_layers(real.header)
         mine = self.at(seq, layers, real)
         where = f"at {seq} tokens, {layers} layers"
         pairs = _pair_outside_scratch(mine.events, real.events)
         if pairs is None:
-            ours = [e for e in mine.events if e["module"] != REDUCTION_SCRATCH]
-            theirs = [e for e in real.events if e["module"] != REDUCTION_SCRATCH]
+            ours = [e for e in mine.events if e["module"] not in STEPWISE_SCRATCH]
+            theirs = [e for e in real.events if e["module"] not in STEPWISE_SCRATCH]
             raise SymbolicError(f"{where} the symbolic trace differs from the traced one ("
                                 + _first_difference(_structure(ours), _structure(theirs)) + ")")
         for symbolic, traced in pairs:

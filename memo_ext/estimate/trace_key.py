@@ -32,8 +32,10 @@ from memo_ext.estimate.memory import TRACE_MODULE
 #: The import names the project owns: pyproject.toml's packages (megatron.training*, memo_ext*)
 #: and py-modules (pretrain_gpt). The graph is followed into these only.
 PROJECT_MODULES = ("memo_ext", "megatron.training", "pretrain_gpt")
-#: Distributions whose code the tracer runs, keyed by their installed versions.
-DEPENDENCIES = ("torch", "megatron-core")
+#: Distributions whose code the tracer runs, keyed by their installed versions; flash-attn's
+#: decides which CUDA kernels' requests the attention tiles record (its absence: torch's own
+#: FlashAttention-2 build, memo_ext.attention.kernels.installed_flash_attn).
+DEPENDENCIES = ("torch", "megatron-core", "flash-attn")
 
 
 def installed_versions() -> dict[str, Optional[str]]:

@@ -11,7 +11,10 @@ it encodes. Four kinds:
   caching allocator besides its outputs -- the cuBLAS workspace at a thread's first GEMM,
   cuBLASLt's per-call workspace of older releases, copies of operands whose strides cuBLAS
   cannot take, the global-memory buffer of a reduction split across thread blocks, the
-  embedding backward's sort temporaries, mse_loss's elementwise loss;
+  embedding backward's sort temporaries, mse_loss's elementwise loss, and the attention tiles'
+  CUDA kernels' workspaces (FlashAttention-2's or cuDNN's, as the target GPU dispatches them),
+  split-KV accumulators and expanded K/V (stated in memo_ext.attention.kernels, next to the
+  dispatch; recorded while ``kernels.declared_workspaces()`` is on);
 - *sizes* (:meth:`CudaKernelRules.cuda_sizes`): outputs the CUDA kernel makes in another dtype
   (layer-norm statistics in fp32, dropout's bool mask);
 - *kernel paths* (:func:`cuda_kernel_paths`): ops a CUDA build runs as one fused kernel where
@@ -36,6 +39,7 @@ from typing import Optional
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from memo_ext.attention import kernels as attention_kernels
 from memo_ext.planner.cuda_reduce import reduction_workspace
 
 MiB = 1 << 20
@@ -63,6 +67,10 @@ class CudaTarget:
     sm_count: int
     torch_version: tuple[int, int] = field(default_factory=_installed_torch)
     cublas_workspace_bytes: Optional[int] = None
+    #: The flash-attn release the attention tiles run (memo_ext.attention.kernels), None for
+    #: torch's own FlashAttention-2 build: the installed one, as for torch.
+    flash_attn: Optional[tuple[int, int]] = field(
+        default_factory=attention_kernels.installed_flash_attn)
 
     @classmethod
     def for_gpu(cls, name: str = DEFAULT_GPU, hardware_file=None, **overrides) -> "CudaTarget":
@@ -116,6 +124,13 @@ _BLAS_WORKSPACE = "cuBLAS workspace (getCurrentCUDABlasHandle)"
 #: The name of a reduction's scratch blocks (a trace's ``module``; the estimator's LinearTrace
 #: does not extrapolate them).
 REDUCTION_SCRATCH = "reduction scratch (gpu_reduce_kernel)"
+
+#: Requests whose presence and size change in steps with the sequence length rather than along
+#: a line: the reductions' scratch, and the flash forward's split-KV accumulators (tiles too
+#: short to fill the GPU are split, longer ones not). memo_ext.estimate leaves them out of the
+#: two-length line and keeps them as the longer trace has them.
+STEPWISE_SCRATCH = frozenset({REDUCTION_SCRATCH, attention_kernels.SPLIT_KV_LSE_ACCUM,
+                              attention_kernels.SPLIT_KV_OUT_ACCUM})
 
 #: cuBLASLt's workspace of releases before 2.6 (the CUBLASLT_WORKSPACE_SIZE default).
 LT_WORKSPACE_BYTES = 1 * MiB
@@ -200,6 +215,8 @@ class CudaKernelRules:
             return _elementwise_loss(args, kwargs)
         if func in _INDEX_PUT_OPS:
             return _index_put_with_sort(args, kwargs)
+        if func in (_TILE_FORWARD, _TILE_BACKWARD):
+            return self._attention_tile(func, args, kwargs)
         if func not in _BLAS_OPS:
             return []
         found = self._operand_copies(func, args)
@@ -216,6 +233,26 @@ class CudaKernelRules:
         if first:
             found.append(Workspace(self.target.blas_workspace_bytes, _BLAS_WORKSPACE, True))
         return found
+
+    def _attention_tile(self, func, args, kwargs) -> list[Workspace]:
+        """A memo_attention tile on the CUDA kernel the target GPU runs it with
+        (memo_ext.attention.kernels.declared_tile_kernel: cuDNN's or FlashAttention-2's, by
+        the trainer's dispatch rule): what it allocates besides the op's outputs
+        (forward_workspaces / backward_workspaces; nothing for tiles the explicit kernel runs,
+        or when workspaces are not declared)."""
+        named = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+        q, k = named["q"], named["k"]
+        kernel = attention_kernels.declared_tile_kernel(q, k, named["dropout_p"])
+        if kernel is None or kernel == "explicit":
+            return []
+        if func is _TILE_FORWARD:
+            requests = attention_kernels.forward_workspaces(
+                q, k, self.target.sm_count, self.target.flash_attn, kernel)
+        else:
+            requests = attention_kernels.backward_workspaces(
+                named["grad_out"], q, k, named["out"], named["lse"], self.target.flash_attn,
+                kernel)
+        return [Workspace(request.nbytes, request.what) for request in requests]
 
     def _operand_copies(self, func, args) -> list[Workspace]:
         """Operands cuBLAS cannot read in place are cloned contiguous first (at::native
@@ -303,6 +340,9 @@ class CudaKernelRules:
                 and source.storage_offset() == 0
                 and is_non_overlapping_and_dense_or_false(source))
 
+
+_TILE_FORWARD = torch.ops.memo_attention.tile_forward.default
+_TILE_BACKWARD = torch.ops.memo_attention.tile_backward.default
 
 _INDEX_PUT_OPS = (_aten.index_put.default, _aten.index_put_.default,
                   _aten._index_put_impl_.default)

@@ -169,11 +169,10 @@ class _BlockAttention(torch.autograd.Function):
             key, value = _heads_first(keys_values[2 * j]), _heads_first(keys_values[2 * j + 1])
             key_pieces, value_pieces = [], []
             for tile in block:
-                tile_grad_q, grad_k, grad_v, *workspaces = torch.ops.memo_attention.tile_backward(
+                tile_grad_q, grad_k, grad_v = torch.ops.memo_attention.tile_backward(
                     grad_out[:, :, tile.rows], q[:, :, tile.rows], key[:, :, tile.cols],
                     value[:, :, tile.cols], output[:, :, tile.rows],
                     log_sum_exp[:, :, tile.rows], ctx.scale, tile.causal, 0.0, 0)
-                del workspaces
                 grad_q[:, :, tile.rows] += tile_grad_q
                 key_pieces.append((tile.cols, grad_k))
                 value_pieces.append((tile.cols, grad_v))

@@ -155,29 +155,78 @@ def test_tiles_cover_exactly_the_causal_pairs(size, documents):
         ZigzagLayout(30, 4)
 
 
-def test_fake_tiles_allocate_what_the_cuda_kernel_does():
-    """Under FakeTensorMode the ops allocate out, the fp32 lse and, in backward with declared
-    workspaces, dq/dk/dv plus flash-attention 2's softmax_d, dq_accum and GQA's expanded dK/dV;
-    never a [s_q, s_k] tensor."""
+def test_fake_tiles_allocate_their_outputs_and_state_the_cuda_kernels_requests():
+    """Under FakeTensorMode the ops allocate only their outputs (out and the fp32 lse; dq, dk,
+    dv), never a [s_q, s_k] tensor. What the CUDA kernels allocate besides is stated next to
+    the dispatch, per backend (flash_api.cpp's mha_fwd/mha_bwd, torch's wrappers, this
+    dispatch), and recorded by the trace's CUDA rules (test_cuda_rules.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     seq, heads, groups, dim = 1000, 4, 2, 80
     with FakeTensorMode():
-        q = torch.empty(1, heads, seq, dim, dtype=torch.bfloat16)
-        k = torch.empty(1, groups, seq, dim, dtype=torch.bfloat16)
+        # The trainer's layout: [b, heads, s, d] views of [s, b, heads, d], batch 1.
+        q = torch.empty(seq, 1, heads, dim, dtype=torch.bfloat16).permute(1, 2, 0, 3)
+        k = torch.empty(seq, 1, groups, dim, dtype=torch.bfloat16).permute(1, 2, 0, 3)
         out, lse = torch.ops.memo_attention.tile_forward(q, k, k, 0.1, True, 0.0, 0)
-        with kernels.declared_workspaces():
-            grads = torch.ops.memo_attention.tile_backward(out, q, k, k, out, lse, 0.1, True,
-                                                           0.0, 0)
-        bare = torch.ops.memo_attention.tile_backward(out, q, k, k, out, lse, 0.1, True, 0.0, 0)
+        grads = torch.ops.memo_attention.tile_backward(out, q, k, k, out, lse, 0.1, True,
+                                                       0.0, 0)
+        rows = slice(0, 500)  # a ring tile's rows: a strided slice of the rows' lse
+        backward = {backend: kernels.backward_workspaces(
+            q[:, :, rows], q[:, :, rows], k, q[:, :, rows], lse[:, :, rows], backend)
+            for backend in (None, (2, 8))}
+        forward = {backend: kernels.forward_workspaces(q, k, 132, backend)
+                   for backend in (None, (2, 8))}
     assert (tuple(out.shape), tuple(lse.shape), lse.dtype) == ((1, heads, seq, dim),
                                                                (1, heads, seq), torch.float32)
-    assert [tuple(g.shape) for g in grads] == [
-        (1, heads, seq, dim), (1, groups, seq, dim), (1, groups, seq, dim),
-        (1, heads, 1024), (1, 1024, heads, 96), (1, heads, seq, dim), (1, heads, seq, dim)]
-    assert [g.numel() for g in bare[3:]] == [0, 0, 0, 0]
-    assert kernels.flash_backward_workspace_shapes(1, 1, 128, 256) == ((1, 1, 128),
-                                                                       (1, 128, 1, 256))
+    assert [tuple(g.shape) for g in grads] == [(1, heads, seq, dim), (1, groups, seq, dim),
+                                               (1, groups, seq, dim)]
+
+    def listed(requests):
+        return [(r.what.split(": ")[1], r.shape, r.dtype) for r in requests]
+
+    bf16, fp32, expanded = torch.bfloat16, torch.float32, (1, heads, seq, dim)
+    lse_copy = ("log-sum-exp made contiguous", (1, heads, 500), fp32)
+    mha_bwd = [("softmax_d", (1, heads, 512), fp32), ("dq_accum", (1, 512, heads, 96), fp32)]
+    # torch's build: GQA expanded K/V in, dK/dV per query head out (summed after the call);
+    # grad_out and out are already contiguous as [b, s, heads, d] at batch 1.
+    assert listed(backward[None]) == [
+        lse_copy, ("K expanded to the heads", expanded, bf16),
+        ("V expanded to the heads", expanded, bf16),
+        ("dK of every query head", expanded, bf16), ("dV of every query head", expanded, bf16),
+        *mha_bwd]
+    assert listed(backward[(2, 8)]) == [lse_copy, *mha_bwd,
+                                        ("dk_expanded (GQA)", expanded, bf16),
+                                        ("dv_expanded (GQA)", expanded, bf16)]
+    # A 1000-token tile of 4 heads is too short to fill 132 SMs: mha_fwd splits it in 4.
+    split = [("split-KV softmax_lse_accum", (4, 1, heads, seq), fp32),
+             ("split-KV out_accum", (4, 1, heads, seq, 96), fp32)]
+    assert listed(forward[None]) == [
+        ("K expanded to the heads", expanded, bf16), ("V expanded to the heads", expanded, bf16),
+        *split, ("rng_state", (2,), torch.uint64), ("unused RNG offset", (), torch.uint64)]
+    assert listed(forward[(2, 8)]) == [*split, ("rng_state", (2,), torch.int64)]
+    # dq_accum / out_accum's head dim: 32-multiples up to 128, 64-multiples above (flash-attn
+    # >= 2.8 and torch's copy); flash-attn 2.7 took 32-multiples up to 192, then 256.
+    assert [kernels.padded_head_dim(d) for d in (64, 80, 128, 136, 160, 200, 256)] == [
+        64, 96, 128, 192, 192, 256, 256]
+    assert [kernels.padded_head_dim(d, (2, 7)) for d in (128, 136, 160, 200)] == [
+        128, 160, 160, 256]
+    assert kernels.flash_backward_workspace_shapes(2, 8, 129, 160) == ((2, 8, 256),
+                                                                       (2, 256, 8, 192))
+
+
+@pytest.mark.parametrize("sm_count, batch_heads, seq_q, seq_k, dim, splits", [
+    (132, 8, 8192, 8192, 128, 1),    # a long tile fills the GPU: never split
+    (132, 8, 64, 4096, 128, 32),     # 64 query rows against 4096 keys (a short document)
+    (108, 4, 200, 2000, 128, 8),
+    (132, 4, 1000, 1000, 80, 4),
+    (132, 1, 64, 256, 64, 1),        # one key block: nothing to split
+])
+def test_split_kv_follows_flash_attentions_heuristic(sm_count, batch_heads, seq_q, seq_k, dim,
+                                                     splits):
+    """num_splits_heuristic of flash_api.cpp (torch's copy and flash-attn 2.8 alike), in its
+    float arithmetic; the port agreed with the C++ function compiled from flash-attn v2.8.3 on
+    all 2,352 cases of a grid of SMs (108, 132), head dims, batch x heads and lengths."""
+    assert kernels.split_kv_splits(1, batch_heads, seq_q, seq_k, dim, sm_count) == splits
 
 
 def test_attention_dropout_is_one_line_with_its_cost(megatron_world):

@@ -226,3 +226,39 @@ def test_rms_norm_records_the_fused_cuda_kernel(live):
     assert ("aten._to_copy.default", 64 * 128 * 4) in composite  # the CPU path's fp32 upcast
     # the registration lives only while recording
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CPU")
+
+
+def test_flash_attention_tiles_record_their_kernels_requests():
+    """The attention tiles on the CUDA flash kernels (memo_ext.attention.kernels states their
+    requests): a 64-row tile against 4,096 keys (a short document's rows) is split 32 ways on
+    132 SMs and 16 ways on 108, a long tile not at all; torch's build expands GQA's K/V, flash-
+    attn does not; fp32 tiles (the explicit kernel) and undeclared workspaces record nothing."""
+    from memo_ext.attention import kernels
+
+    def program(seq_q, seq_k, dtype=torch.bfloat16):
+        def run():
+            q = torch.empty(seq_q, 1, 8, 128, dtype=dtype).permute(1, 2, 0, 3)
+            k = torch.empty(seq_k, 1, 2, 128, dtype=dtype).permute(1, 2, 0, 3)
+            with kernels.declared_workspaces():
+                torch.ops.memo_attention.tile_forward(q, k, k, 0.1, False, 0.0, 0)
+        return run
+
+    def forward_requests(events):
+        return [e[1] for e in allocs(events, op="memo_attention.tile_forward.default")][2:]
+
+    expanded = 8 * 4096 * 128 * 2
+    ampere = CudaTarget(compute_capability=(8, 0), sm_count=108, flash_attn=None)
+    split_bytes = [(splits * 8 * 64 * 4, splits * 8 * 64 * 128 * 4) for splits in (32, 16)]
+    assert forward_requests(record(program(64, 4096))) == [expanded, expanded,
+                                                           *split_bytes[0], 16, 8]
+    assert forward_requests(record(program(64, 4096), ampere)) == [expanded, expanded,
+                                                                   *split_bytes[1], 16, 8]
+    flash_attn = CudaTarget(compute_capability=(9, 0), sm_count=132, flash_attn=(2, 8))
+    assert forward_requests(record(program(64, 4096), flash_attn)) == [*split_bytes[0], 16]
+    long_expanded = 8 * 8192 * 128 * 2
+    assert forward_requests(record(program(8192, 8192))) == [long_expanded, long_expanded, 16,
+                                                             8]
+    assert forward_requests(record(program(64, 4096, torch.float32))) == []
+    assert forward_requests(record(lambda: torch.ops.memo_attention.tile_forward(
+        *(torch.empty(1, 8, 64, 128, dtype=torch.bfloat16) for _ in range(3)), 0.1, False,
+        0.0, 0))) == []

@@ -178,33 +178,43 @@ def test_what_the_real_op_refuses(cudnn_attention_double):
 # ------------------------------------------------------------------ what a trace declares
 
 def test_a_trace_declares_cudnns_backward_workspace():
-    """cuDNN's one workspace block [b, heads, s_q, d + 1] fp32 and nothing else: no per-head
-    dK/dV (GQA is reduced inside its graph). A tile cuDNN does not take declares
-    FlashAttention-2's."""
+    """Through the trace's CUDA rules: cuDNN's backward requests the sliced log-sum-exp's copy,
+    the 8-byte no_rng of our dispatch and its one workspace block [b, heads, s_q, d + 1] fp32,
+    and nothing else: no per-head dK/dV (GQA is reduced inside its graph); its forward none. A
+    tile cuDNN does not take (one key) records FlashAttention-2's; the explicit kernel none."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from memo_ext.planner.cuda_rules import CudaKernelRules, CudaTarget
+
     b, heads, groups, s, d = 2, 8, 2, 1024, 128
-    with FakeTensorMode():
+    fake = FakeTensorMode()
+    with fake:
         q = torch.empty(s, b, heads, d, dtype=torch.bfloat16).permute(1, 2, 0, 3)
         k = torch.empty(s, b, groups, d, dtype=torch.bfloat16).permute(1, 2, 0, 3)
         lse = torch.empty(b, heads, 2 * s)[:, :, :s]
-        with kernels.declared_workspaces(kernel="cuda_cudnn", capability=(9, 0)):
-            cudnn = torch.ops.memo_attention.tile_backward(q, q, k, k, q, lse, 0.1, True, 0.0,
-                                                           0)
-            one_key = torch.ops.memo_attention.tile_backward(
-                q, q, k[:, :, :1], k[:, :, :1], q, lse, 0.1, False, 0.0, 0)
-        with kernels.declared_workspaces(kernel="cuda_flash"):
-            flash = torch.ops.memo_attention.tile_backward(q, q, k, k, q, lse, 0.1, True, 0.0, 0)
-        with kernels.declared_workspaces(kernel="explicit"):
-            explicit = torch.ops.memo_attention.tile_backward(q, q, k, k, q, lse, 0.1, True,
-                                                              0.0, 0)
-    assert [tuple(t.shape) for t in cudnn[3:]] == [(b, heads, s, d + 1), (0,), (0,), (0,)]
-    assert cudnn[3].dtype == torch.float32
-    assert tuple(cudnn[1].shape) == (b, groups, s, d)
-    assert [tuple(t.shape) for t in one_key[3:]] == [
-        *(tuple(t.shape) for t in flash[3:5]), (b, heads, 1, d), (b, heads, 1, d)]
-    assert tuple(flash[6].shape) == (b, heads, s, d)  # FA2: per-head dV before the group sum
-    assert [t.numel() for t in explicit[3:]] == [0, 0, 0, 0]
+    rules = CudaKernelRules(CudaTarget(compute_capability=(9, 0), sm_count=132, flash_attn=None))
+    forward = torch.ops.memo_attention.tile_forward.default
+    backward = torch.ops.memo_attention.tile_backward.default
+
+    def requests(kernel, func, args):
+        with kernels.declared_workspaces(kernel=kernel, capability=(9, 0)):
+            return [(w.nbytes, w.what)
+                    for w in rules.workspaces(func, args, {}, None, func is backward)]
+
+    tile = (q, q, k, k, q, lse, 0.1, True, 0.0, 0)
+    one_key = (q, q, k[:, :, :1], k[:, :, :1], q, lse, 0.1, False, 0.0, 0)
+    assert requests("cuda_cudnn", backward, tile) == [
+        (b * heads * s * 4, "cuDNN backward: log-sum-exp made contiguous"),
+        (8, "cuDNN backward: no_rng (seed and offset)"),
+        (b * heads * s * (d + 1) * 4, kernels.CUDNN_BACKWARD_WORKSPACE)]
+    assert requests("cuda_cudnn", forward, (q, k, k, 0.1, True, 0.0, 0)) == []
+    assert requests("cuda_cudnn", backward, one_key) == requests("cuda_flash", backward, one_key)
+    flash = requests("cuda_flash", backward, tile)
+    assert (b * heads * s * d * 2, "flash backward: dV of every query head") in flash
+    assert requests("explicit", backward, tile) == []
+    assert rules.workspaces(backward, tile, {}, None, True) == []  # nothing declared
+    with fake:
+        assert len(torch.ops.memo_attention.tile_backward(*tile)) == 3  # only dq, dk, dv
 
 
 def test_the_trace_declares_the_kernel_of_its_target_gpu():

@@ -37,13 +37,14 @@ def small_traces(tmp_path_factory):
 
 
 def test_two_traces_give_the_trace_at_any_length_exactly(small_traces):
-    """Exact outside the CUDA reductions' scratch, which is not linear in the length (the two
+    """Exact outside the CUDA reductions' scratch and the flash forward's split-KV accumulators
+    (cuda_rules.STEPWISE_SCRATCH), which are not linear in the length (the two
     traces need not even hold the same scratch blocks) and is kept as the longer trace has it."""
-    from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
+    from memo_ext.planner.cuda_rules import STEPWISE_SCRATCH
 
     def split(trace):  # (sizes outside the scratch, the scratch events)
         ids = {e["id"] for e in trace.events
-               if e["action"] == "alloc" and e["module"] == REDUCTION_SCRATCH}
+               if e["action"] == "alloc" and e["module"] in STEPWISE_SCRATCH}
         return ([e["bytes"] for e in trace.events if e["id"] not in ids],
                 [e for e in trace.events if e["id"] in ids])
 

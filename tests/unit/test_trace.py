@@ -79,15 +79,22 @@ def _recorded(fn, fake: bool):
 
 
 def test_attention_tiles_record_out_lse_and_declared_workspaces_never_s_by_s():
+    """A 1M-token tile in the trainer's layout ([b, heads, s, d] views of [s, b, heads, d],
+    batch 1, GQA, bf16) on torch's FlashAttention-2 build: the ops' outputs, then the requests
+    kernels.forward_workspaces / backward_workspaces state, all linear in s."""
     s, b, n, g, d = 1 << 20, 1, 8, 2, 128  # 1M tokens: an s x s fp32 score tensor is 4 TiB
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memo_ext.attention import kernels
+    from memo_ext.planner.cuda_rules import CudaTarget
 
     with FakeTensorMode():
-        q, dout = (torch.empty(b, n, s, d, dtype=torch.bfloat16) for _ in range(2))
-        k, v = (torch.empty(b, g, s, d, dtype=torch.bfloat16) for _ in range(2))
-    recorder = T.AllocationRecorder()
+        q, dout = (torch.empty(s, b, n, d, dtype=torch.bfloat16).permute(1, 2, 0, 3)
+                   for _ in range(2))
+        k, v = (torch.empty(s, b, g, d, dtype=torch.bfloat16).permute(1, 2, 0, 3)
+                for _ in range(2))
+    target = CudaTarget(compute_capability=(9, 0), sm_count=132, flash_attn=None)
+    recorder = T.AllocationRecorder(target=target)
     with FakeTensorMode(allow_non_fake_inputs=True), recorder, kernels.declared_workspaces():
         out, lse = torch.ops.memo_attention.tile_forward(q, k, v, 0.1, True, 0.0, 0)
         grads = torch.ops.memo_attention.tile_backward(dout, q, k, v, out, lse, 0.1, True, 0.0,
@@ -97,35 +104,47 @@ def test_attention_tiles_record_out_lse_and_declared_workspaces_never_s_by_s():
     heads_bytes, group_bytes = s * b * n * d * 2, s * b * g * d * 2
     assert [e["bytes"] for e in allocs] == [
         heads_bytes, b * n * s * 4,  # forward: out (bf16), lse (fp32 [b, heads, s_q])
+        heads_bytes, heads_bytes,  # torch's build: K and V expanded to the 8 query heads
+        16, 8,  # its RNG state and unused offset (no split-KV: the tile fills the GPU)
         heads_bytes, group_bytes, group_bytes,  # dq, dk, dv
-        math.prod(softmax_d) * 4, math.prod(dq_accum) * 4,  # flash-attn 2 mha_bwd workspaces
-        heads_bytes, heads_bytes]  # GQA: dK/dV of every query head before the group sum
-    assert [e["category"] for e in allocs][-4:] == ["workspace"] * 4
+        heads_bytes, heads_bytes,  # K and V expanded again for the backward kernel
+        heads_bytes, heads_bytes,  # dK/dV of every query head, summed into dk/dv after
+        math.prod(softmax_d) * 4, math.prod(dq_accum) * 4]  # mha_bwd's workspaces
+    categories = [e["category"] for e in allocs]
+    assert categories[2:6] == ["workspace"] * 4 and categories[9:] == ["workspace"] * 6
     # Linear in s: the largest is dq_accum (fp32 per token and head).
     assert max(e["bytes"] for e in allocs) == s * b * n * d * 4 < s * s
     assert tuple(lse.shape) == (b, n, s) and lse.dtype == torch.float32
-    assert len(grads) == 7
+    assert len(grads) == 3
 
 
 def test_attention_tiles_live_and_fake_allocate_the_same():
     from memo_ext.attention import kernels
 
     def run():
-        q = torch.randn(2, 4, 32, 16, dtype=torch.bfloat16)
-        k, v = (torch.randn(2, 2, 32, 16, dtype=torch.bfloat16) for _ in range(2))
-        out, lse = torch.ops.memo_attention.tile_forward(q, k, v, 0.25, True, 0.0, 0)
+        # The trainer's layout, [b, heads, s, d] views of [s, b, heads, d] at batch 1. (With
+        # [b, heads, s, d]-contiguous inputs at batch > 1 the CPU kernel's out is laid out as
+        # [b, s, heads, d] where the CUDA kernels' and the fake rule's follow q, so torch's
+        # build would copy grad_out/out on CUDA and a live CPU trace could not see it.)
+        q = torch.randn(32, 1, 4, 16, dtype=torch.bfloat16).permute(1, 2, 0, 3)
+        k, v = (torch.randn(32, 1, 2, 16, dtype=torch.bfloat16).permute(1, 2, 0, 3)
+                for _ in range(2))
         with kernels.declared_workspaces():
+            out, lse = torch.ops.memo_attention.tile_forward(q, k, v, 0.25, True, 0.0, 0)
             return out, lse, torch.ops.memo_attention.tile_backward(
                 torch.ones_like(out), q, k, v, out, lse, 0.25, True, 0.0, 0)
 
     live = [(e["bytes"], e["op"], e["category"]) for e in _recorded(run, fake=False)]
     fake = [(e["bytes"], e["op"], e["category"]) for e in _recorded(run, fake=True)]
     assert live == fake
-    # Only the ops' outputs are recorded, never what the CPU kernel computes inside.
+    # Only the ops' outputs and their CUDA kernels' stated requests are recorded, never what
+    # the CPU kernel computes inside.
     assert {op for _, op, _ in live} == {
         "aten.randn.default", "aten.ones_like.default", "memo_attention.tile_forward.default",
         "memo_attention.tile_backward.default"}
-    assert len(live) == 3 + 1 + 2 + 7
+    # randn x3; out, lse + expanded K/V, RNG state x2; ones_like; dq, dk, dv + expanded K/V,
+    # dK/dV per query head, softmax_d, dq_accum
+    assert len(live) == 3 + 2 + 4 + 1 + 3 + 6
 
 
 def test_context_parallel_trace_allocations_grow_linearly(tool):
@@ -135,10 +154,17 @@ def test_context_parallel_trace_allocations_grow_linearly(tool):
     one head's s_local x s_global boolean mask, which the all-gather attention built per
     layer. (At 8K some gradient reductions of this small model still fit one thread block per
     output and take no scratch on CUDA -- memo_ext.planner.cuda_rules -- so the sequence
-    changes below 16K.)"""
-    memo = ["--num-layers", "3", "--memo-offload", "--memo-alpha", "0.5"]
+    changes below 16K. Likewise the flash forward's split-KV accumulators: with 2 heads per
+    rank the 16K tiles are too short to fill an A800's 108 SMs and are split, the 32K ones are
+    not. The A800, where the trainer dispatches FlashAttention-2: on the default Hopper it
+    dispatches cuDNN, which does not split.)"""
+    memo = ["--num-layers", "3", "--memo-offload", "--memo-alpha", "0.5", "--gpu", "a800"]
     traces = [record(tool, SMALL + memo + ["--seq-length", str(seq)])[0] for seq in (16384, 32768)]
-    allocations = [[e for e in t.events if e["action"] == "alloc" and e["op"]] for t in traces]
+    split = [[e for e in t.events if (e["module"] or "").startswith("flash forward: split-KV")]
+             for t in traces]
+    assert split[0] and not split[1]
+    allocations = [[e for e in t.events if e["action"] == "alloc" and e["op"] and e not in s]
+                   for t, s in zip(traces, split)]
     assert [e["op"] for e in allocations[0]] == [e["op"] for e in allocations[1]]
     for short, long in zip(*allocations):
         assert long["bytes"] <= 2 * short["bytes"], (short, long)

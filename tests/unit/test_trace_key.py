@@ -17,7 +17,8 @@ from memo_ext.estimate.trace_key import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-VERSIONS = {"python": "3.11.7", "torch": "2.5.1", "megatron-core": "0.16.1"}
+VERSIONS = {"python": "3.11.7", "torch": "2.5.1", "megatron-core": "0.16.1",
+            "flash-attn": "2.8.3"}
 UNREACHED = "memo_ext/estimate/search.py"  # the recommender's ranking: no tracer imports it
 
 
@@ -95,7 +96,7 @@ def test_relative_imports_resolve_against_their_package(tmp_path):
                              "memo_ext.top"]
 
 
-@pytest.mark.parametrize("dependency", ["python", "torch", "megatron-core"])
+@pytest.mark.parametrize("dependency", ["python", "torch", "megatron-core", "flash-attn"])
 def test_another_version_changes_the_key(tree, dependency):
     other = {**VERSIONS, dependency: VERSIONS[dependency] + ".post1"}
     assert tracer_digest(roots=[tree], versions=other) != _digest(tree)
@@ -103,7 +104,7 @@ def test_another_version_changes_the_key(tree, dependency):
 
 def test_installed_versions_come_from_metadata():
     versions = installed_versions()
-    assert set(versions) == {"python", "torch", "megatron-core"}
+    assert set(versions) == {"python", "torch", "megatron-core", "flash-attn"}
     assert versions["megatron-core"] == "0.16.1"
 
 

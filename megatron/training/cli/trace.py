@@ -169,10 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "iteration; 'auto' is 'iteration' with --memo-offload, else "
                             "'forward'.")
     trace.add_argument("--no-flash-workspace", action="store_true",
-                       help="Do not record the attention tiles' backward workspaces "
-                            "(FlashAttention-2's, or cuDNN's where the trainer dispatches it on "
-                            "the --gpu: Hopper with --attention-backend auto; declared next to "
-                            "the kernels in memo_ext.attention.kernels).")
+                       help="Do not record what the attention tiles' CUDA kernels allocate "
+                            "besides their outputs (workspaces, split-KV accumulators, GQA's "
+                            "expanded K/V) -- FlashAttention-2's, or cuDNN's where the trainer "
+                            "dispatches it on the --gpu (Hopper with --attention-backend auto); "
+                            "stated next to the kernels in memo_ext.attention.kernels.")
     trace.add_argument("--gpu", default=DEFAULT_GPU, metavar="PROFILE",
                        help="The GPU (a profile of memo_ext/estimate/hardware.json) whose CUDA "
                             "kernels' workspaces the trace records: cuBLAS workspace size, "

@@ -21,10 +21,11 @@ their gradients, transient workspaces, and named constants for memory that never
 PyTorch's allocator (:class:`ProcessConstants`).
 
 The traced model is the trainer's own, built by the same spec: its attention is
-memo_ext.attention, whose tile kernels are custom ops with fake rules that allocate exactly what
-the CUDA kernels allocate -- ``out`` and the fp32 log-sum-exp ``[b, heads, s_q]`` in forward;
-``dq``, ``dk``, ``dv`` and, with :func:`memo_ext.attention.kernels.declared_workspaces`,
-flash-attention 2's backward workspaces -- and never an ``s x s`` tensor.
+memo_ext.attention, whose tile kernels are custom ops with fake rules that allocate their
+outputs -- ``out`` and the fp32 log-sum-exp ``[b, heads, s_q]`` in forward; ``dq``, ``dk``,
+``dv`` in backward -- and never an ``s x s`` tensor; with
+:func:`memo_ext.attention.kernels.declared_workspaces` the CUDA rules add what the flash
+kernels allocate besides (workspaces, split-KV accumulators, GQA's expanded K/V).
 
 One concern per module:
 

@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from memo_ext.attention.kernels import WORKSPACE_OUTPUTS
 from memo_ext.planner.cuda_rules import CudaKernelRules, CudaTarget, cuda_kernel_paths
 from memo_ext.planner.trace.format import (
     ACTIVATION,
@@ -86,9 +85,9 @@ class AllocationRecorder(DeviceMemoryTracker):
       recompute, MEMO's drop-region recompute);
     - module and layer: forward from module hooks (:meth:`attach`); backward from the tag the
       forward left on the autograd node being executed (``torch._C._current_autograd_node()``);
-    - category: "activation" unless :func:`tagged_allocations` says otherwise, an op's output is
-      a known workspace (:data:`WORKSPACE_OUTPUTS`), or :meth:`retag` changes it later (the
-      driver retags parameter gradients and megatron's global all-gather buffer).
+    - category: "activation" unless :func:`tagged_allocations` says otherwise (the CUDA rules'
+      kernel workspaces are "workspace"), or :meth:`retag` changes it later (the driver retags
+      parameter gradients and megatron's global all-gather buffer).
 
     ``cuda_semantics``: the trace is the one a CUDA run on ``target`` makes
     (memo_ext.planner.cuda_rules): kernel workspaces (cuBLAS, operand copies, reduction
@@ -258,10 +257,6 @@ class AllocationRecorder(DeviceMemoryTracker):
                 self._apply_rules(func, args, kwargs, out, fresh)
         finally:
             self._op.name = None
-        if name in WORKSPACE_OUTPUTS:
-            outputs = out if isinstance(out, (tuple, list)) else (out,)
-            for index in WORKSPACE_OUTPUTS[name]:
-                self.retag(outputs[index], WORKSPACE)
         return out
 
     def _apply_rules(self, func, args, kwargs, out, fresh: list) -> None:
