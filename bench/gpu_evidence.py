@@ -572,22 +572,23 @@ def predict_long(evidence: Evidence, profile: str) -> None:
     flag_file = evidence.out / f"{evidence.stem}_model_flags.txt"
     _write_atomic(flag_file, "\n".join(LONG_MODEL_FLAGS) + "\n")
     tracer_argv, _ = model_argv(f"@{flag_file}")
-    hardware, cache = load_hardware(profile), TraceCache(default_cache_dir())
-    longest_done = set()
-    for record in [r for r in evidence.of("long") if r["status"] == "measured"]:
-        policy, seq = record["policy"], record["seq"]
-        alpha = record.get("memo_alpha") if policy == "memo" else None
-        model = LayoutModel.build(tracer_argv, long_layout(policy, alpha), hardware,
-                                  global_batch=1, cache=cache, allocator="caching",
-                                  fit_seqs=(seq, 2 * seq))
-        prediction = model.predict(seq)
-        entry = dict(policy=policy, seq=seq, memo_alpha=alpha, profile=profile,
-                     peak_allocated_mib=prediction.memory.peak_allocated_bytes / 2**20,
-                     iteration_s=prediction.step_s, mfu=prediction.mfu)
-        if (policy, alpha) not in longest_done:
-            longest_done.add((policy, alpha))
-            entry["longest_one_gpu"] = model.longest(step=8192, maximum=4 << 20)
-        evidence.add("long_prediction", **entry)
+    hardware = load_hardware(profile)
+    with TraceCache(default_cache_dir()) as cache:  # ends its tracer servers
+        longest_done = set()
+        for record in [r for r in evidence.of("long") if r["status"] == "measured"]:
+            policy, seq = record["policy"], record["seq"]
+            alpha = record.get("memo_alpha") if policy == "memo" else None
+            model = LayoutModel.build(tracer_argv, long_layout(policy, alpha), hardware,
+                                      global_batch=1, cache=cache, allocator="caching",
+                                      fit_seqs=(seq, 2 * seq))
+            prediction = model.predict(seq)
+            entry = dict(policy=policy, seq=seq, memo_alpha=alpha, profile=profile,
+                         peak_allocated_mib=prediction.memory.peak_allocated_bytes / 2**20,
+                         iteration_s=prediction.step_s, mfu=prediction.mfu)
+            if (policy, alpha) not in longest_done:
+                longest_done.add((policy, alpha))
+                entry["longest_one_gpu"] = model.longest(step=8192, maximum=4 << 20)
+            evidence.add("long_prediction", **entry)
 
 
 # ------------------------------------------------------------------------------- markdown
