@@ -33,8 +33,8 @@ from memo_ext import _C
 from memo_ext.attention.kernels import TILE_BACKWARD_OP, TILE_FORWARD_OP
 from memo_ext.planner.arena import ArenaRuntime
 from memo_ext.planner.plan import PHASE_GROUPS, MemoryPlan
-from memo_ext.planner.trace import INIT, POOL_DEVICE, Trace
-from memo_ext.planner.trace.format import WORKSPACE
+from memo_ext.trace import INIT, POOL_DEVICE, Trace
+from memo_ext.trace.format import WORKSPACE
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_RUNTIME_SOURCE = REPO / "csrc" / "standalone" / "fake_cuda_runtime.c"

@@ -17,7 +17,7 @@ from memo_ext.alloc import ReplayResult, repeated_iterations, replay
 # longest_fitting is re-exported for the bench scripts.
 from memo_ext.estimate import external_bytes, longest_fitting, trace_rank  # noqa: F401
 from memo_ext.planner.plan import arena_plan
-from memo_ext.planner.trace import Trace as EventTrace
+from memo_ext.trace import Trace as EventTrace
 
 MiB, GiB = 1 << 20, 1 << 30
 REPO = Path(__file__).resolve().parents[1]

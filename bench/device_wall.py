@@ -29,7 +29,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.common import commit, machine, write_atomic  # noqa: E402
-from memo_ext.planner.trace import read_trace, summarize  # noqa: E402
+from memo_ext.trace import read_trace, summarize  # noqa: E402
 
 SEQ, HIDDEN, GPUS = 262144, 4096, 8
 UNIT = SEQ * HIDDEN * 2 // GPUS

@@ -58,7 +58,7 @@ from bench.common import (  # noqa: E402
     seq_label,
 )
 from memo_ext.alloc import ReplayResult  # noqa: E402
-from memo_ext.planner.trace import Trace as EventTrace  # noqa: E402
+from memo_ext.trace import Trace as EventTrace  # noqa: E402
 
 REPORT_MD = "fragmentation.md"
 REPORT_JSON = "fragmentation.json"

@@ -1,6 +1,6 @@
 """Fidelity of our fake-tensor allocation traces to real CUDA runs (issue 25 item 1): public
 programs whose repository ships a CUDA memory snapshot beside its source, re-run step for step
-on fake tensors under memo_ext.planner.trace's AllocationRecorder, and compared with the
+on fake tensors under memo_ext.trace's AllocationRecorder, and compared with the
 snapshot read by memo_ext.alloc's restricted reader.
 
     python bench/trace_fidelity.py \\
@@ -72,8 +72,8 @@ sys.path.insert(0, str(REPO))
 
 from memo_ext.alloc.models import KMIN_BLOCK  # noqa: E402
 from memo_ext.alloc.snapshot import load_snapshot  # noqa: E402
-from memo_ext.planner.cuda_rules import CudaTarget  # noqa: E402
-from memo_ext.planner.trace import AllocationRecorder, fake_tensors  # noqa: E402
+from memo_ext.trace.cuda_rules import CudaTarget  # noqa: E402
+from memo_ext.trace import AllocationRecorder, fake_tensors  # noqa: E402
 
 MiB = 1 << 20
 
@@ -256,7 +256,7 @@ PROGRAMS = {p.name: p for p in [
             "2.6 (documented)",
             ((8, 9), 128, "RTX 4090 class: the 8 MiB + 128 KiB cuBLAS workspace is not "
              "Hopper's; logits.sum() takes [1536, 4] B of reduction scratch = 384 blocks = "
-             "128 SMs x 1536 threads / 512 (memo_ext.planner.cuda_reduce)"),
+             "128 SMs x 1536 threads / 512 (memo_ext.trace.cuda_reduce)"),
             "benchmarking_script.py", 100, run_cs336_large),
     Program("linear-grad", "shreyansh26/MLSys-Experiments @ b63fb8c7: nn.Linear(10000, 50000) "
             "fp32, 3 forwards of randn(5000, 10000), grad enabled",

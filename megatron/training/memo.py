@@ -1,6 +1,6 @@
 """Builds MEMO's runtime for the trainer from the --memo-* flags (memo_ext.offload's,
-memo_ext.planner's and memo_ext.telemetry's entry points and config dataclasses are all the
-trainer knows of them)."""
+memo_ext.planner's, memo_ext.trace's and memo_ext.telemetry's entry points and config
+dataclasses are all the trainer knows of them)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def attach_memo_telemetry(telemetry: Optional[MemoryTelemetry], model: list) -> 
     """Register the model's parameters and gradient buffers and hook its chunks."""
     if telemetry is None:
         return
-    from memo_ext.planner.trace import persistent_tensors
+    from memo_ext.trace import persistent_tensors
 
     params, grads = [], []
     for chunk in model:

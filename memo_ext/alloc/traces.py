@@ -106,7 +106,7 @@ def load_trace(path) -> Trace:
     gzipped: one object per line, ``{"action": "alloc", "addr": 140, "size": 4096, "stream": 0}``;
     "action" is one of :data:`ACTION_NAMES`, "size" (bytes) is needed for "alloc" and "oom",
     "stream" defaults to 0; blank lines and lines starting with ``#`` are skipped. The files of
-    memo_ext.planner's tracer (``tools/trace.py``: a header object with "format", events keyed
+    memo_ext.trace's tracer (``tools/trace.py``: a header object with "format", events keyed
     "id" and "bytes", a "pool") read as they are: the header is skipped, "id"/"bytes" stand for
     "addr"/"size", and events of a pool other than "device" (host memory, memory outside the
     allocator) are left out. Raises OSError when the file cannot be opened and
@@ -163,7 +163,7 @@ def _load_jsonl(path: Path, gzipped: bool = False) -> Trace:
         except json.JSONDecodeError as exc:
             raise TraceError(f"{where}: not JSON ({exc.msg})") from None
         if isinstance(rec, dict) and "format" in rec and "action" not in rec and not seen_event:
-            continue  # a header line (memo_ext.planner's tracer writes one)
+            continue  # a header line (memo_ext.trace's tracer writes one)
         if not isinstance(rec, dict) or "action" not in rec:
             raise TraceError(f"{where}: expected an object with an 'action' key")
         seen_event = True
@@ -219,7 +219,7 @@ def save_trace(trace: Trace, path) -> None:
 
 
 def repeated_iterations(trace, iterations: int) -> tuple[Trace, list[int], list[int]]:
-    """The allocator's view of ``iterations`` training iterations of a memo_ext.planner trace
+    """The allocator's view of ``iterations`` training iterations of a memo_ext.trace trace
     (anything with ``.events``, dicts with id/action/bytes/phase/pool): the persistent
     (``init``) allocations once, then the iteration's events ``iterations`` times with its
     blocks renamed per iteration. Returns the trace, the row at which each iteration starts,

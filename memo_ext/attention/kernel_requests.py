@@ -23,7 +23,7 @@ import torch
 
 
 #: The split-KV accumulators' names in a trace: like a reduction's scratch they come and go in
-#: steps with the length (memo_ext.planner.cuda_rules.STEPWISE_SCRATCH).
+#: steps with the length (memo_ext.trace.cuda_rules.STEPWISE_SCRATCH).
 SPLIT_KV_LSE_ACCUM = "flash forward: split-KV softmax_lse_accum"
 SPLIT_KV_OUT_ACCUM = "flash forward: split-KV out_accum"
 #: cuDNN's backward workspace block in a trace (:func:`cudnn_backward_workspace_shape`).

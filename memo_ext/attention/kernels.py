@@ -16,7 +16,7 @@ s_q]; dq/dk/dv) and never an s x s tensor, and whose CUDA kernels' other request
 split-KV accumulators, GQA's expanded K/V; FlashAttention-2's or cuDNN's, whichever the trace's
 target GPU dispatches: :func:`declared_workspaces`) are stated here next to the dispatch
 (:func:`forward_workspaces`, :func:`backward_workspaces`) and recorded by the trace's CUDA rules
-(memo_ext.planner.cuda_rules). Live CPU runs allocate the same outputs.
+(memo_ext.trace.cuda_rules). Live CPU runs allocate the same outputs.
 
 Kernels, by device and dtype (:func:`kernel_for`):
 
@@ -241,7 +241,7 @@ def forced_kernel(kernel: Optional[str]):
 
 def declared_workspaces(enabled: bool = True, kernel: str = "cuda_flash",
                         capability: tuple[int, int] = CUDNN_PREFERRED_FROM):
-    """Make a trace's CUDA rules (memo_ext.planner.cuda_rules) record the requests the CUDA
+    """Make a trace's CUDA rules (memo_ext.trace.cuda_rules) record the requests the CUDA
     ``kernel`` ("cuda_flash", "cuda_cudnn": :func:`cuda_backend` of the target GPU; "explicit":
     none) makes on a GPU of ``capability`` besides the tile ops' outputs
     (:func:`forward_workspaces`, :func:`backward_workspaces`); tools/trace.py turns it on unless

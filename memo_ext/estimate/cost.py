@@ -1,5 +1,5 @@
 """Time side of the estimator: predicted step time and MFU of one iteration from the work a
-trace counted (memo_ext.planner.work), a GPU profile and efficiency factors.
+trace counted (memo_ext.trace.work), a GPU profile and efficiency factors.
 
 Every figure here is *predicted*: a roofline per class of work with efficiency factors, never a
 measurement (no GPU is involved). Per micro-batch on the traced rank:
@@ -44,7 +44,7 @@ from dataclasses import MISSING, dataclass, fields
 from fractions import Fraction
 
 from memo_ext.estimate.flops import model_flops_per_sequence
-from memo_ext.planner.work import PHASE_FIELDS
+from memo_ext.trace.work import PHASE_FIELDS
 
 GB = 10**9
 

@@ -22,7 +22,7 @@ per rank (rank 0's median of ``repeats`` runs after a warm-up):
 * ``hbm_gbps``: six element-wise ops of a layer (residual add, bias add, GeLU and its
   backward, layer norm, RoPE's concatenation; :func:`_memory_gbps`), out of place as the
   trainer runs them, at the layout's activation shapes: bytes read and written over time, as
-  memo_ext.planner.work counts ``memory_bytes``. Fresh outputs above glibc's mmap threshold
+  memo_ext.trace.work counts ``memory_bytes``. Fresh outputs above glibc's mmap threshold
   fault their pages in on every call; that cost is part of what the trainer pays, so it is
   part of the rate;
 * ``pcie_gbps`` and ``host_copy_overlap``: MEMO's offload copies through the CopyEngine the
@@ -280,7 +280,7 @@ def _attention_rows(bench: _Bench, model: dict, layout: dict, cp_rank: int) -> l
 
     import memo_ext.attention.kernels  # noqa: F401  (registers the tile ops)
     from memo_ext.attention.zigzag import ZigzagLayout
-    from memo_ext.planner.work import TILE_BACKWARD_OP, TILE_FORWARD_OP, attention_flops
+    from memo_ext.trace.work import TILE_BACKWARD_OP, TILE_FORWARD_OP, attention_flops
 
     tp, cp = layout["tp"], layout["cp"]
     heads = model["num_attention_heads"] // tp
@@ -339,7 +339,7 @@ def _memory_gbps(bench: _Bench, model: dict, layout: dict) -> tuple[float, dict]
     weight = torch.ones(hidden)
     half = torch.randn(tokens, heads, head_dim // 2)
     element = 4
-    ops = {  # name: (call, bytes read and written, as memo_ext.planner.work counts them)
+    ops = {  # name: (call, bytes read and written, as memo_ext.trace.work counts them)
         "residual add": (lambda: residual + other, 3 * residual.numel() * element),
         "bias add": (lambda: mlp + bias, (2 * mlp.numel() + ffn) * element),
         "gelu": (lambda: F.gelu(mlp), 2 * mlp.numel() * element),
@@ -411,7 +411,7 @@ def _collective_ops(bench: _Bench, model: dict, layout: dict) -> dict:
         buffer = torch.ones(nbytes // 4)
         return lambda: dist.all_reduce(buffer)
 
-    def all_gather(nbytes):  # nbytes: the output, as memo_ext.planner.work counts it
+    def all_gather(nbytes):  # nbytes: the output, as memo_ext.trace.work counts it
         out = torch.empty(nbytes // 4)
         shard = torch.ones(nbytes // 4 // world)
         return lambda: dist.all_gather_into_tensor(out, shard)

@@ -4,7 +4,7 @@ A node's host memory holds, as separate named terms (:class:`NodeHostMemory`):
 
 ``offload_arena``
     Every local rank's host slots, each rank its own stage's: the slots a trace records in
-    pool "host" (memo_ext.planner.trace), i.e. what MEMO's offload allocates at the traced
+    pool "host" (memo_ext.trace), i.e. what MEMO's offload allocates at the traced
     alpha, checkpoint-offloaded layers and fp8 choice, one slot per (offloaded layer,
     micro-batch in flight). On CUDA each slot is mapped at its own size and page-locked
     (memo_ext.device, ``CopyEngine.alloc_host``), so it takes its bytes rounded up to whole
@@ -82,8 +82,8 @@ def pinned_block_bytes(nbytes: int) -> int:
 
 def host_slot_bytes(trace) -> list[int]:
     """The sizes of the host-pool allocations (MEMO's slots) live at the host peak of
-    ``trace`` (a memo_ext.planner.trace.Trace), in allocation order."""
-    from memo_ext.planner.trace import POOL_HOST
+    ``trace`` (a memo_ext.trace.Trace), in allocation order."""
+    from memo_ext.trace import POOL_HOST
 
     live: dict = {}
     total = peak = 0

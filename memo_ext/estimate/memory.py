@@ -30,8 +30,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Optional
 
-from memo_ext.planner.cuda_rules import STEPWISE_SCRATCH
-from memo_ext.planner.trace import POOL_EXTERNAL, Trace, read_trace
+from memo_ext.trace.cuda_rules import STEPWISE_SCRATCH
+from memo_ext.trace import POOL_EXTERNAL, Trace, read_trace
 
 #: The tracer (memo-trace), run as ``python -m`` in a subprocess: memo_ext never imports the
 #: trainer, and each trace builds its own fake world.
@@ -146,7 +146,7 @@ class LinearTrace:
     """A trace whose every request size is ``a + b * seq`` (exact rationals).
 
     Except the CUDA reductions' scratch and the flash forward's split-KV accumulators
-    (memo_ext.planner.cuda_rules, :data:`STEPWISE_SCRATCH`). The accumulators exist only while a
+    (memo_ext.trace.cuda_rules, :data:`STEPWISE_SCRATCH`). The accumulators exist only while a
     tile is too short to fill the GPU, in as many splits as the kernel's heuristic picks: kept as
     the longer trace has them, they overstate a longer run a little (they are gone there) and
     never understate it. Whether a reduction takes scratch, how much and in how many
@@ -230,7 +230,7 @@ def estimate_at(trace: Trace, capacity_bytes: int, policy: str = "caching",
     """Replay ``trace`` (persistent state once, then ``iterations`` iterations) through the
     ``policy`` model on ``capacity_bytes`` less the memory outside the allocator."""
     from memo_ext.alloc import repeated_iterations, replay
-    from memo_ext.planner.trace import summarize
+    from memo_ext.trace import summarize
 
     external = external_bytes(trace)
     seq = trace.header["model"]["seq_length"]

@@ -6,8 +6,8 @@ memo_ext.estimate.sppo_layouts). Rows ranked side by side must not assume differ
 
 from __future__ import annotations
 
-from memo_ext.planner.cuda_rules import CudaKernelRules, CudaTarget
-from memo_ext.planner.trace import ProcessConstants, communicators_for_layout
+from memo_ext.trace.cuda_rules import CudaKernelRules, CudaTarget
+from memo_ext.trace import ProcessConstants, communicators_for_layout
 
 #: Persistent bytes per parameter of a bf16 run as the tracer builds it (megatron's defaults):
 #: bf16 weights (2) and fp32 gradient buffer (4) on every rank of the model-parallel shard;
@@ -19,14 +19,14 @@ OPTIMIZER_BYTES_PER_PARAM = 12
 def outside_allocator_bytes(tp: int, cp: int, pp: int, dp: int) -> int:
     """Device memory of a rank outside PyTorch's allocator, as a trace records it (pool
     "external"): the CUDA context and one NCCL buffer set per communicator of the layout
-    (memo_ext.planner.trace.ProcessConstants' defaults)."""
+    (memo_ext.trace.ProcessConstants' defaults)."""
     entries = ProcessConstants().entries(communicators_for_layout(tp, cp, pp, dp))
     return sum(nbytes for _, nbytes, _ in entries)
 
 
 def workspace_bytes(hardware: dict) -> int:
     """The cuBLAS workspaces a rank keeps in the allocator on the profile's GPU, one per GEMM
-    thread (memo_ext.planner.cuda_rules; a trace records them as persistent)."""
+    thread (memo_ext.trace.cuda_rules; a trace records them as persistent)."""
     target = CudaTarget.for_gpu(hardware["name"], hardware.get("hardware_file"))
     return sum(workspace.nbytes for workspace in CudaKernelRules(target).steady_state_workspaces())
 

@@ -57,8 +57,8 @@ from memo_ext.estimate.memory import (
     _pair_outside_scratch,
     sized_events,
 )
-from memo_ext.planner.cuda_rules import STEPWISE_SCRATCH
-from memo_ext.planner.trace import OPTIMIZER_STEP, Trace
+from memo_ext.trace.cuda_rules import STEPWISE_SCRATCH
+from memo_ext.trace import OPTIMIZER_STEP, Trace
 
 #: Layers per stage a symbolic trace is made from by default; the copied layer. Five layers
 #: leave the copied layer 2 with two neighbour blocks on each side in both directions (the
@@ -318,7 +318,7 @@ class SymbolicTrace:
     """A stage's trace at any (sequence length, layers >= TRACED_LAYERS): the k-layer line in
     the length, its iteration expanded; the persistent state (the first ``persistent``
     events: constants, weights, gradients, optimizer state) is the deeper model's own, from
-    a ``persistent_only`` trace of it (memo_ext.planner.trace.record_iteration)."""
+    a ``persistent_only`` trace of it (memo_ext.trace.record_iteration)."""
 
     line: LinearTrace                  # k layers, any length
     layers: int                        # k

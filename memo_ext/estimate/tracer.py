@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from memo_ext.estimate.memory import TRACE_MODULE, EstimateError, tracer_environment
-from memo_ext.planner.trace import Trace, read_trace
+from memo_ext.trace import Trace, read_trace
 
 #: Seconds a server gets to exit after its stdin closes before it is killed.
 CLOSE_TIMEOUT_S = 10.0

@@ -20,7 +20,7 @@ unfused output layer saves the same tensor.
 
 Every working buffer is allocated once, before the chunk loop, and the loop body writes into
 views of them with ``out=`` and in-place ops. So the allocation sequence does not depend on the
-number of chunks: an allocation trace (memo_ext.planner) has the same structure at every sequence
+number of chunks: an allocation trace (memo_ext.trace) has the same structure at every sequence
 length, which the estimator's two-length interpolation requires, and a GPU run does not churn its
 caching allocator once per chunk.
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from memo_ext import _C
 from memo_ext.planner.plan import PHASE_GROUPS, MemoryPlan
-from memo_ext.planner.trace import POOL_DEVICE, AllocationRecorder, Trace
+from memo_ext.trace import POOL_DEVICE, AllocationRecorder, Trace
 
 
 class ArenaRuntime:
@@ -216,7 +216,7 @@ class MemoPlanner:
 
     def iteration(self):
         """Context manager for one training iteration (forward, backward, optimizer step)."""
-        from memo_ext.planner.trace import FORWARD
+        from memo_ext.trace import FORWARD
 
         self.iterations += 1
         if self.runtime is None and self.iterations <= AUTO_WARMUP_ITERATIONS:

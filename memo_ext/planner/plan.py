@@ -48,7 +48,7 @@ from memo_ext.planner.dsa import (
     place,
     requests_from_events,
 )
-from memo_ext.planner.trace import BACKWARD, FORWARD, INIT, POOL_DEVICE, RECOMPUTE, Trace
+from memo_ext.trace import BACKWARD, FORWARD, INIT, POOL_DEVICE, RECOMPUTE, Trace
 
 PLAN_FORMAT = "memo-plan"
 PLAN_VERSION = 1

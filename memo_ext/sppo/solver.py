@@ -88,7 +88,7 @@ BF16_BYTES = 2
 FP32_BYTES = 4
 #: Backward over forward time: a GEMM's backward computes the input and the weight gradients
 #: (2x); flash attention's recomputes the scores (five GEMMs against the forward's two, 2.5x).
-#: The traced cost model counts the same (memo_ext/planner/work.py).
+#: The traced cost model counts the same (memo_ext/trace/work.py).
 LINEAR_BACKWARD_RATIO = 2.0
 ATTENTION_BACKWARD_RATIO = 2.5
 #: Fixed cost per layer per subsequence forward (backward counted twice, like its FLOPs):

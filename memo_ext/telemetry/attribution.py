@@ -28,7 +28,7 @@ in backward the micro-batch whose model output gradient arrived last.
 
 Events: while a step runs, every allocation and free is kept (list entries, cheap), so an OOM
 report can dump the step so far, after the storages alive at the step's start, in
-memo_ext.planner's trace format (:meth:`AttributedTracker.step_trace_events`).
+memo_ext.trace's format (:meth:`AttributedTracker.step_trace_events`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ HOST_LABEL = "host"
 PHASE_CATEGORY = {"idle": OTHER, "forward": ACTIVATIONS, "recompute": ACTIVATIONS,
                   "backward": BACKWARD, "optimizer": OPTIMIZER}
 
-#: memo_ext.planner trace categories of ours (for the dumped trace / snapshot).
+#: memo_ext.trace categories of ours (for the dumped trace / snapshot).
 TRACE_CATEGORY = {PARAMS: "parameter", GRADS: "gradient", OPTIMIZER: "optimizer",
                   ACTIVATIONS: "activation", BACKWARD: "activation", OFFLOAD: "workspace",
                   COMM: "workspace", OTHER: "workspace"}
@@ -373,7 +373,7 @@ class AttributedTracker(DeviceMemoryTracker):
 
     # ------------------------------------------------------------------ dumps
     def step_trace_events(self) -> list[dict]:
-        """The current step as memo_ext.planner trace events: the device storages alive at the
+        """The current step as memo_ext.trace events: the device storages alive at the
         step's start (phase "init"), then every allocation and free of the step so far."""
         with self._lock:
             recorded = list(self._events)

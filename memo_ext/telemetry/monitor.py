@@ -427,7 +427,7 @@ class MemoryTelemetry:
                 path = f"{stem}.snapshot.pickle"
                 torch.cuda.memory._dump_snapshot(path)
                 return path, None
-            from memo_ext.planner.trace import Trace, write_snapshot, write_trace
+            from memo_ext.trace import Trace, write_snapshot, write_trace
 
             trace = Trace(header={"mode": "telemetry", "rank": self.rank,
                                   "note": "storages alive at the step's start (phase init), then "

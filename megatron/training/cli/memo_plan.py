@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--time-limit {opts.time_limit} must be > 0 seconds")
     from memo_ext.planner.dsa import DEFAULT_TIME_LIMIT_S
     from memo_ext.planner.plan import PlanFileError, plan_for_trace, plan_trace, write_plan
-    from memo_ext.planner.trace import read_trace
+    from memo_ext.trace import read_trace
 
     started = time.perf_counter()
     try:

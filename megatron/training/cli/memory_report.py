@@ -268,7 +268,7 @@ def _arena_plan(path: Path, trace_path: Path, snapshot):
     """--plan: a bi-level plan from memo-plan (tools/memo_plan.py) made for this trace, or a
     list of {request, offset} placements (memo_ext.alloc.load_plan)."""
     from memo_ext.planner.plan import PLAN_FORMAT, arena_plan, read_plan, validate_plan
-    from memo_ext.planner.trace import read_trace
+    from memo_ext.trace import read_trace
 
     try:
         is_memo_plan = json.loads(path.read_text()).get("format") == PLAN_FORMAT

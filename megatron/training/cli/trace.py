@@ -55,7 +55,7 @@ hide_library_warnings()  # before memo_ext's first import of megatron.core (cli/
 # Presets (layers, hidden, ffn hidden, heads) and the default vocabulary: one definition, shared
 # with tools/estimate.py and tools/sppo_plan.py.
 from memo_ext.estimate.models import DEFAULT_VOCAB_SIZE, MODELS  # noqa: E402
-from memo_ext.planner.cuda_rules import DEFAULT_GPU  # noqa: E402
+from memo_ext.trace.cuda_rules import DEFAULT_GPU  # noqa: E402
 from memo_ext.config import (  # noqa: E402
     AttentionConfig,
     MemoConfigError,
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--warmup", choices=("auto", "forward", "iteration", "none"),
                        default="auto",
                        help="How the steady state is reached before recording (see "
-                            "memo_ext.planner.record_iteration): 'none' traces the first "
+                            "memo_ext.trace.record_iteration): 'none' traces the first "
                             "iteration; 'auto' is 'iteration' with --memo-offload, else "
                             "'forward'.")
     trace.add_argument("--no-flash-workspace", action="store_true",
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Extra GPU profiles for --gpu (the keys of hardware.json).")
     trace.add_argument("--no-cuda-semantics", action="store_true",
                        help="Record the CPU program as it allocates here: no CUDA allocation "
-                            "rules (memo_ext/planner/cuda_rules.py: kernel workspaces, "
+                            "rules (memo_ext/trace/cuda_rules.py: kernel workspaces, "
                             "autograd's in-place branches, fp32 layer-norm statistics).")
     trace.add_argument("--cuda-context-mib", type=float, default=None,
                        help="Override the CUDA context constant (MiB).")
@@ -376,7 +376,7 @@ def make_forward_step(args, model, config):
 @dataclasses.dataclass
 class TracedRank:
     """One rank built for tracing: its validated trainer ``args``, megatron-DDP-wrapped
-    ``model``, and everything :func:`memo_ext.planner.record_iteration` needs."""
+    ``model``, and everything :func:`memo_ext.trace.record_iteration` needs."""
 
     args: argparse.Namespace
     config: Any
@@ -387,7 +387,7 @@ class TracedRank:
 
     def record(self, **overrides):
         """Record the iteration (record_iteration's keywords may be overridden)."""
-        from memo_ext.planner.trace import record_iteration
+        from memo_ext.trace import record_iteration
 
         kwargs = {**self.record_kwargs, **overrides}
         return record_iteration(self.model, recorder=self.recorder, header=self.header, **kwargs)
@@ -431,8 +431,8 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
 
     import pretrain_gpt
     from memo_ext.attention import kernels
-    from memo_ext.planner.cuda_rules import CudaTarget
-    from memo_ext.planner.trace import (
+    from memo_ext.trace.cuda_rules import CudaTarget
+    from memo_ext.trace import (
         AllocationRecorder,
         ProcessConstants,
         allocate_optimizer_states,
@@ -644,7 +644,7 @@ def _gib(nbytes: float) -> str:
 def format_summary(trace, summary, args, wall_s: float, peak_rss_bytes: int,
                    output: str | None) -> str:
     """The human-readable summary printed by main()."""
-    from memo_ext.planner.trace import skeletal_formula_bytes
+    from memo_ext.trace import skeletal_formula_bytes
 
     layout = trace.header.get("layout", {})
     model = trace.header.get("model", {})
@@ -784,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve()
     opts = build_parser().parse_args(argv)
     explain_hidden(opts.verbose)
-    from memo_ext.planner.trace import summarize, write_snapshot, write_trace
+    from memo_ext.trace import summarize, write_snapshot, write_trace
 
     trace, args = record(opts)
     if opts.persistent_only:

@@ -37,7 +37,7 @@ from memo_ext.estimate.memory import (
 )
 from memo_ext.estimate.symbolic import SymbolicError, SymbolicTrace, live_lines
 from memo_ext.estimate.symbolic_shape import SymbolicShape
-from memo_ext.planner.trace import POOL_DEVICE, POOL_EXTERNAL, POOL_HOST, Trace
+from memo_ext.trace import POOL_DEVICE, POOL_EXTERNAL, POOL_HOST, Trace
 
 @dataclass
 class StageModel:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from memo_ext.estimate.trace_key import tracer_digest
-from memo_ext.planner.trace import Trace, read_trace
+from memo_ext.trace import Trace, read_trace
 
 class TraceCache:
     """Traces on disk, keyed by the tracer's argv, the length and the tracer's sources, so a

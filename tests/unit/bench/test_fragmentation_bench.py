@@ -13,7 +13,7 @@ import pytest
 
 from bench import common
 from memo_ext import _C
-from memo_ext.planner.trace import Trace as EventTrace
+from memo_ext.trace import Trace as EventTrace
 from tests.conftest import REPO_ROOT, load_script, subprocess_env
 
 BENCH = REPO_ROOT / "bench" / "fragmentation.py"

@@ -307,7 +307,7 @@ def test_double_raises_where_pytorch_raises(cuda_double):
 
 
 def test_cuda_traces_need_pytorchs_allocator(planned_arena):
-    from memo_ext.planner.trace import record_cuda_trace
+    from memo_ext.trace import record_cuda_trace
 
     with pytest.raises(RuntimeError, match="MEMO planned arena .* replaced that allocator"):
         record_cuda_trace(lambda: None)

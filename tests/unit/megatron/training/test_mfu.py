@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memo_ext.estimate.flops import gpt_shape, model_flops_per_sequence, parameter_count
-from memo_ext.planner.trace import read_trace
+from memo_ext.trace import read_trace
 
 from megatron.training import metrics
 from megatron.training.arguments import parse_args

@@ -563,7 +563,7 @@ def test_report_malformed_trace_exits_2(tmp_path):
 
 
 def test_reads_the_planner_tracers_gzipped_files(tmp_path):
-    """memo_ext.planner's tools/trace.py writes a header, then events keyed id/bytes/pool."""
+    """memo_ext.trace's tools/trace.py writes a header, then events keyed id/bytes/pool."""
     import gzip
 
     lines = [

@@ -184,7 +184,7 @@ def test_a_trace_declares_cudnns_backward_workspace():
     tile cuDNN does not take (one key) records FlashAttention-2's; the explicit kernel none."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memo_ext.planner.cuda_rules import CudaKernelRules, CudaTarget
+    from memo_ext.trace.cuda_rules import CudaKernelRules, CudaTarget
 
     b, heads, groups, s, d = 2, 8, 2, 1024, 128
     fake = FakeTensorMode()
@@ -219,7 +219,7 @@ def test_a_trace_declares_cudnns_backward_workspace():
 
 def test_the_trace_declares_the_kernel_of_its_target_gpu():
     from megatron.training.cli.trace import traced_attention_kernel
-    from memo_ext.planner.cuda_rules import CudaTarget
+    from memo_ext.trace.cuda_rules import CudaTarget
     from types import SimpleNamespace
 
     opts = SimpleNamespace(no_cuda_semantics=False)

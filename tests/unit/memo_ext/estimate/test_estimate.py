@@ -40,7 +40,7 @@ def test_two_traces_give_the_trace_at_any_length_exactly(small_traces):
     """Exact outside the CUDA reductions' scratch and the flash forward's split-KV accumulators
     (cuda_rules.STEPWISE_SCRATCH), which are not linear in the length (the two
     traces need not even hold the same scratch blocks) and is kept as the longer trace has it."""
-    from memo_ext.planner.cuda_rules import STEPWISE_SCRATCH
+    from memo_ext.trace.cuda_rules import STEPWISE_SCRATCH
 
     def split(trace):  # (sizes outside the scratch, the scratch events)
         ids = {e["id"] for e in trace.events

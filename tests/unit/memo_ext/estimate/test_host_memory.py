@@ -97,7 +97,7 @@ def test_process_and_kernel_terms_on_cuda_only():
 
 
 def test_slots_are_read_from_the_traces_host_pool():
-    from memo_ext.planner.trace import POOL_DEVICE, POOL_HOST, Trace
+    from memo_ext.trace import POOL_DEVICE, POOL_HOST, Trace
 
     def event(i, action, nbytes, pool):
         return {"id": i, "action": action, "bytes": nbytes, "pool": pool}

@@ -26,7 +26,7 @@ from memo_ext.estimate.measured_kernels import (
     import_evidence,
     read_table,
 )
-from memo_ext.planner.work import (
+from memo_ext.trace.work import (
     ATTENTION_BACKWARD_FLOPS_PER_PAIR_DIM,
     ATTENTION_FORWARD_FLOPS_PER_PAIR_DIM,
 )
@@ -216,7 +216,7 @@ def test_measured_gemm_rows_give_the_layer_shapes_own_rate():
 
 
 def test_the_evidence_counts_attention_flops_as_the_cost_model_does(evidence):
-    """gpu_evidence's TFLOP/s and the cost model's attention FLOPs (memo_ext.planner.work) use
+    """gpu_evidence's TFLOP/s and the cost model's attention FLOPs (memo_ext.trace.work) use
     one convention: 4*d per (query, key) pair and head forward, 10*d backward; causal counts
     the computed half."""
     seq, heads, dim = 8192, 32, 128

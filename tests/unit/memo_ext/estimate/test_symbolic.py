@@ -36,8 +36,8 @@ from memo_ext.estimate.symbolic import (
     expand_events,
 )
 from memo_ext.attention.kernels import SPLIT_KV_LSE_ACCUM, SPLIT_KV_OUT_ACCUM
-from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
-from memo_ext.planner.trace import Trace
+from memo_ext.trace.cuda_rules import REDUCTION_SCRATCH
+from memo_ext.trace import Trace
 from tests.conftest import REPO_ROOT, subprocess_env
 
 GiB = 1 << 30
@@ -410,7 +410,7 @@ def test_tiled_layers_all_in_checkpoint_mode_are_symbolic_and_checked(cache):
     """Every layer in MEMO's checkpoint mode (b), with tiled MLP and projections and chunked
     heads: every layer is alike, so the stage is symbolic, and its check against a deeper real
     trace passes: allocations and work. The work needs the tiles' recompute graphs, built by a
-    backward node, attributed to its layer (memo_ext.planner.trace graph_tag); outside every
+    backward node, attributed to its layer (memo_ext.trace graph_tag); outside every
     layer, the check refused it. A mix of (a) and (b) layers whose pattern no few-layer stage
     repeats (3 of 6: b a b a a b) stays traced whole."""
     offloaded = 8 - 2  # all but the two layers MEMO keeps on device

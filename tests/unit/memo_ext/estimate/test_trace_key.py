@@ -44,8 +44,8 @@ def _digest(tree: Path) -> str:
 
 def test_the_graph_reaches_what_a_hand_list_missed(repo_files):
     for module in ("memo_ext.telemetry.tracker", "megatron.training.arguments",
-                   "megatron.training.compat.devices", "memo_ext.planner.trace", "pretrain_gpt",
-                   "memo_ext._C", *(f"memo_ext.planner.trace.{name}" for name in (
+                   "megatron.training.compat.devices", "memo_ext.trace", "pretrain_gpt",
+                   "memo_ext._C", *(f"memo_ext.trace.{name}" for name in (
                        "constants", "cuda_snapshot", "format", "iteration", "model_state",
                        "offline", "recorder", "summary", "tagging"))):
         assert module in repo_files, module
@@ -55,7 +55,7 @@ def test_the_graph_reaches_what_a_hand_list_missed(repo_files):
 
 
 @pytest.mark.parametrize("changed", ["memo_ext/telemetry/tracker.py",
-                                     "memo_ext/planner/trace/summary.py",
+                                     "memo_ext/trace/summary.py",
                                      "megatron/training/compat/rng.py",
                                      "megatron/training/arguments.py"])
 def test_changing_an_imported_module_changes_the_key(tree, repo_files, changed):

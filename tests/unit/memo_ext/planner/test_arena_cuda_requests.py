@@ -23,7 +23,7 @@ from memo_ext import _C
 from memo_ext.attention.kernels import TILE_BACKWARD_OP, TILE_FORWARD_OP
 from memo_ext.planner.arena import ArenaRuntime, install_cuda_allocator
 from memo_ext.planner.plan import plan_trace
-from memo_ext.planner.trace import Trace
+from memo_ext.trace import Trace
 
 BASE = 1 << 40  # the hooks only compute addresses inside the arena, never touch them
 

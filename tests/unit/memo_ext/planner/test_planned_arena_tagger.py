@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from memo_ext.planner.arena import ArenaPhaseTagger, ArenaRuntime, MemoPlanner
-from memo_ext.planner.trace import POOL_DEVICE, AllocationRecorder
+from memo_ext.trace import POOL_DEVICE, AllocationRecorder
 from tests.conftest import TINY_GPT_ARGS
 
 SEQ, BATCH, VOCAB = 64, 2, 512

@@ -14,7 +14,7 @@ import pytest
 
 from memo_ext.planner import dsa
 from memo_ext.planner import plan as P
-from memo_ext.planner import trace as T
+from memo_ext import trace as T
 from tests.conftest import REPO_ROOT, subprocess_env
 
 TRACE_ARGS = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -12,7 +12,7 @@ from memo_ext.estimate.rank_constants import (
     OPTIMIZER_BYTES_PER_PARAM,
     WEIGHT_AND_GRAD_BYTES_PER_PARAM,
 )
-from memo_ext.planner.trace import MiB, read_trace
+from memo_ext.trace import MiB, read_trace
 from memo_ext.sppo.solver import GiB, Problem, evaluate, not_fit_message, solve
 
 TINY = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,

@@ -145,7 +145,7 @@ def test_fail_fast_after_warmup_writes_the_report(tmp_path):
 
 def test_oom_in_a_step_writes_report_trace_and_snapshot(tmp_path, capsys):
     from memo_ext.alloc.snapshot import load_snapshot
-    from memo_ext.planner.trace import read_trace, summarize
+    from memo_ext.trace import read_trace, summarize
 
     model = _model()
     static = sum(p.numel() * F32 for p in model.parameters())

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from memo_ext.planner.trace.format import CATEGORIES
+from memo_ext.trace.format import CATEGORIES
 
 _TAG = "memo_planner_tag"
 # Per thread: tagged_allocations' (category, name) stack and _host_side's depth.

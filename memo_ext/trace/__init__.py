@@ -38,20 +38,25 @@ One concern per module:
 - ``offline``: fake process group, fake tensors, untraced host-side blocks;
 - ``summary``: :func:`summarize` and the skeletal-activation formula;
 - ``cuda_snapshot``: PyTorch memory snapshots to and from traces, live CUDA recording.
+- ``cuda_rules``: what a CUDA run of an op allocates that the CPU run does not (:class:`CudaTarget`,
+  the GPU and PyTorch release a trace stands for), with ``cuda_reduce``, the reduction kernels'
+  workspace sizes;
+- ``work``: the FLOPs and bytes each phase of the iteration does, counted while recording (the
+  estimator's cost model reads them, memo_ext.estimate.cost).
 """
 
-from memo_ext.planner.trace.constants import (
+from memo_ext.trace.constants import (
     NCCL_BYTES_PER_COMMUNICATOR,
     ProcessConstants,
     communicators_for_layout,
 )
-from memo_ext.planner.trace.cuda_snapshot import (
+from memo_ext.trace.cuda_snapshot import (
     record_cuda_trace,
     trace_from_snapshot,
     trace_to_snapshot,
     write_snapshot,
 )
-from memo_ext.planner.trace.format import (
+from memo_ext.trace.format import (
     BACKWARD,
     CATEGORIES,
     EVENT_FIELDS,
@@ -69,12 +74,12 @@ from memo_ext.planner.trace.format import (
     read_trace,
     write_trace,
 )
-from memo_ext.planner.trace.iteration import record_iteration
-from memo_ext.planner.trace.model_state import allocate_optimizer_states, persistent_tensors
-from memo_ext.planner.trace.offline import fake_distributed, fake_tensors
-from memo_ext.planner.trace.recorder import AllocationRecorder
-from memo_ext.planner.trace.summary import TraceSummary, skeletal_formula_bytes, summarize
-from memo_ext.planner.trace.tagging import tagged_allocations
+from memo_ext.trace.iteration import record_iteration
+from memo_ext.trace.model_state import allocate_optimizer_states, persistent_tensors
+from memo_ext.trace.offline import fake_distributed, fake_tensors
+from memo_ext.trace.recorder import AllocationRecorder
+from memo_ext.trace.summary import TraceSummary, skeletal_formula_bytes, summarize
+from memo_ext.trace.tagging import tagged_allocations
 
 __all__ = [
     "BACKWARD", "CATEGORIES", "EVENT_FIELDS", "FORWARD", "INIT", "MiB",

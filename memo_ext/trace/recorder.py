@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from memo_ext.planner.cuda_rules import CudaKernelRules, CudaTarget, cuda_kernel_paths
-from memo_ext.planner.trace.format import (
+from memo_ext.trace.cuda_rules import CudaKernelRules, CudaTarget, cuda_kernel_paths
+from memo_ext.trace.format import (
     ACTIVATION,
     BACKWARD,
     COMPUTE_STREAM,
@@ -28,7 +28,7 @@ from memo_ext.planner.trace.format import (
     WORKSPACE,
     Trace,
 )
-from memo_ext.planner.trace.tagging import (
+from memo_ext.trace.tagging import (
     _TAG,
     _TLS,
     _clean_module_name,
@@ -37,7 +37,7 @@ from memo_ext.planner.trace.tagging import (
     _tensors_in,
     tagged_allocations,
 )
-from memo_ext.planner.work import WorkCounter
+from memo_ext.trace.work import WorkCounter
 from memo_ext.telemetry.tracker import DEVICE, HOST, DeviceMemoryTracker, storage_of
 
 #: ``torch.tensor(data)`` builds its tensor outside the dispatcher and then calls lift_fresh:
@@ -90,7 +90,7 @@ class AllocationRecorder(DeviceMemoryTracker):
       parameter gradients and megatron's global all-gather buffer).
 
     ``cuda_semantics``: the trace is the one a CUDA run on ``target`` makes
-    (memo_ext.planner.cuda_rules): kernel workspaces (cuBLAS, operand copies, reduction
+    (memo_ext.trace.cuda_rules): kernel workspaces (cuBLAS, operand copies, reduction
     scratch) are recorded as the kernel requests them, autograd's out-of-place branches taken
     only under a dispatch mode are folded into the in-place updates CUDA makes, and ops whose
     CPU/fake output dtype differs from the CUDA kernel's are recorded at the CUDA size --
@@ -261,7 +261,7 @@ class AllocationRecorder(DeviceMemoryTracker):
 
     def _apply_rules(self, func, args, kwargs, out, fresh: list) -> None:
         """Record ``func``'s CUDA workspaces after its outputs; fold the output of an autograd
-        formula's out-of-place update into the zeros it updates (memo_ext.planner.cuda_rules)."""
+        formula's out-of-place update into the zeros it updates (memo_ext.trace.cuda_rules)."""
         in_backward = torch._C._current_autograd_node() is not None
         self.emit_workspaces(self.rules.workspaces(func, args, kwargs, out, in_backward))
         for tensor, nbytes in self.rules.cuda_sizes(func, args, out, self._op_of):
@@ -290,7 +290,7 @@ class AllocationRecorder(DeviceMemoryTracker):
             self._folded.add(target_entry.token)
 
     def emit_workspaces(self, workspaces: Iterable) -> None:
-        """Record kernel workspaces (memo_ext.planner.cuda_rules.Workspace): each allocated
+        """Record kernel workspaces (memo_ext.trace.cuda_rules.Workspace): each allocated
         in order, the transient ones freed afterwards, the persistent ones kept."""
         transient = []
         for workspace in workspaces:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memo_ext.planner.trace.format import POOL_EXTERNAL, MiB
+from memo_ext.trace.format import POOL_EXTERNAL, MiB
 
 #: CUDA context of one process (driver state, kernel images, cuDNN/cuBLAS handles). Not an
 #: allocation of PyTorch's caching allocator; typical of CUDA 12 with lazy module loading
@@ -33,7 +33,7 @@ NCCL_BYTES_PER_COMMUNICATOR = NCCL_ASSUMED_CHANNELS * NCCL_RING_PEERS * NCCL_BUF
 class ProcessConstants:
     """Device memory a rank holds that no traced op allocates (bytes). See the module-level
     constants for each default's source and assumption. (The cuBLAS workspaces are allocated
-    by the first GEMM of each thread: memo_ext.planner.cuda_rules.)"""
+    by the first GEMM of each thread: memo_ext.trace.cuda_rules.)"""
 
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
     nccl_bytes_per_communicator: int = NCCL_BYTES_PER_COMMUNICATOR

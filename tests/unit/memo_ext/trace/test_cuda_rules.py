@@ -1,12 +1,12 @@
-"""memo_ext.planner.cuda_rules through the recorder: each CUDA allocation rule changes a fake
+"""memo_ext.trace.cuda_rules through the recorder: each CUDA allocation rule changes a fake
 recording exactly as the CUDA kernel it encodes allocates (docs/tracing.md "CUDA allocation
 rules"; the evidence is bench/trace_fidelity.py against real snapshots)."""
 
 import pytest
 import torch
 
-from memo_ext.planner.cuda_rules import CudaKernelRules, CudaTarget, MiB
-from memo_ext.planner.trace import AllocationRecorder, fake_tensors
+from memo_ext.trace.cuda_rules import CudaKernelRules, CudaTarget, MiB
+from memo_ext.trace import AllocationRecorder, fake_tensors
 
 HOPPER = CudaTarget(compute_capability=(9, 0), sm_count=132, torch_version=(2, 13))
 AMPERE_TORCH_24 = CudaTarget(compute_capability=(8, 0), sm_count=108, torch_version=(2, 4))
@@ -143,8 +143,8 @@ def test_every_profile_has_a_target(name):
 
 def test_estimator_holds_reduction_scratch_at_its_larger_traced_size():
     from memo_ext.estimate.memory import LinearTrace
-    from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
-    from memo_ext.planner.trace import Trace
+    from memo_ext.trace.cuda_rules import REDUCTION_SCRATCH
+    from memo_ext.trace import Trace
 
     def trace(seq, activation, scratch):
         base = {"stream": 0, "layer": 0, "phase": "backward", "microbatch": 0, "pool": "device",

@@ -1,4 +1,4 @@
-"""memo_ext.planner.cuda_reduce: the workspace gpu_reduce_kernel takes, against sizes derived
+"""memo_ext.trace.cuda_reduce: the workspace gpu_reduce_kernel takes, against sizes derived
 by hand from Reduce.cuh's setReduceConfig and against a real CUDA memory snapshot.
 
 The snapshot (notHanmin/assignment2-systems @ 33be88e, memory_snapshot.pickle; torch 2.6, fp32
@@ -15,7 +15,7 @@ too. 132 SMs x 2048 threads would have given 2112 B.
 
 import pytest
 
-from memo_ext.planner.cuda_reduce import plan_reduction, reduction_workspace
+from memo_ext.trace.cuda_reduce import plan_reduction, reduction_workspace
 
 H100 = dict(sm_count=132, max_threads_per_sm=2048)
 SNAPSHOT_GPU = dict(sm_count=128, max_threads_per_sm=1536)

@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from memo_ext.planner.trace.format import (
+from memo_ext.trace.format import (
     BACKWARD,
     CATEGORIES,
     FORWARD,

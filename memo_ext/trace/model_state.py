@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from memo_ext.planner.trace.format import OPTIMIZER
-from memo_ext.planner.trace.tagging import _clean_module_name, tagged_allocations
+from memo_ext.trace.format import OPTIMIZER
+from memo_ext.trace.tagging import _clean_module_name, tagged_allocations
 
 def persistent_tensors(model: torch.nn.Module) -> tuple[list, list]:
     """(parameter-like, gradient) (name, tensor) pairs a rank holds for ``model``: megatron DDP's

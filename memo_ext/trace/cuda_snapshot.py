@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from memo_ext.planner.trace.format import ACTIVATION, POOL_DEVICE, Trace
+from memo_ext.trace.format import ACTIVATION, POOL_DEVICE, Trace
 
 def trace_from_snapshot(snapshot: dict, device: int = 0, header: Optional[dict] = None) -> Trace:
     """Events of one device's trace in a PyTorch memory snapshot (a dict as returned by
@@ -74,7 +74,7 @@ def trace_to_snapshot(trace: Trace) -> dict:
             "addr": _SNAPSHOT_BASE_ADDRESS + int(event["id"]) * _SNAPSHOT_ADDRESS_STRIDE,
             "size": int(event["bytes"]),
             "stream": int(event["stream"] or 0),
-            "frames": [{"filename": event["module"] or "memo_ext.planner.trace",
+            "frames": [{"filename": event["module"] or "memo_ext.trace",
                         "line": int(event["layer"] or 0), "name": ", ".join(tags)}],
         })
     return {"segments": [], "device_traces": [entries],

@@ -40,7 +40,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from memo_ext.attention import kernels as attention_kernels
-from memo_ext.planner.cuda_reduce import reduction_workspace
+from memo_ext.trace.cuda_reduce import reduction_workspace
 
 MiB = 1 << 20
 
@@ -276,7 +276,7 @@ class CudaKernelRules:
 
     def _reduction(self, func, args, out) -> list[Workspace]:
         """gpu_reduce_kernel's scratch when it splits an output's inputs across thread blocks
-        (memo_ext.planner.cuda_reduce, a port of Reduce.cuh's launch configuration)."""
+        (memo_ext.trace.cuda_reduce, a port of Reduce.cuh's launch configuration)."""
         tensor = args[0]
         if not tensor.is_floating_point() or tensor.numel() == 0:
             return []  # integer sums read an int64 copy first (make_reduction): not modelled

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from memo_ext.planner.trace.tagging import _TLS
+from memo_ext.trace.tagging import _TLS
 
 @contextlib.contextmanager
 def fake_distributed(world_size: int, rank: int, tensor_parallel_size: int = 1,

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from memo_ext.planner.trace.format import (
+from memo_ext.trace.format import (
     BACKWARD,
     FORWARD,
     INIT,
@@ -22,10 +22,10 @@ from memo_ext.planner.trace.format import (
     WORKSPACE,
     Trace,
 )
-from memo_ext.planner.trace.model_state import persistent_tensors
-from memo_ext.planner.trace.offline import untraced_rng_forks
-from memo_ext.planner.trace.recorder import AllocationRecorder
-from memo_ext.planner.trace.tagging import tagged_allocations
+from memo_ext.trace.model_state import persistent_tensors
+from memo_ext.trace.offline import untraced_rng_forks
+from memo_ext.trace.recorder import AllocationRecorder
+from memo_ext.trace.tagging import tagged_allocations
 
 def _retag_megatron_workspaces(recorder: AllocationRecorder) -> None:
     """megatron's GlobalMemoryBuffer (the sequence-parallel all-gather buffer, kept and reused)

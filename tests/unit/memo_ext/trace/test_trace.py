@@ -1,4 +1,4 @@
-"""memo_ext.planner.trace and tools/trace.py: allocation traces of one training iteration.
+"""memo_ext.trace and tools/trace.py: allocation traces of one training iteration.
 
 Small models only (seconds each) except the ``slow`` 7B/1M-token run and the ``gpu`` CUDA path.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memo_ext.planner import trace as T
+from memo_ext import trace as T
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 TOOL_PATH = REPO_ROOT / "tools" / "trace.py"
@@ -86,7 +86,7 @@ def test_attention_tiles_record_out_lse_and_declared_workspaces_never_s_by_s():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memo_ext.attention import kernels
-    from memo_ext.planner.cuda_rules import CudaTarget
+    from memo_ext.trace.cuda_rules import CudaTarget
 
     with FakeTensorMode():
         q, dout = (torch.empty(s, b, n, d, dtype=torch.bfloat16).permute(1, 2, 0, 3)
@@ -153,7 +153,7 @@ def test_context_parallel_trace_allocations_grow_linearly(tool):
     softmax or mask tensor of s_local x s_global would grow 4x); the largest stays far below
     one head's s_local x s_global boolean mask, which the all-gather attention built per
     layer. (At 8K some gradient reductions of this small model still fit one thread block per
-    output and take no scratch on CUDA -- memo_ext.planner.cuda_rules -- so the sequence
+    output and take no scratch on CUDA -- memo_ext.trace.cuda_rules -- so the sequence
     changes below 16K. Likewise the flash forward's split-KV accumulators: with 2 heads per
     rank the 16K tiles are too short to fill an A800's 108 SMs and are split, the 32K ones are
     not. The A800, where the trainer dispatches FlashAttention-2: on the default Hopper it
