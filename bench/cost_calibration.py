@@ -38,7 +38,6 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.common import mfu_axis, seq_label  # noqa: E402
-from memo_ext.estimate import load_hardware  # noqa: E402
 from memo_ext.estimate.cost import Efficiency  # noqa: E402
 from memo_ext.estimate.flops import model_flops_per_sequence  # noqa: E402
 from memo_ext.estimate.kernels import (  # noqa: E402
@@ -55,6 +54,7 @@ from memo_ext.estimate.layout import (  # noqa: E402
     candidate_layouts,
     default_cache_dir,
 )
+from memo_ext.hardware import load_hardware  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 PUBLISHED_RUNS = REPO_ROOT / "bench" / "published_runs.json"

@@ -156,7 +156,7 @@ def answers(models: list[str], jobs: int, benches: list[str]) -> tuple[list[str]
     the table and how many rows differ beyond the search step."""
     from bench import cost_calibration as calibration
     from bench import megatron_baseline as baseline
-    from memo_ext.estimate import load_hardware
+    from memo_ext.hardware import load_hardware
     from memo_ext.estimate.layout import (
         Layout,
         TraceCache,

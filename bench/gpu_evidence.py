@@ -562,7 +562,7 @@ def predict_long(evidence: Evidence, profile: str) -> None:
     at the run's own length and (MEMO) the alpha the run solved, with the caching allocator
     model (the runs use PyTorch's allocator); traced on this CPU through the trace cache. Also
     the longest length the estimator says fits one GPU at that alpha."""
-    from memo_ext.estimate import load_hardware
+    from memo_ext.hardware import load_hardware
     from memo_ext.estimate.layout import LayoutModel, TraceCache, default_cache_dir
 
     from megatron.training.cli.estimate import model_argv

@@ -31,10 +31,10 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench.common import mfu_axis, seq_label  # noqa: E402
 from bench.cost_calibration import GLOBAL_BATCH, PAPER, PAPER_LONGEST  # noqa: E402
-from memo_ext.estimate import load_hardware  # noqa: E402
 from memo_ext.estimate.flops import model_flops_per_sequence  # noqa: E402
 from memo_ext.estimate.layout import Layout, TraceCache, build_models, default_cache_dir  # noqa: E402
 from memo_ext.estimate.models import model_shape  # noqa: E402
+from memo_ext.hardware import load_hardware  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 K = 1024

@@ -21,7 +21,7 @@
 #   DATA_PATH  indexed dataset prefix(es) written with that tokenizer, e.g. by
 #              tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer
 #              --tokenizer-model "$HF_DIR" --append-eod; weighted: "0.7 /data/a 0.3 /data/b"
-#   GPU        a profile of memo_ext/estimate/hardware.json (h100, h200, a800, a100-80gb, ...)
+#   GPU        a profile of memo_ext/hardware.json (h100, h200, a800, a100-80gb, ...)
 # Optional environment (defaults in brackets):
 #   SEQ [1048576] tokens per sequence  GPUS [8] GPUs of this node
 #   RUN_DIR [runs/continue_<HF_DIR's name>] holds checkpoints/, recommended.json, metrics.jsonl
@@ -58,7 +58,7 @@ memo_step() {
         "(tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer" \
         "--tokenizer-model \$HF_DIR)"
 [[ -n "${GPU:-}" ]] \
-    || memo_die "GPU is not set; export GPU=h100 (a profile of memo_ext/estimate/hardware.json)"
+    || memo_die "GPU is not set; export GPU=h100 (a profile of memo_ext/hardware.json)"
 read -r -a MEMO_DATA_PATHS <<<"$DATA_PATH"
 read -r -a MEMO_ESTIMATE_ARGS <<<"${ESTIMATE_ARGS:-}"
 read -r -a MEMO_EXTRA_ARGS <<<"${EXTRA_ARGS:-}"

@@ -321,7 +321,7 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="Per-device peak TFLOP/s for MFU. Default: the dense bf16 peak (bf16_tflops) of "
-        "the memo_ext/estimate/hardware.json profile whose device_names match "
+        "the memo_ext/hardware.json profile whose device_names match "
         "torch.cuda.get_device_name() (A100, A800, H100 SXM, H200 SXM; another GPU needs this "
         "flag); on CPU, a fp32 GEMM throughput measured at startup.",
     )

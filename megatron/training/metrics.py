@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from memo_ext.device_memory import device_memory, reset_peak
-from memo_ext.estimate.memory import profile_for_device
+from memo_ext.hardware import profile_for_device
 
 _BYTES_PER_MIB = 1024**2
 
@@ -46,7 +46,7 @@ def peak_tflops_per_device(args: argparse.Namespace) -> tuple[float, str]:
         profile = profile_for_device(name)
         if profile is None:
             raise ValueError(f"unknown GPU {name!r} (no device_names pattern of "
-                             "memo_ext/estimate/hardware.json matches it): pass --peak-tflops")
+                             "memo_ext/hardware.json matches it): pass --peak-tflops")
         return (float(profile["bf16_tflops"]),
                 f"{name}: dense bf16 peak of hardware.json's {profile['name']} profile")
     return measure_cpu_gemm_tflops(), "measured CPU fp32 GEMM"

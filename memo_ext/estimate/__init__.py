@@ -2,8 +2,8 @@
 fits, from allocation traces replayed through the allocator models (memo_ext.alloc).
 
 Entry points: :func:`linear_trace` (two traces of a rank, any sequence length from them),
-:func:`estimate_at` (one length through one allocator model), :func:`max_sequence_length`,
-:func:`load_hardware` (GPU profiles in hardware.json). The time side is
+:func:`estimate_at` (one length through one allocator model), :func:`max_sequence_length`;
+the GPU profiles it prices are memo_ext.hardware's. The time side is
 :mod:`memo_ext.estimate.cost`, whole layouts (every traced pipeline stage, memory and time) and
 the recommender's search :mod:`memo_ext.estimate.layout`, SPPO's rows
 :mod:`memo_ext.estimate.sppo_layouts`, MFU's model FLOPs (the trainer's log uses them too)
@@ -17,12 +17,10 @@ from memo_ext.estimate.memory import (
     estimate_at,
     external_bytes,
     linear_trace,
-    load_hardware,
     longest_fitting,
     max_sequence_length,
     trace_rank,
 )
 
 __all__ = ["EstimateError", "LinearTrace", "MemoryEstimate", "estimate_at", "external_bytes",
-           "linear_trace", "load_hardware", "longest_fitting", "max_sequence_length",
-           "trace_rank"]
+           "linear_trace", "longest_fitting", "max_sequence_length", "trace_rank"]

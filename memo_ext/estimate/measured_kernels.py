@@ -140,7 +140,7 @@ def _attention_rows(records: list[dict]) -> list[dict]:
 def entry_from_evidence(path: Path) -> tuple[str, dict]:
     """(hardware.json profile, entry) of the rows the evidence file at ``path`` measured, or a
     MeasuredRowsError naming the file."""
-    from memo_ext.estimate.memory import profile_for_device
+    from memo_ext.hardware import profile_for_device
 
     path = Path(path)
     records = _records(path)
@@ -151,7 +151,7 @@ def entry_from_evidence(path: Path) -> tuple[str, dict]:
     profile = profile_for_device(env["gpu"])
     if profile is None:
         raise MeasuredRowsError(f"{path}: GPU {env['gpu']!r} matches no profile's device_names "
-                                "in memo_ext/estimate/hardware.json; add a profile for it first")
+                                "in memo_ext/hardware.json; add a profile for it first")
     gemm, attention = _gemm_rows(records), _attention_rows(records)
     if not gemm and not attention:
         raise MeasuredRowsError(f"{path}: no measured GEMM or attention record (every one "

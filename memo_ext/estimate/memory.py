@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,6 @@ from memo_ext.trace import POOL_EXTERNAL, Trace, read_trace
 #: The tracer (memo-trace), run as ``python -m`` in a subprocess: memo_ext never imports the
 #: trainer, and each trace builds its own fake world.
 TRACE_MODULE = "megatron.training.cli.trace"
-HARDWARE_FILE = Path(__file__).with_name("hardware.json")
 
 
 def tracer_environment() -> dict[str, str]:
@@ -52,37 +50,6 @@ STRUCTURE_FIELDS = ("id", "action", "stream", "layer", "phase", "category", "mic
 
 class EstimateError(ValueError):
     """An estimate that cannot be made; one line naming the input at fault and the fix."""
-
-
-def load_hardware(name: str, extra_file: Optional[Path] = None) -> dict:
-    """A GPU profile from hardware.json (or ``extra_file``, same keys, which wins), with the
-    cost model's default ``efficiency`` table unless the profile has its own."""
-    profiles = json.loads(HARDWARE_FILE.read_text())
-    if extra_file is not None:
-        try:
-            profiles.update(json.loads(Path(extra_file).read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise EstimateError(f"--hardware-file {extra_file}: not a readable JSON file of "
-                                f"GPU profiles ({exc.__class__.__name__})") from None
-    profiles.pop("_comment", None)
-    efficiency = profiles.pop("efficiency")
-    key = name.lower()
-    if key not in profiles:
-        raise EstimateError(f"--gpu {name}: unknown; use one of {', '.join(sorted(profiles))} "
-                            "or add it with --hardware-file")
-    return {"name": key, "hardware_file": None if extra_file is None else str(extra_file),
-            "efficiency": efficiency, **profiles[key]}
-
-
-def profile_for_device(device_name: str) -> Optional[dict]:
-    """The hardware.json profile (as :func:`load_hardware` gives it) of the first profile one of
-    whose ``device_names`` patterns is found in ``device_name`` (torch.cuda.get_device_name()),
-    or None when none is."""
-    for key, profile in json.loads(HARDWARE_FILE.read_text()).items():
-        patterns = profile.get("device_names", ()) if isinstance(profile, dict) else ()
-        if any(re.search(pattern, device_name) for pattern in patterns):
-            return load_hardware(key)
-    return None
 
 
 def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:

@@ -40,6 +40,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from memo_ext.attention import kernels as attention_kernels
+from memo_ext.hardware import HardwareProfileError, load_hardware
 from memo_ext.trace.cuda_reduce import reduction_workspace
 
 MiB = 1 << 20
@@ -74,17 +75,14 @@ class CudaTarget:
 
     @classmethod
     def for_gpu(cls, name: str = DEFAULT_GPU, hardware_file=None, **overrides) -> "CudaTarget":
-        """The target of a GPU profile of memo_ext/estimate/hardware.json or of
-        ``hardware_file`` (its ``compute_capability`` "9.0" and ``sm_count``), with the
-        installed torch."""
-        from memo_ext.estimate.memory import EstimateError, load_hardware  # (imports this)
-
+        """The target of a GPU profile of memo_ext/hardware.json or of ``hardware_file`` (its
+        ``compute_capability`` "9.0" and ``sm_count``), with the installed torch."""
         profile = load_hardware(name, hardware_file)
         try:
             major, minor = (int(x) for x in str(profile["compute_capability"]).split("."))
             sms = int(profile["sm_count"])
         except (KeyError, ValueError):
-            raise EstimateError(
+            raise HardwareProfileError(
                 f"GPU profile {name!r}{f' in {hardware_file}' if hardware_file else ''} needs "
                 '"compute_capability" ("8.0") and "sm_count" (108) for the CUDA allocation '
                 "rules; add them") from None

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "@FILE: pretrain_gpt.py flags one a line, as pretrain_gpt.py @FILE "
                              "reads them (a converted checkpoint's model_flags.txt)")
     parser.add_argument("--gpu", required=True,
-                        help="a profile of memo_ext/estimate/hardware.json, or cpu: this "
+                        help="a profile of memo_ext/hardware.json, or cpu: this "
                              "machine running the CPU trainer (fp32, one process per rank), "
                              "micro-benchmarked at startup for the one layout and --seq-length "
                              "asked (memo_ext/estimate/cpu_profile.py; traced whole)")
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _estimate(opts: argparse.Namespace, answer) -> int:
-    from memo_ext.estimate import EstimateError, load_hardware
+    from memo_ext.estimate import EstimateError
     from memo_ext.estimate.cost import CostModelError
     from memo_ext.estimate.layout import (
         CHECK_SEQ,
@@ -350,6 +350,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         default_cache_dir,
     )
     from memo_ext.estimate.search import LongestRanking, SearchChecks, rank_at, search_longest
+    from memo_ext.hardware import HardwareProfileError, load_hardware
 
     started = time.perf_counter()
     # With --json, stdout carries the answer alone; progress goes to stderr.
@@ -559,7 +560,8 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         if opts.json:
             print(json.dumps(answer_json(opts, predictions, seconds, hardware)), file=answer)
         return 0
-    except (UsageError, MemoConfigError, EstimateError, CostModelError) as exc:
+    except (UsageError, MemoConfigError, EstimateError, HardwareProfileError,
+            CostModelError) as exc:
         return _fail(str(exc))
 
 

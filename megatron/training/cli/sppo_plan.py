@@ -18,8 +18,8 @@ from megatron.training.cli.quiet import add_verbose_argument, explain_hidden, hi
 # a planner that runs no kernels.
 hide_library_warnings()
 
-from memo_ext.estimate.memory import EstimateError, load_hardware  # noqa: E402
 from memo_ext.estimate.models import MODELS, ModelError, model_shape  # noqa: E402
+from memo_ext.hardware import HardwareProfileError, load_hardware  # noqa: E402
 from memo_ext.sppo.solver import (  # noqa: E402
     GB,
     PREDICTED,
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "takes)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
     parser.add_argument("--gpu", required=True,
-                        help="a profile of memo_ext/estimate/hardware.json (a100-80gb, a800, ...)")
+                        help="a profile of memo_ext/hardware.json (a100-80gb, a800, ...)")
     parser.add_argument("--hardware-file", type=Path, default=None,
                         help="extra GPU profiles (JSON, the keys of hardware.json)")
     parser.add_argument("--seq-length", required=True, help="tokens per sequence (896K, 4M, ...)")
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       else opts.host_memory_gb * GB),
                           distributed_optimizer=opts.distributed_optimizer, msp=opts.msp)
         fitting, smallest = solve(problem)
-    except (UsageError, ModelError, EstimateError, SolverError) as exc:
+    except (UsageError, ModelError, HardwareProfileError, SolverError) as exc:
         print(f"sppo_plan.py: error: {exc}", file=sys.stderr)
         return 2
     print(f"{opts.model} at {problem.seq} tokens on {problem.gpus} x {opts.gpu}")

@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "dispatches it on the --gpu (Hopper with --attention-backend auto); "
                             "stated next to the kernels in memo_ext.attention.kernels.")
     trace.add_argument("--gpu", default=DEFAULT_GPU, metavar="PROFILE",
-                       help="The GPU (a profile of memo_ext/estimate/hardware.json) whose CUDA "
+                       help="The GPU (a profile of memo_ext/hardware.json) whose CUDA "
                             "kernels' workspaces the trace records: cuBLAS workspace size, "
                             "reduction scratch (SM count). Default: %(default)s.")
     trace.add_argument("--hardware-file", default=None, metavar="JSON",
@@ -458,7 +458,7 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
     try:
         target = CudaTarget.for_gpu(opts.gpu, opts.hardware_file, cublas_workspace_bytes=(
             None if opts.cublas_workspace_mib is None else int(opts.cublas_workspace_mib * MiB)))
-    except ValueError as exc:  # EstimateError: an unknown profile or one without the fields
+    except ValueError as exc:  # HardwareProfileError: an unknown profile or one without the fields
         raise SystemExit(f"error: {exc}") from None
     recorder = AllocationRecorder(cuda_semantics=not opts.no_cuda_semantics, target=target)
     with contextlib.ExitStack() as stack:

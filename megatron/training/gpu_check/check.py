@@ -256,14 +256,14 @@ def _commit() -> str:
 
 def _predictor(devices: Devices) -> tuple[Optional[str], Callable]:
     """(hardware profile name, run -> Predicted) for the GPUs found."""
-    from memo_ext.estimate import load_hardware
+    from memo_ext.hardware import load_hardware
     from memo_ext.estimate.layout import TraceCache, default_cache_dir
 
     profile = hardware_profile_name(devices.name, devices.total_memory_bytes)
     if profile is None:
         def none(run, alpha):
             raise NoPrediction(f"no prediction: no estimator profile for {devices.name} in "
-                               "memo_ext/estimate/hardware.json")
+                               "memo_ext/hardware.json")
         return None, none
     hardware, cache = load_hardware(profile), TraceCache(default_cache_dir())
     return profile, lambda run, alpha: predict(run, hardware, cache, alpha)

@@ -35,7 +35,7 @@ class Predicted:
 
 
 def hardware_profile_name(device_name: str, total_memory_bytes: int) -> Optional[str]:
-    """The memo_ext/estimate/hardware.json profile of a GPU (torch.cuda.get_device_name and its
+    """The memo_ext/hardware.json profile of a GPU (torch.cuda.get_device_name and its
     total memory in bytes), None when none matches."""
     name = device_name.lower()
     for key in ("h200", "h100", "a800"):
@@ -60,6 +60,7 @@ def predict(run: PlannedRun, hardware: dict, cache, memo_alpha: Optional[float])
     the MEMO run solved. Raises NoPrediction with the reason when there is none."""
     from memo_ext.estimate import EstimateError
     from memo_ext.estimate.cost import CostModelError
+    from memo_ext.hardware import HardwareProfileError
 
     if run.mechanism.estimator is None:
         raise NoPrediction("no prediction for this mechanism (the estimator has no policy for "
@@ -69,7 +70,7 @@ def predict(run: PlannedRun, hardware: dict, cache, memo_alpha: Optional[float])
         if policy == "sppo":
             return _predict_sppo(run, hardware)
         return _predict_traced(run, hardware, cache, policy, allocator, memo_alpha)
-    except (EstimateError, CostModelError) as error:
+    except (EstimateError, HardwareProfileError, CostModelError) as error:
         raise NoPrediction(f"no prediction: {error}") from None
 
 

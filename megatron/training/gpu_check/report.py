@@ -53,7 +53,7 @@ def _cell(value: Optional[float], digits: int) -> str:
 
 def render(header: Header, rows: list[Row]) -> str:
     """The report as markdown: the header, then one table row per mechanism."""
-    profile = (f"GPU profile `{header.hardware_profile}` of memo_ext/estimate/hardware.json"
+    profile = (f"GPU profile `{header.hardware_profile}` of memo_ext/hardware.json"
                if header.hardware_profile else "no GPU profile matches, so no predictions")
     lines = [
         "# gpu-check report", "",

@@ -438,8 +438,7 @@ def test_continue_pretraining_without_gpu_fails_with_a_clear_message(tiny_llama,
     result = _continue(tmp_path, tiny_llama, DATA_PATH="corpus_text_document", GPU="")
     assert result.returncode == 1
     assert result.stderr.strip() == ("continue_pretraining_llama.sh: error: GPU is not set; "
-                                     "export GPU=h100 (a profile of "
-                                     "memo_ext/estimate/hardware.json)")
+                                     "export GPU=h100 (a profile of memo_ext/hardware.json)")
 
 
 @pytest.mark.slow

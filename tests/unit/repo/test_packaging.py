@@ -1,8 +1,9 @@
 """What a non-editable `pip install .` carries, checked on the build tree alone (setuptools'
 build_py, no compiler, a few seconds): every console script's module, the trainer module the
-tracer builds its model with, the tracer the estimator spawns, and the CUDA stitching
-allocator's sources with the headers they include. The slow test_wheel_install.py builds the
-wheel, installs it into a fresh venv and runs each command."""
+tracer builds its model with, the tracer the estimator spawns, the JSON tables the code reads
+(GPU profiles, kernel tables), and the CUDA stitching allocator's sources with the headers they
+include. The slow test_wheel_install.py builds the wheel, installs it into a fresh venv and runs
+each command."""
 from __future__ import annotations
 
 import subprocess
@@ -20,6 +21,9 @@ def test_the_build_carries_what_an_installed_package_runs(tmp_path):
     for name in ("cuda/stitching_cuda.cpp", "stitching_allocator.h", "stitching_rules.h",
                  "caching_rules.h"):
         assert (sources / name).is_file(), name
+    for data in ("memo_ext/hardware.json", "memo_ext/estimate/kernel_tables.json",
+                 "memo_ext/estimate/measured_kernels.json"):  # package data the code reads
+        assert (tmp_path / data).is_file(), data
     from memo_ext.estimate.memory import TRACE_MODULE
 
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]

@@ -1,5 +1,5 @@
 """MFU's two inputs have one source each: P and the model FLOPs (memo_ext.estimate.flops) for the
-trainer's log and the estimator alike, and the GPU peak from memo_ext/estimate/hardware.json."""
+trainer's log and the estimator alike, and the GPU peak from memo_ext/hardware.json."""
 
 from __future__ import annotations
 

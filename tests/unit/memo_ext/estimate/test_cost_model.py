@@ -10,7 +10,6 @@ import re
 
 import pytest
 
-from memo_ext.estimate import load_hardware
 from memo_ext.estimate.cost import (
     CostModelError,
     Efficiency,
@@ -21,6 +20,7 @@ from memo_ext.estimate.cost import (
 from memo_ext.estimate.flops import model_flops_per_sequence, parameter_count
 from memo_ext.estimate.kernels import at_model_shapes, kernel_rows
 from memo_ext.estimate.layout import Layout, TraceCache, candidate_layouts
+from memo_ext.hardware import load_hardware
 from memo_ext.attention import ZigzagLayout
 from tests.conftest import run_estimate_cli
 

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from memo_ext.estimate import load_hardware
 from memo_ext.estimate.cost import Efficiency, predict_step
 from memo_ext.estimate.cpu_profile import CpuProfileError, measure_cpu_profile
 from memo_ext.estimate.kernels import at_model_shapes
 from memo_ext.estimate.layout import CPU_TRACE_FLAGS, gpu_argv
+from memo_ext.hardware import load_hardware
 from tests.conftest import run_estimate_cli
 
 TINY = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,

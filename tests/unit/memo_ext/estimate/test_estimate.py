@@ -12,7 +12,6 @@ from memo_ext.estimate import (
     EstimateError,
     LinearTrace,
     estimate_at,
-    load_hardware,
     max_sequence_length,
 )
 from memo_ext.estimate.layout import Layout, Stage
@@ -77,25 +76,6 @@ def test_estimate_fits_and_the_search_finds_the_boundary(small_traces):
     assert 4096 <= longest < 16384
     assert estimate_at(line.at(longest), capacity).fits
     assert not estimate_at(line.at(longest + 1024), capacity).fits
-
-
-def test_hardware_profiles():
-    a800 = load_hardware("A800")
-    assert a800["device_memory_bytes"] > 79 * (1 << 30) and a800["bf16_tflops"] == 312
-    with pytest.raises(EstimateError, match="--gpu nope: unknown"):
-        load_hardware("nope")
-
-
-def test_hardware_file_adds_and_overrides_profiles(tmp_path):
-    extra = tmp_path / "gpus.json"
-    extra.write_text('{"mi300x": {"device_memory_bytes": 206158430208, "bf16_tflops": 1307}, '
-                     '"a800": {"device_memory_bytes": 1, "bf16_tflops": 1}}')
-    assert load_hardware("mi300x", extra)["bf16_tflops"] == 1307
-    assert load_hardware("a800", extra)["device_memory_bytes"] == 1
-    broken = tmp_path / "broken.json"
-    broken.write_text("{")
-    with pytest.raises(EstimateError, match="--hardware-file"):
-        load_hardware("a800", broken)
 
 
 def test_cli_refuses_bad_input():
@@ -166,7 +146,7 @@ def test_pipeline_estimate_names_the_stage_that_runs_out(tmp_path):
     assert [s[:3] for s in stages] == [("0", "0", "2"), ("1", "1", "1")], out
     first, last = (float(s[3]) for s in stages)
     assert last > first + 0.5
-    profile = {**json.loads((REPO_ROOT / "memo_ext/estimate/hardware.json").read_text())
+    profile = {**json.loads((REPO_ROOT / "memo_ext/hardware.json").read_text())
                ["a100-40gb"], "device_memory_bytes": int((first + last) / 2 * (1 << 30))}
     hardware = tmp_path / "gpus.json"
     hardware.write_text(json.dumps({"small": profile}))
@@ -196,7 +176,7 @@ def test_recommender_ranks_sppo_layouts_from_the_solver():
 
 
 def test_sppo_policy_longest_sequence_and_refusals():
-    from memo_ext.estimate import load_hardware
+    from memo_ext.hardware import load_hardware
     from memo_ext.estimate.models import model_shape
     from memo_ext.estimate.sppo_layouts import SPPOLayoutModel
 

@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from memo_ext.estimate import load_hardware
 from memo_ext.estimate.cost import CostModelError, Efficiency
 from memo_ext.estimate.kernels import (
     TABLES_FILE,
@@ -17,6 +16,7 @@ from memo_ext.estimate.kernels import (
     kernel_rows,
     model_gemms,
 )
+from memo_ext.hardware import HARDWARE_FILE, load_hardware
 
 ATTENTION = [{"direction": "forward", "causal": True, "head_dim": 128, "seq_len": 1024,
               "tflops": 100.0},
@@ -81,7 +81,7 @@ def test_every_gpu_profile_reads_published_rows_that_cite_their_source():
     for kind in ("gemm", "attention"):
         assert tables[kind]
         assert all(row["source"] in tables["sources"] for row in tables[kind])
-    profiles = json.loads((TABLES_FILE.parent / "hardware.json").read_text())
+    profiles = json.loads(HARDWARE_FILE.read_text())
     for name in profiles:
         if name in ("_comment", "efficiency"):
             continue

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 import megatron.training.cli.estimate  # noqa: F401  (the CLI test's import, at collection)
-from memo_ext.estimate import kernels, load_hardware
+from memo_ext.estimate import kernels
 from memo_ext.estimate.cost import Efficiency
 from memo_ext.estimate.kernels import (
     at_model_shapes,
@@ -26,6 +26,7 @@ from memo_ext.estimate.measured_kernels import (
     import_evidence,
     read_table,
 )
+from memo_ext.hardware import load_hardware
 from memo_ext.trace.work import (
     ATTENTION_BACKWARD_FLOPS_PER_PAIR_DIM,
     ATTENTION_FORWARD_FLOPS_PER_PAIR_DIM,

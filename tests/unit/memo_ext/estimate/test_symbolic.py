@@ -19,7 +19,6 @@ import sys
 
 import pytest
 
-from memo_ext.estimate import load_hardware
 from memo_ext.estimate.layout import (
     REPLAY_ITERATIONS,
     SYMBOLIC_LAYERS,
@@ -35,6 +34,7 @@ from memo_ext.estimate.symbolic import (
     SymbolicTrace,
     expand_events,
 )
+from memo_ext.hardware import load_hardware
 from memo_ext.attention.kernels import SPLIT_KV_LSE_ACCUM, SPLIT_KV_OUT_ACCUM
 from memo_ext.trace.cuda_rules import REDUCTION_SCRATCH
 from memo_ext.trace import Trace

@@ -6,12 +6,13 @@ import pytest
 
 from memo_ext.estimate.cost import persistent_bytes
 from memo_ext.estimate.flops import parameter_count
-from memo_ext.estimate.memory import external_bytes, load_hardware
+from memo_ext.estimate.memory import external_bytes
 from memo_ext.estimate.models import model_shape
 from memo_ext.estimate.rank_constants import (
     OPTIMIZER_BYTES_PER_PARAM,
     WEIGHT_AND_GRAD_BYTES_PER_PARAM,
 )
+from memo_ext.hardware import load_hardware
 from memo_ext.trace import MiB, read_trace
 from memo_ext.sppo.solver import GiB, Problem, evaluate, not_fit_message, solve
 
