@@ -27,7 +27,7 @@ from memo_ext import _C  # noqa: E402
 from memo_ext.alloc import (  # noqa: E402
     POLICIES,
     SnapshotError,
-    Trace,
+    AllocatorTrace,
     best_fit_plan,
     load_snapshot,
     replay,
@@ -38,7 +38,7 @@ SNAPSHOTS = REPO.parent / "shared" / "data" / "snapshots"
 MiB, GiB = 1 << 20, 1 << 30
 
 
-def synthetic_trace(num_events: int, seed: int = 0) -> Trace:
+def synthetic_trace(num_events: int, seed: int = 0) -> AllocatorTrace:
     """Training-like alloc/free events until at least ``num_events`` rows."""
     rng = random.Random(seed)
     actions, ids, sizes, streams = [], [], [], []
@@ -86,7 +86,7 @@ def synthetic_trace(num_events: int, seed: int = 0) -> Trace:
             free(grad)
     for i in optimizer:
         free(i)
-    return Trace(np.array(actions), np.array(ids), np.array(sizes), np.array(streams),
+    return AllocatorTrace(np.array(actions), np.array(ids), np.array(sizes), np.array(streams),
                  name=f"synthetic ({len(actions)} events)")
 
 
@@ -99,7 +99,7 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def measure(trace: Trace, repeats: int, capacity=None) -> dict:
+def measure(trace: AllocatorTrace, repeats: int, capacity=None) -> dict:
     """policy -> (events/s, result) for one trace."""
     plan = best_fit_plan(trace)
     out = {}

@@ -58,7 +58,7 @@ PAPER_MAP_US_PER_2MIB = 80
 
 
 def traces(names: list[str]):
-    """(snapshot name, Trace) for every device with events."""
+    """(snapshot name, AllocatorTrace) for every device with events."""
     for name in names:
         snapshot = load_snapshot(SNAPSHOTS / name)
         for device in range(len(snapshot.get("device_traces", []))):

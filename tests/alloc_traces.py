@@ -3,12 +3,12 @@ allocator's tests, which replay the same traces through both and compare."""
 import numpy as np
 
 from memo_ext import _C
-from memo_ext.alloc import Trace
+from memo_ext.alloc import AllocatorTrace
 
 MiB = 1 << 20
 
 
-def trace(*events) -> Trace:
+def trace(*events) -> AllocatorTrace:
     """("alloc", id, bytes[, stream]), ("free", id), ("empty_cache",), ("oom", bytes[, stream])."""
     codes = {"alloc": _C.ALLOC, "free": _C.FREE, "empty_cache": _C.EMPTY_CACHE,
              "oom": _C.FAILED_ALLOC}
@@ -23,10 +23,10 @@ def trace(*events) -> Trace:
         else:
             rows.append((codes[e[0]], 0, 0, 0))
     cols = np.array(rows, np.int64).reshape(-1, 4)
-    return Trace(*(cols[:, k] for k in range(4)), name="hand-made")
+    return AllocatorTrace(*(cols[:, k] for k in range(4)), name="hand-made")
 
 
-def training_steps(n: int) -> Trace:
+def training_steps(n: int) -> AllocatorTrace:
     """n training steps: a 20 MiB buffer, then 8 + 12 + 6 MiB, then a 26 MiB one."""
     events, k = [], 0
     for _ in range(n):

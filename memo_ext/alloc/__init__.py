@@ -29,12 +29,18 @@ from memo_ext.alloc.snapshot import (
     summarize_snapshot,
 )
 from memo_ext.alloc.stitching import HostReplayResult, HostStitchingAllocator, replay_host
-from memo_ext.alloc.traces import Trace, TraceError, load_trace, repeated_iterations, save_trace
+from memo_ext.alloc.traces import (
+    AllocatorTrace,
+    TraceError,
+    load_trace,
+    repeated_iterations,
+    save_trace,
+)
 
 __all__ = [
-    "POLICIES", "ArenaPlan", "DecisionMismatch", "DeviceSummary", "HostReplayResult",
-    "HostStitchingAllocator", "InitialState", "OomEvent",
-    "OomInfo", "PlanError", "RecordedComparison", "ReplayResult", "SnapshotError", "Trace",
+    "POLICIES", "AllocatorTrace", "ArenaPlan", "DecisionMismatch", "DeviceSummary",
+    "HostReplayResult", "HostStitchingAllocator", "InitialState", "OomEvent",
+    "OomInfo", "PlanError", "RecordedComparison", "ReplayResult", "SnapshotError",
     "TraceError", "best_fit_plan", "compare_recorded", "infer_capacity", "load_plan",
     "load_snapshot", "load_trace", "reconstruct_initial_state", "repeated_iterations", "replay",
     "replay_host", "replay_policies",

@@ -11,7 +11,7 @@ C++, csrc/allocator_models/, called through ``memo_ext._C.replay_allocator``):
 - ``arena``: a planned arena (offsets from a plan file; mismatches take the caching path).
 
 This module is the replay: :func:`replay` and :func:`replay_policies` and their results
-(:class:`ReplayResult`). Its inputs live beside it: :class:`Trace` and the trace files in
+(:class:`ReplayResult`). Its inputs live beside it: :class:`AllocatorTrace` and the trace files in
 memo_ext.alloc.traces, arena plans in memo_ext.alloc.plans; memo_ext.alloc.recorded reads
 snapshots as traces and compares a replay with what the recording allocator did. Bytes throughout.
 """
@@ -24,7 +24,7 @@ import numpy as np
 
 from memo_ext import _C
 from memo_ext.alloc.plans import ArenaPlan, _plan_arrays, best_fit_plan
-from memo_ext.alloc.traces import Trace
+from memo_ext.alloc.traces import AllocatorTrace
 
 if TYPE_CHECKING:  # recorded.py imports this module
     from memo_ext.alloc.recorded import InitialState
@@ -96,7 +96,7 @@ class ReplayResult:
 # ------------------------------------------------------------------------------------ replay
 
 
-def replay(trace: Trace, policy: str = "caching", capacity_bytes: int | None = None, *,
+def replay(trace: AllocatorTrace, policy: str = "caching", capacity_bytes: int | None = None, *,
            max_split_size: int | None = None, plan: ArenaPlan | None = None,
            frag_limit: int | None = None, max_sblocks: int | None = None,
            large_page: int | None = None, small_page: int | None = None,
@@ -159,7 +159,7 @@ def replay(trace: Trace, policy: str = "caching", capacity_bytes: int | None = N
     )
 
 
-def replay_policies(trace: Trace, policies=POLICIES, capacity_bytes: int | None = None,
+def replay_policies(trace: AllocatorTrace, policies=POLICIES, capacity_bytes: int | None = None,
                     **options) -> list[ReplayResult]:
     """:func:`replay` under each of ``policies``; options go to every call where they apply."""
     per_policy = {

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from memo_ext import _C
-from memo_ext.alloc.traces import ALLOC, Trace
+from memo_ext.alloc.traces import ALLOC, AllocatorTrace
 
 __all__ = ["ArenaPlan", "PlanError", "best_fit_plan", "load_plan"]
 
@@ -69,7 +69,7 @@ def load_plan(path) -> ArenaPlan:
     return ArenaPlan(placements, sizes, arena, source=str(path))
 
 
-def best_fit_plan(trace: Trace) -> ArenaPlan:
+def best_fit_plan(trace: AllocatorTrace) -> ArenaPlan:
     """A plan made from the trace itself by online best fit in one arena (no lifetime knowledge):
     what the arena policy uses when no plan file is given; a real MEMO plan peaks lower or equal.
     """
@@ -79,7 +79,7 @@ def best_fit_plan(trace: Trace) -> ArenaPlan:
                      source="best-fit plan of the trace")
 
 
-def _plan_arrays(trace: Trace, plan: ArenaPlan) -> tuple[np.ndarray, np.ndarray, int]:
+def _plan_arrays(trace: AllocatorTrace, plan: ArenaPlan) -> tuple[np.ndarray, np.ndarray, int]:
     alloc_rows = np.flatnonzero(trace.actions == ALLOC)
     offsets = np.full(len(trace), -1, np.int64)
     sizes = np.full(len(trace), -1, np.int64)

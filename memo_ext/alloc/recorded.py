@@ -23,7 +23,7 @@ from memo_ext.alloc.traces import (
     SEGMENT_FREE,
     SEGMENT_MAP,
     SEGMENT_UNMAP,
-    Trace,
+    AllocatorTrace,
 )
 
 __all__ = [
@@ -75,8 +75,8 @@ def _empty_cache_groups(trace: list) -> set:
 
 
 def snapshot_trace(snapshot: dict, device: int = 0, *, prologue: bool = True,
-                   name: str = "") -> Trace:
-    """One device's trace of a loaded snapshot as a :class:`Trace`.
+                   name: str = "") -> AllocatorTrace:
+    """One device's trace of a loaded snapshot as a :class:`AllocatorTrace`.
 
     alloc -> ALLOC, free_completed -> FREE, oom -> FAILED_ALLOC, an empty_cache() run of
     segment_free/unmap events -> one EMPTY_CACHE, the allocator's own segment events keep their
@@ -95,7 +95,7 @@ def snapshot_trace(snapshot: dict, device: int = 0, *, prologue: bool = True,
         ids = np.concatenate([np.array([b[1] for b in blocks], np.int64), ids])
         sizes = np.concatenate([np.array([b[3] for b in blocks], np.int64), sizes])
         streams = np.concatenate([np.array([b[4] for b in blocks], np.int64), streams])
-    return Trace(actions, ids, sizes, streams, name=name, device=device, num_prologue=k)
+    return AllocatorTrace(actions, ids, sizes, streams, name=name, device=device, num_prologue=k)
 
 
 def _snapshot_columns(trace: list):
@@ -425,7 +425,7 @@ def _compare_device(snapshot, device, trace, capacity_bytes, options) -> Recorde
         if code == SEGMENT_ALLOC and anchor < len(actions):
             hint_addr[anchor], hint_size[anchor] = e["addr"], e["size"]
 
-    t = Trace(actions, ids, sizes, streams, name="", device=device, num_prologue=prologue)
+    t = AllocatorTrace(actions, ids, sizes, streams, name="", device=device, num_prologue=prologue)
     options = {"final_layout": True, **options}
     if expandable:
         options = {k: v for k, v in options.items() if k not in ("small_split_min",

@@ -8,8 +8,9 @@ reservations, and a stitched block is one contiguous range whose pieces are
 runs on a GPU over the CUDA VMM API (:mod:`memo_ext.alloc.stitching_cuda`).
 
 Entry points: :class:`HostStitchingAllocator` (malloc/free real memory from Python) and
-:func:`replay_host` (drive a fresh allocator with a :class:`~memo_ext.alloc.Trace`, writing and
-verifying a pattern in every block, and checking that nothing leaks). All sizes are bytes.
+:func:`replay_host` (drive a fresh allocator with a :class:`~memo_ext.alloc.AllocatorTrace`,
+writing and verifying a pattern in every block, and checking that nothing leaks). All sizes are
+bytes.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from memo_ext import _C
 from memo_ext.alloc.models import OomInfo
-from memo_ext.alloc.traces import Trace
+from memo_ext.alloc.traces import AllocatorTrace
 
 __all__ = ["CONSTANTS", "HostReplayResult", "HostStitchingAllocator", "replay_host"]
 
@@ -147,7 +148,7 @@ class HostReplayResult:
                 and not any(self.leaked.values()))
 
 
-def replay_host(trace: Trace, capacity_bytes: int | None = None, *,
+def replay_host(trace: AllocatorTrace, capacity_bytes: int | None = None, *,
                 frag_limit: int | None = None, max_sblocks: int | None = None,
                 check: bool = True, timelines: bool = True, log: bool = False
                 ) -> HostReplayResult:

@@ -1,8 +1,10 @@
-"""Allocation traces for the allocator models: the :class:`Trace` columns, our trace files
-(``.npz`` and JSON lines, plain or gzipped: :func:`load_trace`, :func:`save_trace`;
-docs/allocator_models.md, "Trace files") and :func:`repeated_iterations`, the allocator's view of
-a planner trace. The third input format, PyTorch memory snapshots, is memo_ext.alloc.recorded's
-:func:`snapshot_trace`. The action codes are the C++ ones (memo_ext._C.ALLOC ...). Bytes.
+"""Allocation traces for the allocator models: :class:`AllocatorTrace`, the columns they replay
+(action codes, block ids, requested sizes, streams; not memo_ext.trace's event traces, which
+carry phases, layers and categories), our trace files (``.npz`` and JSON lines, plain or
+gzipped: :func:`load_trace`, :func:`save_trace`; docs/allocator_models.md, "Trace files") and
+:func:`repeated_iterations`, the allocator's view of a memo_ext.trace trace. The third input
+format, PyTorch memory snapshots, is memo_ext.alloc.recorded's :func:`snapshot_trace`. The
+action codes are the C++ ones (memo_ext._C.ALLOC ...). Bytes.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from memo_ext import _C
 
 __all__ = [
     "ACTION_NAMES", "ALLOC", "EMPTY_CACHE", "FAILED_ALLOC", "FREE", "OTHER", "SEGMENT_ALLOC",
-    "SEGMENT_FREE", "SEGMENT_MAP", "SEGMENT_UNMAP", "Trace", "TraceError", "load_trace",
+    "SEGMENT_FREE", "SEGMENT_MAP", "SEGMENT_UNMAP", "AllocatorTrace", "TraceError", "load_trace",
     "repeated_iterations", "save_trace",
 ]
 
@@ -56,8 +58,9 @@ class TraceError(ValueError):
 
 
 @dataclass
-class Trace:
-    """An allocation trace: equally long int64 columns, one row per event.
+class AllocatorTrace:
+    """An allocation trace as the allocator models replay it: equally long int64 columns, one
+    row per event.
 
     ``actions`` holds codes (ALLOC=0, FREE=1, SEGMENT_ALLOC..SEGMENT_UNMAP=2..5 recorded allocator
     decisions that the models ignore, OTHER=6, EMPTY_CACHE=7, FAILED_ALLOC=8); ``ids`` names the
@@ -98,7 +101,7 @@ def _codes(names, where: str) -> np.ndarray:
                          f"{', '.join(sorted(ACTION_NAMES))})") from None
 
 
-def load_trace(path) -> Trace:
+def load_trace(path) -> AllocatorTrace:
     """Read one of our trace files (see docs/allocator_models.md, "Trace files").
 
     ``.npz``: int64 arrays ``action`` (codes, or action names as strings), ``addr``, ``size``,
@@ -120,7 +123,7 @@ def load_trace(path) -> Trace:
     return _load_jsonl(path, gzipped=head.startswith(b"\x1f\x8b"))
 
 
-def _load_npz(path: Path) -> Trace:
+def _load_npz(path: Path) -> AllocatorTrace:
     try:
         with np.load(path, allow_pickle=False) as z:
             missing = {"action", "addr", "size"} - set(z.files)
@@ -139,12 +142,12 @@ def _load_npz(path: Path) -> Trace:
     for name, col in (("action", action), ("addr", addr), ("size", size), ("stream", stream)):
         if col.dtype.kind not in "iu":
             raise TraceError(f"{path}: array {name!r} must hold integers, not {col.dtype}")
-    trace = Trace(action, addr, size, stream, name=path.name)
+    trace = AllocatorTrace(action, addr, size, stream, name=path.name)
     _check_columns(trace, str(path))
     return trace
 
 
-def _load_jsonl(path: Path, gzipped: bool = False) -> Trace:
+def _load_jsonl(path: Path, gzipped: bool = False) -> AllocatorTrace:
     actions, addrs, sizes, streams = [], [], [], []
     try:
         text = (gzip.decompress(path.read_bytes()) if gzipped else path.read_bytes()).decode()
@@ -186,12 +189,12 @@ def _load_jsonl(path: Path, gzipped: bool = False) -> Trace:
         cols = [np.array(c, np.int64) for c in (actions, addrs, sizes, streams)]
     except OverflowError:
         raise TraceError(f"{path}: a value does not fit in 64 bits") from None
-    trace = Trace(*cols, name=path.name)
+    trace = AllocatorTrace(*cols, name=path.name)
     _check_columns(trace, str(path))
     return trace
 
 
-def _check_columns(trace: Trace, where: str) -> None:
+def _check_columns(trace: AllocatorTrace, where: str) -> None:
     bad = np.flatnonzero((trace.actions < 0) | (trace.actions > _MAX_CODE))
     if bad.size:
         raise TraceError(f"{where}: event {bad[0]} has action code {trace.actions[bad[0]]} "
@@ -201,7 +204,7 @@ def _check_columns(trace: Trace, where: str) -> None:
         raise TraceError(f"{where}: event {bad[0]} has a negative size")
 
 
-def save_trace(trace: Trace, path) -> None:
+def save_trace(trace: AllocatorTrace, path) -> None:
     """Write ``trace`` as .npz (when ``path`` ends in .npz) or JSON lines (anything else)."""
     path = Path(path)
     if path.suffix == ".npz":
@@ -218,7 +221,7 @@ def save_trace(trace: Trace, path) -> None:
 
 
 
-def repeated_iterations(trace, iterations: int) -> tuple[Trace, list[int], list[int]]:
+def repeated_iterations(trace, iterations: int) -> tuple[AllocatorTrace, list[int], list[int]]:
     """The allocator's view of ``iterations`` training iterations of a memo_ext.trace trace
     (anything with ``.events``, dicts with id/action/bytes/phase/pool): the persistent
     (``init``) allocations once, then the iteration's events ``iterations`` times with its
@@ -244,5 +247,5 @@ def repeated_iterations(trace, iterations: int) -> tuple[Trace, list[int], list[
         actions += step_actions
         sizes += step_sizes
         id_columns.append(step_ids + (iteration + 1) * id_span)
-    return (Trace(np.array(actions), np.concatenate(id_columns), np.array(sizes),
+    return (AllocatorTrace(np.array(actions), np.concatenate(id_columns), np.array(sizes),
                   np.zeros(len(actions)), name=f"{iterations} iterations"), starts, step_rows)

@@ -13,7 +13,7 @@ from memo_ext import _C
 from memo_ext.alloc import (
     ArenaPlan,
     PlanError,
-    Trace,
+    AllocatorTrace,
     TraceError,
     best_fit_plan,
     load_plan,
@@ -356,11 +356,11 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="capacity"):
         replay(t, capacity_bytes=-1)
     with pytest.raises(ValueError, match="not an action code"):
-        replay(Trace([42], [1], [1], [0]))
+        replay(AllocatorTrace([42], [1], [1], [0]))
     with pytest.raises(ValueError, match="negative"):
-        replay(Trace([0], [1], [-5], [0]))
+        replay(AllocatorTrace([0], [1], [-5], [0]))
     with pytest.raises(TraceError, match="equal length"):
-        Trace([0, 1], [1], [1], [0])
+        AllocatorTrace([0, 1], [1], [1], [0])
 
 
 # -------------------------------------------------- randomized check against a Python reference
@@ -466,7 +466,7 @@ def test_caching_model_agrees_with_a_plain_reference(seed):
 # ------------------------------------------------------------------------- trace files, report
 
 
-def _sample() -> Trace:
+def _sample() -> AllocatorTrace:
     return trace(("alloc", 1, 5 * MiB), ("alloc", 2, 100, 3), ("free", 1), ("empty_cache",),
                  ("oom", 64 * GiB))
 

@@ -13,7 +13,7 @@ import pytest
 from memo_ext import _C
 from memo_ext.alloc import (
     HostStitchingAllocator,
-    Trace,
+    AllocatorTrace,
     load_snapshot,
     replay,
     replay_host,
@@ -179,7 +179,7 @@ def test_stitch_free_drops_the_least_recently_used_views():
     assert real.ok and real.stitched_checked == 3
 
 
-def _random_trace(seed: int, events: int = 4000) -> Trace:
+def _random_trace(seed: int, events: int = 4000) -> AllocatorTrace:
     """Mixed sizes on 3 streams, with frees, empty_cache calls and a few duplicate ids."""
     rng = np.random.default_rng(seed)
     live, rows, next_id = [], [], 0
@@ -197,7 +197,7 @@ def _random_trace(seed: int, events: int = 4000) -> Trace:
             live.append(next_id)
             next_id += 1
     a = np.array(rows, np.int64)
-    return Trace(a[:, 0], a[:, 1], a[:, 2], a[:, 3], name=f"random {seed}")
+    return AllocatorTrace(a[:, 0], a[:, 1], a[:, 2], a[:, 3], name=f"random {seed}")
 
 
 @pytest.mark.parametrize("seed,capacity,frag_limit", [
