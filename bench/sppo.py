@@ -147,7 +147,8 @@ class Stage:
         from megatron.training.arguments import core_transformer_config_from_args
         from memo_ext.config import SPPOConfig
         from memo_ext.device import CopyEngine
-        from memo_ext.sppo import LayerFlops, SubsequencePipeline
+        from memo_ext.layer_flops import LayerFlops
+        from memo_ext.sppo import SubsequencePipeline
         from memo_ext.telemetry.tracker import DeviceMemoryTracker
 
         s = self.sizes
@@ -224,7 +225,7 @@ def msp_task_bytes(sizes: Sizes, lengths: list[int], index: int) -> dict:
     all-reduce, earlier subsequences' cached K/V broadcast twice and their gradients reduced,
     the later subsequences' share of the own K/V broadcast). An estimate of the traffic the
     schedule simulation leaves out."""
-    from memo_ext.sppo import LayerFlops
+    from memo_ext.layer_flops import LayerFlops
     from memo_ext.sppo.msp_plan import split_range
 
     h, four = sizes.hidden, 4
@@ -370,7 +371,8 @@ def measured_bubbles(sizes: Sizes) -> list[dict]:
 def predicted_partition_bubbles() -> list[dict]:
     """7B, 1M tokens, PP=4: bubble with compute proportional to each subsequence's FLOPs,
     without and (FLOPs partition) with MSP's tasks."""
-    from memo_ext.sppo import LayerFlops, partition, pipeline_bubble_ratio, plan_multiplexing
+    from memo_ext.layer_flops import LayerFlops
+    from memo_ext.sppo import partition, pipeline_bubble_ratio, plan_multiplexing
 
     flops = LayerFlops.of_gpt_layer(4096, 11008, 32, 32, 128, swiglu=True)
     rows = []

@@ -190,7 +190,8 @@ def build_memo_sppo(args: argparse.Namespace, log,
     config = config_from_args(SPPOConfig, args)
     if not config.sppo:
         return None
-    from memo_ext.sppo import LayerFlops, SubsequencePipeline
+    from memo_ext.layer_flops import LayerFlops
+    from memo_ext.sppo import SubsequencePipeline
 
     engine = bandwidth = None
     offloader_options = {}

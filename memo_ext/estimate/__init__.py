@@ -5,9 +5,9 @@ Entry points: :func:`linear_trace` (two traces of a rank, any sequence length fr
 :func:`estimate_at` (one length through one allocator model), :func:`max_sequence_length`;
 the GPU profiles it prices are memo_ext.hardware's. The time side is
 :mod:`memo_ext.estimate.cost`, whole layouts (every traced pipeline stage, memory and time) and
-the recommender's search :mod:`memo_ext.estimate.layout`, SPPO's rows
-:mod:`memo_ext.estimate.sppo_layouts`, MFU's model FLOPs (the trainer's log uses them too)
-:mod:`memo_ext.estimate.flops`. ``tools/estimate.py`` is the command.
+the recommender's search :mod:`memo_ext.estimate.layout`, MFU's model FLOPs (the trainer's log
+uses them too) :mod:`memo_ext.estimate.flops`. SPPO's rows are SPPO's own, on this package's
+cost model (:mod:`memo_ext.sppo.layout_model`). ``tools/estimate.py`` is the command.
 """
 
 from memo_ext.estimate.memory import (

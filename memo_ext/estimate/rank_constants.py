@@ -1,7 +1,7 @@
 """What a rank holds besides activations, counted one way for every row the recommender ranks:
 the traced layouts (memo_ext.estimate.layout: the tracer records these bytes, the candidate
 filter assumes them) and SPPO's analytic ones (memo_ext.sppo.solver, through
-memo_ext.estimate.sppo_layouts). Rows ranked side by side must not assume different bytes.
+memo_ext.sppo.layout_model). Rows ranked side by side must not assume different bytes.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from memo_ext.estimate.layout import Layout, LayoutModel, TraceCache
 
 def rank_at(models: list, seq: int) -> list:
     """Every layout's prediction at ``seq`` tokens, fitting ones first, by MFU. ``models``:
-    LayoutModels and SPPOLayoutModels (memo_ext.estimate.sppo_layouts)."""
+    LayoutModels and SPPOLayoutModels (memo_ext.sppo.layout_model)."""
     predictions = [m.predict(seq - seq % m.multiple) for m in models]
     return sorted(predictions, key=lambda p: (not p.fits, -p.mfu))
 

@@ -19,6 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from memo_ext.config import MemoConfigError, OffloadConfig
 from memo_ext.device import CopyEngine
+from memo_ext.layer_flops import LayerFlops
 from memo_ext.offload.alpha import (
     AlphaDecision,
     AlphaInputs,
@@ -121,8 +122,6 @@ class ActivationShape:
 def position_wise_share_of(args) -> float:
     """f of memo_ext.offload.modes for a trainer argument namespace: the share of one layer's
     forward FLOPs over the whole sequence that is not core attention."""
-    from memo_ext.sppo.partition import LayerFlops
-
     flops = LayerFlops.of_gpt_layer(args.hidden_size, args.ffn_hidden_size,
                                     args.num_attention_heads, args.num_query_groups,
                                     args.kv_channels, args.swiglu)

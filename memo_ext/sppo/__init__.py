@@ -21,15 +21,16 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from memo_ext.config import MemoConfigError, SPPOConfig
 from memo_ext.device import CopyEngine
+from memo_ext.layer_flops import LayerFlops
 from memo_ext.sppo.attention import KVCache, SubsequenceCoreAttention, SubsequenceOrderError
 from memo_ext.sppo.offload import SubsequenceOffloader
-from memo_ext.sppo.partition import LayerFlops, auto_subsequences, partition
+from memo_ext.sppo.partition import auto_subsequences, partition
 from memo_ext.sppo.msp_plan import pipeline_bubble_ratio, plan_multiplexing
 from memo_ext.sppo.multiplex import SequenceMultiplexer
 from memo_ext.sppo.schedule import StageTimeline, run_subsequence_pipeline
 
 __all__ = ["SubsequencePipeline", "SubsequenceState", "SubsequenceCoreAttention",
-           "SubsequenceOrderError", "LayerFlops", "partition", "StageTimeline",
+           "SubsequenceOrderError", "partition", "StageTimeline",
            "pipeline_bubble_ratio", "plan_multiplexing"]
 
 #: Iteration whose schedule timeline is logged: the first two include one-time costs (the

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from memo_ext.sppo.partition import LayerFlops
+from memo_ext.layer_flops import LayerFlops
 
 FORWARD, BACKWARD, HELP_FORWARD, HELP_BACKWARD = "forward", "backward", "help_forward", \
     "help_backward"

@@ -58,10 +58,10 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model, make_viewless_tensor
 
 from memo_ext.attention import own_storage
+from memo_ext.layer_flops import LayerFlops
 from memo_ext.sppo.attention import (SubsequenceOrderError, _BlockAttention, _CachedBlock,
                                      block_tiles)
 from memo_ext.sppo.msp_plan import MultiplexedTask, plan_multiplexing, split_range
-from memo_ext.sppo.partition import LayerFlops
 
 #: Dtypes a rotary table may have (megatron keeps it in fp32; Float16Module casts buffers).
 _ROTARY_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

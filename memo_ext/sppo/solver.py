@@ -75,9 +75,10 @@ from memo_ext.estimate.rank_constants import (  # the traced rows' (rows ranked 
     outside_allocator_bytes,
     workspace_bytes,
 )
+from memo_ext.layer_flops import LayerFlops
 from memo_ext.sppo.msp_plan import forward_slot, pipeline_bubble_ratio, plan_multiplexing
 from memo_ext.sppo.offload import solve_alphas
-from memo_ext.sppo.partition import LayerFlops, flops_boundaries
+from memo_ext.sppo.partition import flops_boundaries
 
 GiB = 1 << 30
 GB = 10**9

@@ -65,7 +65,7 @@ from memo_ext.estimate.cpu_profile import CPU_PROFILE  # noqa: E402
 from memo_ext.estimate.kernels import kernel_rows_line, priced_rows  # noqa: E402
 from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS, CHECKPOINT_FRACTIONS  # noqa: E402
 from memo_ext.estimate.models import MODELS, SHAPE_FLAGS, ModelError, model_shape  # noqa: E402
-from memo_ext.estimate.sppo_layouts import (  # noqa: E402
+from memo_ext.sppo.layout_model import (  # noqa: E402
     SPPOLayoutModel,
     SPPOPrediction,
     sppo_layout_models,

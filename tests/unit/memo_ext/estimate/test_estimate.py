@@ -178,7 +178,7 @@ def test_recommender_ranks_sppo_layouts_from_the_solver():
 def test_sppo_policy_longest_sequence_and_refusals():
     from memo_ext.hardware import load_hardware
     from memo_ext.estimate.models import model_shape
-    from memo_ext.estimate.sppo_layouts import SPPOLayoutModel
+    from memo_ext.sppo.layout_model import SPPOLayoutModel
 
     argv = ["--model", "7b", "--gpu", "a800", "--gpus", "8", "--tp", "4", "--pp", "2",
             "--policy", "sppo", "--max-seq-length"]

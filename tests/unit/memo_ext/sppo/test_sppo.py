@@ -10,7 +10,8 @@ import torch
 from megatron.training.packed_documents import OFFSETS_KEY
 from memo_ext.config import MemoConfigError, SPPOConfig
 from memo_ext.device import CopyEngine
-from memo_ext.sppo import LayerFlops, SubsequenceOrderError, SubsequencePipeline
+from memo_ext.layer_flops import LayerFlops
+from memo_ext.sppo import SubsequenceOrderError, SubsequencePipeline
 from memo_ext.sppo.offload import solve_alphas
 from memo_ext.sppo.partition import auto_subsequences, flops_boundaries, length_boundaries
 from memo_ext.telemetry.tracker import DeviceMemoryTracker

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from memo_ext.config import MemoConfigError, SPPOConfig
-from memo_ext.sppo import LayerFlops, pipeline_bubble_ratio, plan_multiplexing
+from memo_ext.layer_flops import LayerFlops
+from memo_ext.sppo import pipeline_bubble_ratio, plan_multiplexing
 from memo_ext.sppo.msp_plan import (
     BACKWARD,
     FORWARD,

@@ -16,17 +16,28 @@ one needing the least device memory when none fits. The solver plans one sequenc
 data-parallel replica and step; a step of ``global_batch`` sequences runs
 ``global_batch / DP`` of them one after another (each with its own pipeline fill and drain:
 an upper bound), so the MFU is the solver's.
+
+It lives beside the solver, above the estimator: the solver prices with the estimator's cost
+model and rank constants, so the estimator never imports SPPO (the recommender,
+megatron/training/cli/estimate.py, imports both).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from memo_ext.estimate.kernels import kernel_rows_line
 from memo_ext.estimate.memory import EstimateError, max_sequence_length
-
-if TYPE_CHECKING:  # memo_ext.sppo's package imports megatron: imported lazily below
-    from memo_ext.sppo.solver import Candidate, Problem
+from memo_ext.sppo.solver import (
+    MIN_SUBSEQUENCE_TOKENS,
+    Candidate,
+    Problem,
+    evaluate,
+    layouts,
+    report_lines,
+    subsequence_counts,
+)
 
 GiB = 1 << 30
 
@@ -34,8 +45,6 @@ GiB = 1 << 30
 def shortest_sequence(tp: int) -> int:
     """The fewest tokens the solver plans at TP ``tp``: one subsequence of its minimum length,
     a whole number of sequence-parallel shards."""
-    from memo_ext.sppo.solver import MIN_SUBSEQUENCE_TOKENS
-
     return max(MIN_SUBSEQUENCE_TOKENS, tp)
 
 
@@ -43,8 +52,8 @@ def shortest_sequence(tp: int) -> int:
 class SPPOPrediction:
     """An SPPO layout at one sequence length (the solver's best candidate for it)."""
 
-    candidate: "Candidate"
-    problem: "Problem"
+    candidate: Candidate
+    problem: Problem
     global_batch: int
 
     @property
@@ -70,8 +79,6 @@ class SPPOPrediction:
     @property
     def kernel_rows(self) -> str:
         """Which kernel rows priced the plan (memo_ext.estimate.kernels.kernel_rows_line)."""
-        from memo_ext.estimate.kernels import kernel_rows_line
-
         return kernel_rows_line(self.problem.hardware)
 
     @property
@@ -112,8 +119,6 @@ class SPPOPrediction:
 
     def lines(self) -> list[str]:
         """The solver's report of the plan, with the step for ``global_batch`` sequences."""
-        from memo_ext.sppo.solver import report_lines
-
         return [f"seq {self.seq}: {self.verdict()}",
                 *report_lines(self.candidate, self.problem),
                 f"  {self.global_batch} sequences per iteration: {self.step_s:.2f} s "
@@ -144,8 +149,6 @@ class SPPOLayoutModel:
         return self.tp
 
     def predict(self, seq: int) -> SPPOPrediction:
-        from memo_ext.sppo.solver import Problem, evaluate, subsequence_counts
-
         if seq < shortest_sequence(self.tp):
             raise EstimateError(f"--seq-length {seq}: SPPO needs at least "
                                 f"{shortest_sequence(self.tp)} tokens")
@@ -185,8 +188,6 @@ def sppo_layout_models(shape: dict, gpus: int, hardware: dict, *, global_batch: 
                        ) -> tuple[list[SPPOLayoutModel], list[tuple[str, str]]]:
     """(an SPPOLayoutModel per (TP, PP) the solver would try, [(layout, why it was dropped)]);
     ``seq``: the one length asked for, if any."""
-    from memo_ext.sppo.solver import Problem, layouts
-
     host = None if host_memory_gb_per_node is None else host_memory_gb_per_node * 1e9
     kept, dropped = [], []
     for tp, pp, dp in layouts(Problem(shape, gpus, hardware, 1 << 20, host)):
