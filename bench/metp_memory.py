@@ -9,8 +9,8 @@ Measured on CPU with p gloo processes (torchrun; one worker per p). Each worker 
 Megatron TransformerLayer from the local spec with sequence parallelism (TP+SP) and one from
 METP's spec (memo_ext.metp), and runs forward + backward of [s/p, 1, h] fp32 inputs through (a)
 the self-attention block and (b) the whole layer under
-:class:`memo_ext.telemetry.DeviceMemoryTracker`. Parameters, their gradients, the input and the
-output gradient are registered first, so
+:class:`memo_ext.storage_tracker.DeviceMemoryTracker`. Parameters, their gradients, the input
+and the output gradient are registered first, so
 
     activation bytes = peak tracked bytes - those static bytes,
 
@@ -74,7 +74,7 @@ def _measure(block, x, grad, call) -> dict:
     from megatron.core import parallel_state
     from megatron.core.utils import GlobalMemoryBuffer
 
-    from memo_ext.telemetry.tracker import DeviceMemoryTracker
+    from memo_ext.storage_tracker import DeviceMemoryTracker
 
     parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
     params = list(block.parameters())

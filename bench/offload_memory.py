@@ -4,8 +4,8 @@
     python bench/offload_memory.py --quick -o /tmp/om       # smoke test: tiny model, < 60 s
 
 Everything runs in one process (a gloo world of one, initialised once) on CPU. The "device" is
-the CPU: :class:`memo_ext.telemetry.DeviceMemoryTracker` (a TorchDispatchMode) counts the bytes of
-every storage allocated during one forward + backward, and MEMO's host slots are counted apart as
+the CPU: :class:`memo_ext.storage_tracker.DeviceMemoryTracker` (a TorchDispatchMode) counts the
+bytes of every storage allocated during one forward + backward, and MEMO's host slots are counted apart as
 host bytes (MEMO allocates them inside ``tracker.host_allocations()``). Parameters and their gradients (pre-allocated as zeros) are
 registered before the iteration, so
 
@@ -99,7 +99,7 @@ import torch  # noqa: E402
 
 from bench.common import longest_fitting  # noqa: E402
 from memo_ext.device import CopyEngine  # noqa: E402
-from memo_ext.telemetry import DeviceMemoryTracker, SimulatedOutOfMemoryError  # noqa: E402
+from memo_ext.storage_tracker import DeviceMemoryTracker, SimulatedOutOfMemoryError  # noqa: E402
 
 REPORT_MD = "offload_memory.md"
 REPORT_JSON = "offload_memory.json"

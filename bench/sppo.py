@@ -7,7 +7,8 @@ and the pipeline bubble with and without multiplexed sequence partitioning (MSP)
 Section 1 (measured, one process, CPU): one stage of ``layers`` transformer layers (a gloo world
 of one; a stage of a deeper pipeline saves exactly what this one saves for its layers) runs one
 sequence as N subsequences through SPPO's schedule under
-:class:`memo_ext.telemetry.DeviceMemoryTracker`; parameters and gradients are registered first, so
+:class:`memo_ext.storage_tracker.DeviceMemoryTracker`; parameters and gradients are registered
+first, so
 
     activation bytes = peak device bytes - static bytes (parameters + gradients).
 
@@ -149,7 +150,7 @@ class Stage:
         from memo_ext.device import CopyEngine
         from memo_ext.layer_flops import LayerFlops
         from memo_ext.sppo import SubsequencePipeline
-        from memo_ext.telemetry.tracker import DeviceMemoryTracker
+        from memo_ext.storage_tracker import DeviceMemoryTracker
 
         s = self.sizes
         tracker = DeviceMemoryTracker()

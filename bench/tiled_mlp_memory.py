@@ -5,7 +5,7 @@ megatron.core's MLP against memo_ext.tiled_mlp.TiledMLP, with the time each take
     python bench/tiled_mlp_memory.py --seq 4096 16384 --tile 1024 -o bench/results
 
 One process, TP=1, fp32, micro-batch 1, CPU. Both MLPs get the same weights and the same
-[s, 1, h] input and output gradient. Under :class:`memo_ext.telemetry.DeviceMemoryTracker`
+[s, 1, h] input and output gradient. Under :class:`memo_ext.storage_tracker.DeviceMemoryTracker`
 (which counts every storage an op creates until it is freed), the "working set" is the peak of
 the bytes allocated during forward + backward: the input, the output gradient and the
 parameters existed before and are not counted; the output, the input gradient and the
@@ -33,7 +33,7 @@ def measure(mlp, seq: int, hidden: int) -> tuple[int, float]:
     """(peak bytes allocated during forward + backward, seconds)."""
     import torch
 
-    from memo_ext.telemetry import DeviceMemoryTracker
+    from memo_ext.storage_tracker import DeviceMemoryTracker
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(seq, 1, hidden, generator=generator).requires_grad_()

@@ -41,7 +41,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from memo_ext.telemetry.tracker import (
+from memo_ext.storage_tracker import (
     DEVICE,
     HOST,
     DeviceMemoryTracker,

@@ -49,7 +49,7 @@ from memo_ext.telemetry.attribution import (
     PARAMS,
     AttributedTracker,
 )
-from memo_ext.telemetry.tracker import SimulatedOutOfMemoryError
+from memo_ext.storage_tracker import SimulatedOutOfMemoryError
 
 MiB = 1 << 20
 #: Exit status of a run stopped by the fail-fast check or an out-of-memory error.

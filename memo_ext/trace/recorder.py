@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from memo_ext.storage_tracker import DEVICE, HOST, DeviceMemoryTracker, storage_of
 from memo_ext.trace.cuda_rules import CudaKernelRules, CudaTarget, cuda_kernel_paths
 from memo_ext.trace.format import (
     ACTIVATION,
@@ -38,7 +39,6 @@ from memo_ext.trace.tagging import (
     tagged_allocations,
 )
 from memo_ext.trace.work import WorkCounter
-from memo_ext.telemetry.tracker import DEVICE, HOST, DeviceMemoryTracker, storage_of
 
 #: ``torch.tensor(data)`` builds its tensor outside the dispatcher and then calls lift_fresh:
 #: with real tensors the output is that (unseen) tensor, under FakeTensorMode a new fake one.
@@ -77,7 +77,7 @@ class _GraphTagger(TorchFunctionMode):
 class AllocationRecorder(DeviceMemoryTracker):
     """Records every storage allocation and free as an event with its context.
 
-    A :class:`memo_ext.telemetry.DeviceMemoryTracker` (storage identity, ``weakref.finalize``
+    A :class:`memo_ext.storage_tracker.DeviceMemoryTracker` (storage identity, ``weakref.finalize``
     frees, host marking) that also keeps an ordered event list. Context of an event:
 
     - phase and micro-batch: set by the driver (:meth:`phase_scope`); inside the autograd engine

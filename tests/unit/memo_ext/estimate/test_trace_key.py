@@ -43,7 +43,7 @@ def _digest(tree: Path) -> str:
 
 
 def test_the_graph_reaches_what_a_hand_list_missed(repo_files):
-    for module in ("memo_ext.telemetry.tracker", "megatron.training.arguments",
+    for module in ("memo_ext.storage_tracker", "megatron.training.arguments",
                    "megatron.training.compat.devices", "memo_ext.trace", "pretrain_gpt",
                    "memo_ext._C", *(f"memo_ext.trace.{name}" for name in (
                        "constants", "cuda_snapshot", "format", "iteration", "model_state",
@@ -54,7 +54,7 @@ def test_the_graph_reaches_what_a_hand_list_missed(repo_files):
     assert not any(name.startswith("megatron.core") for name in repo_files)
 
 
-@pytest.mark.parametrize("changed", ["memo_ext/telemetry/tracker.py",
+@pytest.mark.parametrize("changed", ["memo_ext/storage_tracker.py",
                                      "memo_ext/trace/summary.py",
                                      "megatron/training/compat/rng.py",
                                      "megatron/training/arguments.py"])
@@ -74,7 +74,7 @@ def test_changing_a_module_no_one_imports_keeps_the_key(tree):
 
 
 def test_an_import_inside_a_function_brings_its_module_in(tree):
-    tracker = tree / "memo_ext/telemetry/tracker.py"
+    tracker = tree / "memo_ext/storage_tracker.py"
     tracker.write_text(tracker.read_text()
                        + "\n\ndef _rank():\n    from memo_ext.estimate import search\n")
     before = _digest(tree)

@@ -255,7 +255,7 @@ def test_auto_alpha_fits_the_device_headroom_left_at_alpha_zero(megatron_world):
     """With a device whose capacity leaves 0.6 S_oth free above the alpha-0 peak, alpha auto
     picks ~0.3 (not the paper's alpha 1: both buffers grow by alpha S_oth) and its second
     iteration fits; alpha 1 does not."""
-    from memo_ext.telemetry import DeviceMemoryTracker, SimulatedOutOfMemoryError
+    from memo_ext.storage_tracker import DeviceMemoryTracker, SimulatedOutOfMemoryError
 
     args = model_args([])
 

@@ -14,7 +14,7 @@ from memo_ext.layer_flops import LayerFlops
 from memo_ext.sppo import SubsequenceOrderError, SubsequencePipeline
 from memo_ext.sppo.offload import solve_alphas
 from memo_ext.sppo.partition import auto_subsequences, flops_boundaries, length_boundaries
-from memo_ext.telemetry.tracker import DeviceMemoryTracker
+from memo_ext.storage_tracker import DeviceMemoryTracker
 from tests.unit.memo_ext.offload.test_memo_offload import (
     BATCH,
     VOCAB,

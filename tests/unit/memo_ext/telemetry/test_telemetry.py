@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from memo_ext.config import MemoConfigError, TelemetryConfig
+from memo_ext.storage_tracker import SimulatedOutOfMemoryError
 from memo_ext.telemetry import (
     AttributedTracker,
     GatheredMemory,
     MemoryBudgetExceeded,
     MemoryTelemetry,
     RankSample,
-    SimulatedOutOfMemoryError,
     format_line,
 )
 

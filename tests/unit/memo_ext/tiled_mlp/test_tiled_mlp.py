@@ -213,7 +213,7 @@ def test_tiled_mlp_matches_megatron_mlp_under_tp2_sequence_parallel():
 def _mlp_peak_bytes(mlp, tokens: int) -> int:
     """Peak bytes allocated during one forward + backward of ``mlp`` on [tokens, 1, HIDDEN]
     (the input, the output gradient and the parameters existed before and are not counted)."""
-    from memo_ext.telemetry import DeviceMemoryTracker
+    from memo_ext.storage_tracker import DeviceMemoryTracker
 
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(tokens, 1, HIDDEN, generator=generator).requires_grad_()

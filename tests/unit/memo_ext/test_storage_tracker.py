@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from memo_ext.telemetry import DeviceMemoryTracker, SimulatedOutOfMemoryError
+from memo_ext.storage_tracker import DeviceMemoryTracker, SimulatedOutOfMemoryError
 
 F32 = 4
 
