@@ -1,5 +1,5 @@
 """The planned arena under the requests a CUDA run makes, on CPU, through the real allocator hook
-(bench/planning.py --cuda-requests; tests/unit/test_arena_cuda_requests.py on a small trace).
+(bench/planning.py --cuda-requests; tests/unit/memo_ext/planner/test_arena_cuda_requests.py on a small trace).
 
 A trace (tools/trace.py) records what the trainer's ops return. On a GPU the arena's allocator
 hook, ``memo_arena_malloc`` (memo_ext._C), is what PyTorch's CUDAPluggableAllocator calls for

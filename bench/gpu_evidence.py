@@ -22,7 +22,7 @@ run cut off by its time limit still leaves data; the markdown and JSON reports a
   (the overlap MEMO's cost model assumes).
 
 ``--dry-run`` (CPU, no GPU) runs the correctness section on the CPU kernels in fp32 and renders
-every planned measurement as "not measured"; tests/unit/test_gpu_evidence.py runs it so.
+every planned measurement as "not measured"; tests/unit/bench/test_gpu_evidence.py runs it so.
 
     python bench/gpu_evidence.py                 # on a GPU node, ~5 minutes on one H100
     python bench/gpu_evidence.py --dry-run --out /tmp/evidence

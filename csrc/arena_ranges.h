@@ -5,7 +5,7 @@
 // Two users, one rule: csrc/planned_arena.cpp (the runtime arena behind the CUDA allocator hooks,
 // which follows a plan's per-layer-phase tables) and csrc/allocator_models/arena.h (the "arena"
 // allocator model, which follows one offset per trace event and sends what does not fit to a
-// modelled caching allocator). tests/unit/test_arena_agreement.py replays one plan through both
+// modelled caching allocator). tests/unit/memo_ext/alloc/test_arena_agreement.py replays one plan through both
 // and checks they place the same requests at the same offsets. Header-only C++ because both
 // users are C++ (the runtime runs inside the allocator hooks).
 #pragma once

@@ -17,7 +17,7 @@
 // the resync window, refusals the caller handles); the model replays a recorded trace with one
 // planned offset per event and a modelled caching allocator behind it. They share the placement
 // rule above and agree on which requests a plan places where
-// (tests/unit/test_arena_agreement.py).
+// (tests/unit/memo_ext/alloc/test_arena_agreement.py).
 // A request is served at its position only when its size (rounded as planned) is the size
 // planned there. Otherwise it looks at the next kResyncWindow entries for one of exactly its
 // size and continues from there; with none it is refused *without* using up the position. On a
@@ -51,7 +51,7 @@
 // arena: its offsets are reused in that stream's order. They count what they hand out (PyTorch's
 // memory statistics raise under a pluggable allocator) and order frees after the streams a block
 // was recorded on. The hooks have run on one H100 (bench/results/gpu_check_h100.md);
-// tests/unit/test_planned_arena_hooks.py drives them on CPU against a fake CUDA runtime
+// tests/unit/memo_ext/planner/test_planned_arena_hooks.py drives them on CPU against a fake CUDA runtime
 // (csrc/standalone/fake_cuda_runtime.c). They are exported with default visibility (pybind11
 // builds the module with everything else hidden).
 #include <pybind11/numpy.h>

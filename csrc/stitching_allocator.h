@@ -9,7 +9,7 @@
 // (csrc/allocator_models/stitching.h, docs/allocator_models.md) runs too; this file adds the physical
 // side (hooks over a PhysicalBackend) and the segments of the embedded caching path for
 // requests below the fragmentation limit, whose rules are csrc/caching_rules.h's with
-// max_split_size unset (the model's CachingAllocator). tests/unit/test_stitching_allocator.py
+// max_split_size unset (the model's CachingAllocator). tests/unit/memo_ext/alloc/test_stitching_allocator.py
 // replays every real snapshot through both and compares their decision logs.
 //
 // Physical memory comes from a PhysicalBackend (below), implemented twice:

@@ -1,7 +1,7 @@
 // Driving the real stitching allocator (stitching_allocator.h over stitching_host_backend.h)
 // and checking what it hands out: the trace replay behind memo_ext.alloc.replay_host and
 // tools/memory_report.py, and the randomized fuzzer against an oracle that
-// tests/unit/test_stitching_allocator.py runs in-process and, built with AddressSanitizer, as a
+// tests/unit/memo_ext/alloc/test_stitching_allocator.py runs in-process and, built with AddressSanitizer, as a
 // standalone program (csrc/standalone/stitching_fuzz_main.cpp). No pybind11 here.
 //
 // Data pattern. A block of n usable bytes (its 512-rounded request) belonging to request `id`

@@ -1,7 +1,7 @@
 // The stitching pools' counters (stitching_rules.h's StitchCounters) as Python dict entries, under
 // the one set of names that both the "stitching" allocator model (allocator_models/stitching.h)
 // and the real allocator's bindings (stitching_host.cpp, whose Stats extends StitchCounters)
-// report (tests/unit/test_stitching_allocator.py compares the two by key). C++: both callers are.
+// report (tests/unit/memo_ext/alloc/test_stitching_allocator.py compares the two by key). C++: both callers are.
 #pragma once
 
 #include <pybind11/pybind11.h>

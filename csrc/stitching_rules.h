@@ -2,7 +2,7 @@
 // them: the "stitching" allocator model (csrc/allocator_models/stitching.h), which replays traces with
 // invented addresses and maps nothing, and the real allocator (csrc/stitching_allocator.h),
 // which maps physical memory through a PhysicalBackend. Both must make the same physical
-// allocations and releases on every trace (tests/unit/test_stitching_allocator.py and
+// allocations and releases on every trace (tests/unit/memo_ext/alloc/test_stitching_allocator.py and
 // bench/stitching.py compare their decision logs), so the decisions live here and only the
 // physical side effects differ, supplied by a Hooks type:
 //

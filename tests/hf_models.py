@@ -1,6 +1,6 @@
 """Tiny random transformers models, the oracle of the Hugging Face conversion tests
-(tests/unit/test_hf_checkpoint.py, tests/distributed/test_hf_checkpoint_layouts.py), a tiny
-Hugging Face tokenizer folder (tests/unit/test_hf_tokenizer.py), and the logits of our model
+(tests/unit/megatron/training/hf_checkpoint/test_hf_checkpoint.py, tests/distributed/test_hf_checkpoint_layouts.py), a tiny
+Hugging Face tokenizer folder (tests/unit/megatron/training/test_hf_tokenizer.py), and the logits of our model
 loaded from a converted checkpoint through the trainer's load path."""
 
 from __future__ import annotations

@@ -45,7 +45,7 @@
 // graph (PyTorch defers those frees until capture ends; this library does not).
 //
 // Status: compiled and exercised on the CPU dev machine against a fake driver that implements
-// these calls with memfd/mmap (tests/unit/test_stitching_cuda_backend.py); never run on a GPU
+// these calls with memfd/mmap (tests/unit/memo_ext/alloc/test_stitching_cuda_backend.py); never run on a GPU
 // in this project. tests/gpu/test_stitching_cuda.py is the GPU test (skipped without CUDA).
 #include <cuda.h>
 #include <dlfcn.h>

@@ -10,7 +10,7 @@
 // every block, invariant and accounting checks, then everything freed and released, and a
 // teardown with blocks in use) and prints one `key value` line per count. Exit status 0 when
 // every error and residue count is 0 and no file descriptor was left open, 1 otherwise.
-// tests/unit/test_stitching_allocator.py builds and runs it (marked slow).
+// tests/unit/memo_ext/alloc/test_stitching_allocator.py builds and runs it (marked slow).
 #include <dirent.h>
 
 #include <cstdio>

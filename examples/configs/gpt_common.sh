@@ -21,7 +21,7 @@
 # --max-position-embeddings, micro and global batch, and the memory policy's flags (MEMO's
 # --memo-offload/--memo-alpha/--memo-checkpoint-layers with the chunked loss, or SPPO's
 # --memo-sppo...). examples/configs/recommended.md records each config's command and flag
-# line (written by examples/configs/recommend.py); tests/unit/test_examples.py checks that
+# line (written by examples/configs/recommend.py); tests/unit/examples/test_examples.py checks that
 # PARALLEL_ARGS equal it. Its step times and MFU are predicted, not measured.
 #
 # Environment override: LAYOUT_FLAGS replaces PARALLEL_ARGS (word-split), e.g. another row of

@@ -17,7 +17,7 @@ The library is compiled with the host C++ compiler against the CUDA toolkit's ``
 driver is opened at run time) and the installed torch's c10 (memo_ext.torch_build: its alloc
 hook throws ``c10::OutOfMemoryError``, which PyTorch raises as ``torch.OutOfMemoryError``), on
 the machine that uses it. Status: exercised on a CPU
-machine against a fake driver (tests/unit/test_stitching_cuda_backend.py); the GPU test
+machine against a fake driver (tests/unit/memo_ext/alloc/test_stitching_cuda_backend.py); the GPU test
 (tests/gpu/test_stitching_cuda.py) has not run in this project. See docs/stitching.md.
 """
 from __future__ import annotations

@@ -153,7 +153,7 @@ def backward_workspaces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     int64 ``no_rng`` :func:`_cuda_cudnn_backward` passes for the seed and offset, then the one
     workspace block (:func:`cudnn_backward_workspace_shape`). Not declared: the copies
     :func:`_cudnn_backward_operands` makes of out/grad_out in another layout than q's (the
-    trainer's paths need none, tests/unit/test_cudnn_attention.py checks the ring, documents
+    trainer's paths need none, tests/unit/memo_ext/attention/test_cudnn_attention.py checks the ring, documents
     and head chunks; whether one is made depends on the layouts the forward kernel returned,
     which differ between a live CPU trace and a fake one, and the two traces must be the same).
 

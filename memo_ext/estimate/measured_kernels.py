@@ -6,7 +6,7 @@ package never reads ``bench/``: ``python bench/gpu_evidence.py --import-rows FIL
 :func:`import_evidence`, which derives the rows with :func:`entry_from_evidence` and writes them
 into ``measured_kernels.json`` next to this module, under the hardware.json profile whose
 ``device_names`` match the GPU the evidence names. The table is derived, never edited by hand:
-tests/unit/test_measured_kernels.py derives every entry again from its evidence file and checks
+tests/unit/memo_ext/estimate/test_measured_kernels.py derives every entry again from its evidence file and checks
 they agree.
 
 An entry, in the kernel tables' own format (memo_ext/estimate/kernels.py), TFLOP/s:
@@ -49,7 +49,7 @@ TILE_OPS_BACKENDS = (TILE_OPS, "memo tile ops (FA2 path)")
 _COMMENT = ("Kernel rows measured on GPUs, derived from GPU evidence files by `python "
             "bench/gpu_evidence.py --import-rows bench/results/gpu_evidence_<gpu>.json` "
             "(memo_ext/estimate/measured_kernels.py). Do not edit: the evidence file named in "
-            "each entry's provenance is the source, and tests/unit/test_measured_kernels.py "
+            "each entry's provenance is the source, and tests/unit/memo_ext/estimate/test_measured_kernels.py "
             "checks this table against it. Keyed by hardware.json profile; the estimator "
             "prefers these rows to the published ones of kernel_tables.json "
             "(memo_ext/estimate/kernels.py, docs/estimate.md).")

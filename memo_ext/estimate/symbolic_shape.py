@@ -25,7 +25,7 @@ from memo_ext.offload.modes import checkpoint_layer_indices
 
 #: The deepest few-layer stage tried (tracing costs grow with its layers).
 MAX_FEW_LAYERS = 12
-#: The longest run of layers copied. Two is checked (tests/unit/test_symbolic.py); a run of
+#: The longest run of layers copied. Two is checked (tests/unit/memo_ext/estimate/test_symbolic.py); a run of
 #: four (8 of 31 layers in (b): a b a a) expands to a trace that frees a block twice, so such
 #: stages are traced whole until the expansion handles them.
 MAX_PERIOD = 2

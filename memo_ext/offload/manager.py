@@ -40,7 +40,7 @@ record <-> handle cycle outlives the graph until Python's full collection, which
 process (hundreds of thousands of long-lived objects) runs rarely, and every record waiting for
 it pins its copy events and storage headers (issue 42: host memory grew every iteration). The
 record's lookup tables (``registered``, ``stored_whole``) serve only its forward and are emptied
-when the forward ends; its drop regions are held weakly. tests/unit/test_reference_cycles.py
+when the forward ends; its drop regions are held weakly. tests/unit/megatron/training/test_reference_cycles.py
 checks that no iteration leaves anything of ours to the cycle collector.
 """
 

@@ -48,7 +48,7 @@ The per-op template arguments live in the .cu files, not in the headers: var/std
 input_vec_size=8`` (ReduceSumProdKernel.cu, ReduceMomentKernel.cu) -- the release that
 introduced this was not pinned down, so the caller passes ``input_vec_size``.
 
-Checked against a real torch 2.6 snapshot (tests/unit/test_cuda_reduce.py): with that run's
+Checked against a real torch 2.6 snapshot (tests/unit/memo_ext/planner/test_cuda_reduce.py): with that run's
 layouts and GPU (128 SMs of 1536 threads), the 10485760 + 32 B of each RMSNorm 1/rms gradient
 sum, the nothing of each gain gradient sum and the 1536 + 4 B of the logits' sum come out exact.
 """

@@ -9,7 +9,7 @@ the same busy tasks and the same idle stages.
 :func:`memo_ext.sppo.msp_plan.plan_multiplexing` hands the idle stages of every such slot out to its busy tasks, one at a time to the task with the most work per member,
 and a task keeps its group for its forward and its backward. For p=4, N=8 all 8 tasks with
 helpers lie in docs/sppo.md's left and right sets; forward 0 of stage 0 runs on all four stages
-(tests/unit/test_sppo_msp.py lists them).
+(tests/unit/memo_ext/sppo/test_sppo_msp.py lists them).
 
 How a group runs a task (the gaps docs/sppo.md leaves are filled as in docs/sppo.md "Multiplexed sequence partitioning"):
 

@@ -21,7 +21,7 @@ sends, no cycles) cannot deadlock.
 With --memo-sppo-msp every stage runs :func:`memo_ext.sppo.msp_plan.stage_program`: its own
 steps and its share of other stages' multiplexed tasks, all in the order of the fill-drain
 slots. Dependencies only point to earlier slots and a multiplexed task's members all reach it
-in the same slot, so that order cannot deadlock either (tests/unit/test_sppo_msp.py plays it).
+in the same slot, so that order cannot deadlock either (tests/unit/memo_ext/sppo/test_sppo_msp.py plays it).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 parallelism, against megatron's own path: the SP all-gather (or the TP copy) of megatron's
 mappings, ``hidden @ W_shard.T``, ``vocab_parallel_cross_entropy``. Each rank's local input
 gradient and weight-shard gradient must agree to fp32 round-off (1e-6 relative to the largest
-entry: the sums are the same, in another order; see tests/unit/test_chunked_loss.py)."""
+entry: the sums are the same, in another order; see tests/unit/memo_ext/loss/test_chunked_loss.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 same 20 iterations as the unfused loss (4 gloo processes per run, two runs per layout).
 
 Tolerance 1e-5 relative per iteration (issue 18's acceptance): the chunked loss differs from the
-unfused one by fp32 round-off (~1e-7 relative per step, tests/unit/test_chunked_loss.py), which
+unfused one by fp32 round-off (~1e-7 relative per step, tests/unit/memo_ext/loss/test_chunked_loss.py), which
 20 Adam steps amplify but do not bring near 1e-5. Marked slow: ~4 torchrun launches.
 """
 

@@ -33,7 +33,7 @@ def _arena_counts(stdout: str) -> tuple[int, int, int, int]:
 
 # TP + SP is slow: dp2 keeps the trainer's plan, arena and identical losses in the default suite
 # (with the stricter no-overlap count), and the arena's refusal of an overlapping request is
-# tests/unit/test_planned_arena_tagger.py's (default).
+# tests/unit/memo_ext/planner/test_planned_arena_tagger.py's (default).
 @pytest.mark.parametrize("layout", [[], pytest.param(TP_SP, marks=pytest.mark.slow)],
                          ids=["dp2", "tp2_sp"])
 def test_auto_plan_trains_with_identical_losses_and_serves_the_layers(layout, tmp_path):

@@ -122,7 +122,7 @@ MEMO_TRACE = ["--memo-offload", "--memo-alpha", "0.5"]
 
 
 # MEMO's run is slow (~40 s): the plain case keeps the estimate-vs-measured check by default,
-# and the tracer's fidelity under MEMO is tests/unit/test_trace.py's (live and fake MEMO traces
+# and the tracer's fidelity under MEMO is tests/unit/memo_ext/planner/test_trace.py's (live and fake MEMO traces
 # identical, the MEMO peak equal to MemTracker's).
 @pytest.mark.parametrize("run_extra, trace_extra",
                          [([], []), pytest.param(MEMO_RUN, MEMO_TRACE, marks=pytest.mark.slow)],

@@ -48,7 +48,7 @@ def check_sppo_matches(layout: str, sppo_flags: list[str], tmp_path, tmp_path_fa
 
 # Only N=4 at PP=2 is in the default suite (the schedule and the uneven FLOPs partition); the
 # other counts, PP=4 (about two minutes) and MSP with -m slow. MSP's default coverage is
-# tests/unit/test_sppo_msp.py.
+# tests/unit/memo_ext/sppo/test_sppo_msp.py.
 @pytest.mark.parametrize("layout, subsequences", [
     pytest.param("pp2", 2, marks=pytest.mark.slow), ("pp2", 4),
     pytest.param("pp2", 8, marks=pytest.mark.slow),

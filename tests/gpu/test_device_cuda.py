@@ -1,5 +1,5 @@
 """memo_ext.device on CUDA: side streams, events and pinned host memory follow the same overlap
-protocol as the CPU copy workers (see tests/unit/test_device.py)."""
+protocol as the CPU copy workers (see tests/unit/memo_ext/test_device.py)."""
 import math
 
 import pytest

@@ -24,7 +24,7 @@ def test_memo_gradients_match_on_cuda(cuda_world, alpha, buffers, checkpoint_lay
     from memo_ext.config import OffloadConfig
     from memo_ext.device import CopyEngine
     from memo_ext.offload import MemoOffload
-    from tests.unit import test_memo_offload as cpu_test
+    from tests.unit.memo_ext.offload import test_memo_offload as cpu_test
 
     args = cpu_test.model_args([])
     reference_model = cpu_test.build_model(args).cuda()

@@ -1,7 +1,7 @@
 """The runtime arena on a GPU (skipped on the CPU machines): the allocator hooks in a fresh
 process (PyTorch accepts a pluggable allocator only before its first CUDA allocation), and
 ``--memo-plan auto`` training with the losses of a run without a plan. The hooks' decisions are
-also tested on CPU against a fake CUDA runtime (tests/unit/test_planned_arena_hooks.py)."""
+also tested on CPU against a fake CUDA runtime (tests/unit/memo_ext/planner/test_planned_arena_hooks.py)."""
 
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ ISSUE_42_SCRIPT = textwrap.dedent("""
 
 
 def test_zero_bytes_small_untraced_requests_out_of_memory_and_a_late_free():
-    """Issue 42's arena findings on a GPU (CPU versions: tests/unit/test_arena_cuda_requests.py,
-    tests/unit/test_gpu_readiness.py); not yet run on one."""
+    """Issue 42's arena findings on a GPU (CPU versions: tests/unit/memo_ext/planner/test_arena_cuda_requests.py,
+    tests/unit/memo_ext/test_gpu_readiness.py); not yet run on one."""
     result = subprocess.run([sys.executable, "-c", ISSUE_42_SCRIPT], cwd=REPO_ROOT,
                             env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

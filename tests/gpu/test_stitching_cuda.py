@@ -81,7 +81,7 @@ def test_a_training_step_pattern_converges_to_exact_reuse():
 
 def test_out_of_memory_raises_and_unmapping_waits_for_the_stream():
     """Issue 42, findings 4 and 5 on a GPU (CPU versions against the fake driver:
-    tests/unit/test_stitching_cuda_backend.py); not yet run on one. A block freed while a
+    tests/unit/memo_ext/alloc/test_stitching_cuda_backend.py); not yet run on one. A block freed while a
     kernel queued on its stream still uses it: empty_cache must wait for that stream before it
     unmaps (an unmap first would fault the kernel); a request past the capacity raises
     torch.OutOfMemoryError."""

@@ -9,7 +9,7 @@ reference on one GPU with the same global batch (:attr:`PlannedRun.reference`).
 The trainer flags mirror what tools/trace.py traces for the estimator (bf16, distributed
 optimizer, fp32 gradient accumulation, untied embeddings, rope, no dropout, sequence parallelism
 always asked for), so the measured run and the prediction describe the same configuration;
-tests/unit/test_gpu_check.py checks that against the tracer's own command line
+tests/unit/megatron/training/gpu_check/test_gpu_check.py checks that against the tracer's own command line
 (megatron.training.cli.trace.trainer_argv).
 """
 

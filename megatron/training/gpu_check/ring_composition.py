@@ -19,7 +19,7 @@ directly rather than through autograd: autograd runs every CUDA backward on one 
 per device, where a rank waiting for its neighbour would block the neighbour too.
 
 Used by ``make gpu-check`` (a correctness row) and bench/gpu_evidence.py; on CPU it runs the
-CPU kernels (tests/unit/test_gpu_evidence.py).
+CPU kernels (tests/unit/bench/test_gpu_evidence.py).
 """
 
 from __future__ import annotations

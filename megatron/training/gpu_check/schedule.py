@@ -1,7 +1,7 @@
 """The check's expected wall time on G GPUs, computed (not timed) from measured durations:
 the GPU tests, then the tile compositions, then the waves of trainings of :func:`.plan.waves`
 (each wave as long as its longest launch), then the predictions. It follows check.main's
-order; tests/unit/test_gpu_check.py asserts that the 1-8 GPU plans fit the budget with it.
+order; tests/unit/megatron/training/gpu_check/test_gpu_check.py asserts that the 1-8 GPU plans fit the budget with it.
 
 Sources of the durations (bench/results/gpu_check_h100.md and docs/gpu_check.md, one H100,
 torch 2.11): :data:`GPU_TESTS_S` and :data:`LAUNCH_S` are measured there; the others are

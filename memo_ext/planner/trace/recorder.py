@@ -57,7 +57,7 @@ class _GraphTagger(TorchFunctionMode):
         super().__init__()
         # Weak: the recorder owns this tagger (``recorder.tagger``), and a strong reference
         # back would make every recorder a cycle left to Python's full collection. --memo-plan
-        # makes one recorder per iteration (issue 42: tests/unit/test_reference_cycles.py).
+        # makes one recorder per iteration (issue 42: tests/unit/megatron/training/test_reference_cycles.py).
         # The tagger only runs while its recorder is in use, so the reference is always live.
         self._recorder = weakref.ref(recorder)
 
