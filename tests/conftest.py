@@ -275,3 +275,11 @@ def loaded_fake_cuda_runtime(fake_cuda_runtime):
     import ctypes
 
     return ctypes.CDLL(str(fake_cuda_runtime), mode=ctypes.RTLD_LOCAL)
+
+
+def trace_request(argv: list, seq: int):
+    """The typed trace request (memo_ext.planner.trace.request.TraceRequest) of a tools/trace.py
+    command line at ``seq`` tokens: tests write small layouts as the command line a user types."""
+    from megatron.training.cli.trace import request_from_argv
+
+    return request_from_argv([*argv, "--seq-length", str(seq)])

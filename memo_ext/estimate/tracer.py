@@ -41,7 +41,7 @@ class _Server:
 
     def __init__(self, workdir: str) -> None:
         # cwd=workdir: ``-m`` puts the working directory first on sys.path, and workdir holds
-        # nothing that could shadow the installed modules (as trace_rank does).
+        # nothing that could shadow the installed modules.
         self.process = subprocess.Popen(
             [sys.executable, "-m", TRACE_MODULE, "--serve"], cwd=workdir, env=tracer_environment(),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

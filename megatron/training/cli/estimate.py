@@ -355,7 +355,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         print(line, file=out, flush=True)
 
     try:
-        traced, shape = traced_model_and_shape(opts.model)
+        network, shape = traced_model_and_shape(opts.model)
         cpu = opts.gpu.lower() == CPU_PROFILE
         if cpu:
             check_cpu_question(opts, shape)
@@ -424,7 +424,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
 
             def build(wanted: list) -> list:
                 models, failed = build_models(
-                    traced, wanted, hardware, global_batch=opts.global_batch_size,
+                    network, wanted, hardware, global_batch=opts.global_batch_size,
                     cache=cache, jobs=opts.jobs, host_memory_gb_per_node=opts.host_memory_gb,
                     num_layers=shape["num_layers"], exhaustive=opts.exhaustive,
                     trust=not opts.max_seq_length, progress=progress)
@@ -511,7 +511,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             device = int(hardware["device_memory_bytes"])
         with cache:
             model, refused = build_layout_model(
-                traced, layout, hardware, cache=cache, exhaustive=opts.exhaustive or cpu,
+                network, layout, hardware, cache=cache, exhaustive=opts.exhaustive or cpu,
                 global_batch=opts.global_batch_size, allocator=opts.allocator,
                 host_memory_gb_per_node=opts.host_memory_gb, num_layers=shape["num_layers"])
         how = ("traced whole at every length probed" if opts.exhaustive or cpu else
