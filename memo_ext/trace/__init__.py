@@ -37,10 +37,12 @@ One concern per module:
 - ``iteration``: :func:`record_iteration`, one training iteration under the recorder;
 - ``offline``: fake process group, fake tensors, untraced host-side blocks;
 - ``summary``: :func:`summarize` and the skeletal-activation formula;
-- ``cuda_snapshot``: PyTorch memory snapshots to and from traces, live CUDA recording.
-- ``cuda_rules``: what a CUDA run of an op allocates that the CPU run does not (:class:`CudaTarget`,
-  the GPU and PyTorch release a trace stands for), with ``cuda_reduce``, the reduction kernels'
-  workspace sizes;
+- ``cuda_snapshot``: PyTorch memory snapshots to and from traces, live CUDA recording;
+- ``cuda_rules``: what a CUDA run of an op allocates that the CPU run does not
+  (:class:`CudaTarget`, the GPU and PyTorch release a trace stands for), with ``cuda_reduce``,
+  the reduction kernels' workspace sizes;
+- ``request``: :class:`TraceRequest` and :class:`TracedModel`, what a trace is asked for (the
+  estimator's and ``tools/trace.py``'s requests, the trace cache's key);
 - ``work``: the FLOPs and bytes each phase of the iteration does, counted while recording (the
   estimator's cost model reads them, memo_ext.estimate.cost).
 """

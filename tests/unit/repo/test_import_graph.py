@@ -319,7 +319,7 @@ def test_the_trainer_imports_no_tool():
     assert not bad, "megatron/training imports tools/: " + "; ".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="megatron/training/cli/trace.py, "
+@pytest.mark.xfail(strict=True, reason="megatron/training/tracing.py, "
                    "megatron/training/hf_checkpoint/trainer_model.py and "
                    "megatron/training/long_context_eval/{cli,model}.py import pretrain_gpt (for "
                    "its model_provider); being fixed on the trainer side")

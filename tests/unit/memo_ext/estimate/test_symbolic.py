@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from megatron.training import tracing
+
 from memo_ext.estimate.layout import (
     REPLAY_ITERATIONS,
     SYMBOLIC_LAYERS,
@@ -81,7 +83,7 @@ def tool():
 
 
 def _opts(tool, flags: list[str], layers: int, seq: int, *more: str):
-    return tool.build_parser().parse_args(
+    return tool.request_from_argv(
         [*SHAPE, "--bf16", *flags, "--num-layers", str(layers), "--seq-length", str(seq), *more])
 
 
@@ -109,14 +111,14 @@ def cases(tool):
             # the layers and copied layer the estimator traces this policy with
             traced, copied = SYMBOLIC_LAYERS["memo" if "--memo-offload" in flags
                                              else "megatron-none"]
-            fitted = tuple(tool.record(_opts(tool, flags, traced * pp, seq))[0]
+            fitted = tuple(tracing.record(_opts(tool, flags, traced * pp, seq))[0]
                            for seq in FIT)
             symbolic = SymbolicTrace.from_traces(*fitted, copied)
-            reals = {seq: tool.record(_opts(tool, flags, layers * pp, seq))[0]
+            reals = {seq: tracing.record(_opts(tool, flags, layers * pp, seq))[0]
                      for seq, layers in POINTS}
             seq, layers = POINTS[-1]
             # --persistent-only through record(opts), as the tracer's CLI does
-            state, _ = tool.record(_opts(tool, flags, layers * pp, seq, "--persistent-only"))
+            state, _ = tracing.record(_opts(tool, flags, layers * pp, seq, "--persistent-only"))
             done[name] = Case(name, pp, fitted, symbolic, reals, state)
         return done[name]
 
@@ -271,7 +273,7 @@ def test_persistent_only_through_traced_rank(tool, cases):
     case = cases("pp2-last")
     flags, pp = LAYOUTS["pp2-last"]
     seq, layers = POINTS[-1]
-    with tool.traced_rank(_opts(tool, flags, layers * pp, seq)) as rank:
+    with tracing.traced_rank(_opts(tool, flags, layers * pp, seq)) as rank:
         state = rank.record(persistent_only=True)
     assert state.events == case.state.events
     assert state.header["persistent_events"] == case.state.header["persistent_events"]
