@@ -105,7 +105,7 @@ def model_flags(checkpoint: Path) -> list[str]:
 
 def our_logits(checkpoint: Path, ids: torch.Tensor, extra: list[str] = (),
                flags: list[str] | None = None) -> torch.Tensor:
-    """Logits [b, s, padded vocabulary] of pretrain_gpt's model loaded from ``checkpoint`` by
+    """Logits [b, s, padded vocabulary] of the trainer's model loaded from ``checkpoint`` by
     the trainer's load_checkpoint, in a megatron world of one that already exists; ``flags``:
     the model flags (default: those beside a converted checkpoint)."""
     from megatron.training import checkpointing

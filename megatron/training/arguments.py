@@ -949,7 +949,7 @@ def core_transformer_config_from_args(args: argparse.Namespace):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
-        # "chunked" is not megatron-core's: pretrain_gpt.model_provider builds
+        # "chunked" is not megatron-core's: megatron.training.gpt.model_provider builds
         # memo_ext.loss's GPTModel for it (the dataclass does not check its Literal).
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         batch_p2p_comm=True,

@@ -56,9 +56,8 @@ def _forward(model, ids: torch.Tensor):
 
 
 def _rank(rank: int, world_size: int, checkpoint, layout: list[str], ids, reference, out):
-    import pretrain_gpt
-
     from megatron.training import checkpointing
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args, parse_args
     from megatron.training.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
     from megatron.training.initialize import initialize_megatron
@@ -72,7 +71,7 @@ def _rank(rank: int, world_size: int, checkpoint, layout: list[str], ids, refere
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
     config = core_transformer_config_from_args(args)
-    model = build_model(args, config, pretrain_gpt.model_provider)
+    model = build_model(args, config, gpt.model_provider)
     checkpointing.load_checkpoint(args, model, None, None)
     logits = _forward(model, ids)
     if logits is not None:
@@ -114,12 +113,12 @@ def test_converted_model_at_other_layouts(layout, tmp_path):
 
 def _cp_rank(rank: int, world_size: int, checkpoint, ids, out):
     """This CP rank's positions, logits and per-token losses of the loaded checkpoint, its
-    sequence split as pretrain_gpt.get_batch splits it (2 x CP chunks, rank r keeping chunks r
-    and 2 CP - 1 - r)."""
-    import pretrain_gpt
+    sequence split as megatron.training.gpt.get_batch splits it (2 x CP chunks, rank r keeping
+    chunks r and 2 CP - 1 - r)."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron.training import checkpointing
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args, parse_args
     from megatron.training.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
     from megatron.training.initialize import initialize_megatron
@@ -133,7 +132,7 @@ def _cp_rank(rank: int, world_size: int, checkpoint, ids, out):
     initialize_megatron(args)
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                1)
-    model = build_model(args, core_transformer_config_from_args(args), pretrain_gpt.model_provider)
+    model = build_model(args, core_transformer_config_from_args(args), gpt.model_provider)
     checkpointing.load_checkpoint(args, model, None, None)
     batch = get_batch_on_this_cp_rank({"tokens": ids, "labels": ids.roll(-1, dims=1),
                                        "position_ids": torch.arange(ids.shape[1]).expand_as(ids)})

@@ -4,8 +4,8 @@
         --bf16 -o trace.jsonl.gz
 
 The model is the trainer's own, built its way (megatron.training.arguments validation,
-pretrain_gpt.model_provider, megatron.training.layer_specs' local spec with memo_ext.attention's
-core attention, megatron-core DDP); nothing is substituted. By default it runs offline: a fake process group stands in for the TP x CP x PP x DP world and every tensor
+megatron.training.gpt.model_provider, megatron.training.layer_specs' local spec with
+memo_ext.attention's core attention, megatron-core DDP); nothing is substituted. By default it runs offline: a fake process group stands in for the TP x CP x PP x DP world and every tensor
 is a FakeTensor on the CPU device, so a 1M-token 7B trace takes seconds and little memory.
 ``--live`` uses real CPU tensors instead (small models only; same events).
 
@@ -325,14 +325,14 @@ def rank_coordinates(rank: int) -> dict:
 
 def make_forward_step(args, model, config):
     """(forward_step, backward_done): forward_step(micro_batch) -> loss (last stage) or stage
-    output, the trainer's pretrain_gpt.forward_step on a synthetic batch allocated as the data
+    output, megatron.training.gpt.forward_step on a synthetic batch allocated as the data
     loader's H2D copies would be (tokens/labels/position ids int64, loss mask fp32, [b, s]);
     backward_done(micro_batch) drops what a non-first pipeline stage received for it, once its
     input gradient is "sent" back, as megatron's schedules do."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model
 
-    import pretrain_gpt
+    from megatron.training import gpt
 
     first = parallel_state.is_pipeline_first_stage()
     last = parallel_state.is_pipeline_last_stage()
@@ -358,7 +358,7 @@ def make_forward_step(args, model, config):
             set_input_tensor(received)
             received_inputs[microbatch] = received
             del received
-        output, loss_func = pretrain_gpt.forward_step(iter([batch] if batch else []), model)
+        output, loss_func = gpt.forward_step(iter([batch] if batch else []), model)
         del batch
         if not first:
             set_input_tensor(None)
@@ -429,7 +429,7 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
         DistributedDataParallelConfig,
     )
 
-    import pretrain_gpt
+    from megatron.training import gpt
     from memo_ext.attention import kernels
     from memo_ext.planner.cuda_rules import CudaTarget
     from memo_ext.planner.trace import (
@@ -469,7 +469,7 @@ def traced_rank(opts: argparse.Namespace) -> Iterator[TracedRank]:
         if opts.memo_offload:
             memo = build_memo(args, recorder, stack, opts.microbatches_in_flight)
         # The trainer's model, built by its own spec (--transformer-impl local).
-        model = pretrain_gpt.model_provider(
+        model = gpt.model_provider(
             config, args, pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(), memo=memo)
         attention_kernel = traced_attention_kernel(opts, args, target)
@@ -729,7 +729,7 @@ def serve() -> int:
     # The interpreter's and the libraries' objects live as long as the server: moved out of the
     # collector's view, the collections record_iteration makes cost 2 ms instead of 160 ms.
     import megatron.training.arguments  # noqa: F401  (the heavy imports, before freezing)
-    import pretrain_gpt  # noqa: F401
+    from megatron.training import gpt  # noqa: F401
     gc.collect()
     gc.freeze()
     for line in sys.stdin:

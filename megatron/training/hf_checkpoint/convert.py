@@ -1,7 +1,7 @@
 """Hugging Face model directory -> the trainer's checkpoint (:func:`import_hf`), and back
 (:func:`export_hf`).
 
-Both build the trainer's own GPTModel (pretrain_gpt.model_provider) in a world of one and go
+Both build the trainer's own GPTModel (megatron.training.gpt.model_provider) in a world of one and go
 through the trainer's checkpoint functions (megatron.training.checkpointing), so the
 checkpoint is exactly what pretrain_gpt.py saves and loads: megatron-core dist_checkpointing,
 resharded on load to any TP/PP (CP does not shard weights). The vocabulary is padded for TP = 1;

@@ -1,6 +1,6 @@
 """The trainer's own model on this process: a world of one (gloo, TP = PP = 1, no port), the
 arguments parsed from a flag line by the trainer's parser, the GPTModel built by
-pretrain_gpt.model_provider with weights left uninitialised (they are all overwritten)."""
+megatron.training.gpt.model_provider with weights left uninitialised (they are all overwritten)."""
 
 from __future__ import annotations
 
@@ -57,13 +57,12 @@ def world_of_one(args: argparse.Namespace) -> Iterator[None]:
 
 
 def build_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
-    """pretrain_gpt's GPTModel for ``args`` (all of it: first and last stage), parameters of
+    """The trainer's GPTModel for ``args`` (all of it: first and last stage), parameters of
     ``dtype``, not initialised."""
-    import pretrain_gpt
-
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
     config.params_dtype = dtype
     config.perform_initialization = False
-    return pretrain_gpt.model_provider(config, args, pre_process=True, post_process=True)
+    return gpt.model_provider(config, args, pre_process=True, post_process=True)

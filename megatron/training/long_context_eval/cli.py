@@ -139,9 +139,9 @@ def eval_arguments(argv: Sequence[str]) -> argparse.Namespace:
 
 def evaluate(args: argparse.Namespace) -> Optional[dict]:
     """Both measurements; the report's record on the world's last rank (None elsewhere)."""
-    import pretrain_gpt
     import torch.distributed as dist
 
+    from megatron.training import gpt
     from megatron.training.checkpointing import read_latest_iteration
     from megatron.training.initialize import initialize_megatron
     from megatron.training.long_context_eval import evaluate as measure
@@ -157,7 +157,7 @@ def evaluate(args: argparse.Namespace) -> Optional[dict]:
         raise ArgumentValidationError(str(error)) from None
     args.padded_vocab_size = padded_vocab_size(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    model = EvalModel(args, pretrain_gpt.model_provider, tokenizer.vocab_size)
+    model = EvalModel(args, gpt.model_provider, tokenizer.vocab_size)
     writer = dist.get_rank() == dist.get_world_size() - 1
     record = {
         "checkpoint": str(Path(args.load).absolute()),

@@ -1,11 +1,11 @@
 """The trainer's model in evaluation, at the layout the flags give (TP with or without SP, CP,
 PP; data-parallel replicas split the samples).
 
-Each rank builds its pipeline stage with pretrain_gpt.model_provider (no DDP, no optimizer: the
-weights alone), loads --load through megatron.training.checkpointing (dist_checkpointing
-reshards it to this layout), and runs micro-batches through megatron-core's forward-only
-schedule with pretrain_gpt.get_batch, as the trainer's validation does. Two readouts give whole
-sequences whatever the layout:
+Each rank builds its pipeline stage with megatron.training.gpt.model_provider (no DDP, no
+optimizer: the weights alone), loads --load through megatron.training.checkpointing
+(dist_checkpointing reshards it to this layout), and runs micro-batches through megatron-core's
+forward-only schedule with megatron.training.gpt.get_batch, as the trainer's validation does.
+Two readouts give whole sequences whatever the layout:
 
 - :meth:`EvalModel.token_losses`: every position's loss as training computes it (the CP ranks'
   zigzag chunks gathered back into sequence order);
@@ -91,10 +91,10 @@ class EvalModel:
                   readout: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """``readout`` of each micro-batch's output on the last stage (empty elsewhere): the
         per-token losses with ``labels``, else the logits."""
-        import pretrain_gpt
+        from megatron.training import gpt
 
         def forward_step(data_iterator: Iterator[dict], model):
-            batch = pretrain_gpt.get_batch(data_iterator)
+            batch = gpt.get_batch(data_iterator)
             output = model(batch["tokens"], batch["position_ids"], attention_mask=None,
                            labels=batch["labels"] if labels else None,
                            packed_seq_params=packed_seq_params(batch))

@@ -243,10 +243,10 @@ def test_trained_then_exported_model_gives_transformers_our_logits(converted, tm
     """Continued pretraining as the trainer runs it: --load the converted checkpoint with a
     larger --rotary-base and --max-position-embeddings, 10 iterations, save; the export's
     config.json has the new RoPE and transformers computes our logits."""
-    import pretrain_gpt
     from megatron.core.distributed import finalize_model_grads
 
     from megatron.training import checkpointing
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args
     from megatron.training.data import build_data_iterator, build_datasets
     from megatron.training.hf_checkpoint.convert import export_hf
@@ -261,14 +261,14 @@ def test_trained_then_exported_model_gives_transformers_our_logits(converted, tm
         "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--eval-iters", "0"])
     args.padded_vocab_size = padded_vocab_size(1000, 128, 1)
     config = core_transformer_config_from_args(args)
-    model = build_model(args, config, pretrain_gpt.model_provider)
+    model = build_model(args, config, gpt.model_provider)
     optimizer, scheduler = build_optimizer(args, model)
     config.finalize_model_grads_func = finalize_model_grads
     state = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
     dataset = build_datasets(args, build_tokenizer("NullTokenizer", None, args.vocab_size))[0]
     iterator = build_data_iterator(dataset, 0, args)
     for _ in range(10):
-        train_step(pretrain_gpt.forward_step, iterator, model, optimizer, scheduler, args)
+        train_step(gpt.forward_step, iterator, model, optimizer, scheduler, args)
         state.iteration += 1
     checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
 

@@ -161,9 +161,8 @@ def test_readouts_equal_the_model_run_directly(megatron_world, tmp_path):
     """Per-token losses and greedy tokens of the checkpoint through EvalModel equal the saved
     model's own forward; the padding rows of the vocabulary are never chosen; the checkpoint's
     record gives back its model flags."""
-    import pretrain_gpt
-
     from megatron.training import checkpointing
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args
     from megatron.training.long_context_eval.cli import eval_arguments
     from megatron.training.long_context_eval.model import EvalModel
@@ -173,11 +172,11 @@ def test_readouts_equal_the_model_run_directly(megatron_world, tmp_path):
     args = parse_args(TINY_GPT_ARGS + model_flags + ["--load", str(tmp_path)], world_size=1,
                       cuda_available=False)
     args.padded_vocab_size = args.vocab_size
-    reference = pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
+    reference = gpt.model_provider(core_transformer_config_from_args(args), args)
     checkpointing.save_weights_checkpoint(args, reference, tmp_path)
     reference.eval()
     vocabulary = 100  # of the 512 rows: the other 412 must never be predicted
-    model = EvalModel(args, pretrain_gpt.model_provider, vocabulary)
+    model = EvalModel(args, gpt.model_provider, vocabulary)
 
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocabulary, (2, 64), generator=generator)
