@@ -1,5 +1,5 @@
 """The ``--memo-*`` flags generated from memo_ext.config's dataclasses: one definition per flag,
-for the trainer (megatron.training.arguments) and the tools (megatron.training.cli.trace and
+for the trainer (megatron.training.arguments) and the tools (megatron.memo_tools.cli.trace and
 .estimate) alike.
 
 Each dataclass field carries its flag name and help text in its ``metadata`` (see

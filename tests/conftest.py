@@ -142,7 +142,7 @@ def run_estimate_cli(argv: list[str]) -> tuple[int, str]:
     import io
     from contextlib import redirect_stdout
 
-    from megatron.training.cli import estimate
+    from megatron.memo_tools.cli import estimate
 
     out = io.StringIO()
     with redirect_stdout(out):

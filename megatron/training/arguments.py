@@ -379,7 +379,7 @@ def parse_args(
 def silence_expected_cpu_warnings() -> None:
     """Hide megatron.core's import-time notices that Apex/Transformer Engine are missing:
     on a CPU machine that is the expected state, and they would bury real errors."""
-    from megatron.training.cli.quiet import hide_library_warnings
+    from megatron.training.library_warnings import hide_library_warnings
 
     hide_library_warnings()
 

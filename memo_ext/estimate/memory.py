@@ -35,7 +35,7 @@ from memo_ext.planner.trace import POOL_EXTERNAL, Trace, read_trace
 
 #: The tracer (memo-trace), run as ``python -m`` in a subprocess: memo_ext never imports the
 #: trainer, and each trace builds its own fake world.
-TRACE_MODULE = "megatron.training.cli.trace"
+TRACE_MODULE = "megatron.memo_tools.cli.trace"
 HARDWARE_FILE = Path(__file__).with_name("hardware.json")
 
 

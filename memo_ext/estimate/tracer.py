@@ -5,7 +5,7 @@ trace. Importing torch and megatron takes about 3.5 s of each, while the trace i
 model (7B shape cut to 5 layers, TP=4 CP=2, 128K tokens) takes about 1.5 s: start-up is most of
 the cost of the small traces a layout search runs by the dozen. :class:`TracerPool` keeps up to
 ``workers`` tracers running in server mode (``python -m TRACE_MODULE --serve``: one JSON request
-per line on stdin, one JSON answer per line on stdout; megatron/training/cli/trace.py) and hands
+per line on stdin, one JSON answer per line on stdout; megatron/memo_tools/cli/trace.py) and hands
 each trace to an idle one. Each trace is still made by the tracer's own code path (the same file
 as a subprocess writes) in a process that never imports anything into this one: memo_ext does
 not import the trainer.

@@ -59,7 +59,7 @@ def _rank(rank: int, world_size: int, checkpoint, layout: list[str], ids, refere
     from megatron.training import checkpointing
     from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args, parse_args
-    from megatron.training.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
+    from megatron.memo_tools.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
     from megatron.training.initialize import initialize_megatron
     from megatron.training.tokenizer import padded_vocab_size
     from megatron.training.training import build_model
@@ -90,7 +90,7 @@ def _rank(rank: int, world_size: int, checkpoint, layout: list[str], ids, refere
 def test_converted_model_at_other_layouts(layout, tmp_path):
     from safetensors.torch import load_file
 
-    from megatron.training.hf_checkpoint.convert import export_hf, import_hf
+    from megatron.memo_tools.hf_checkpoint.convert import export_hf, import_hf
 
     hf = hf_oracle.save_tiny_model(tmp_path / "hf", "qwen2", vocab_size=VOCAB,
                                    tie_word_embeddings=True)
@@ -120,7 +120,7 @@ def _cp_rank(rank: int, world_size: int, checkpoint, ids, out):
     from megatron.training import checkpointing
     from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args, parse_args
-    from megatron.training.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
+    from megatron.memo_tools.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
     from megatron.training.initialize import initialize_megatron
     from megatron.training.tokenizer import padded_vocab_size
     from megatron.training.training import build_model
@@ -158,7 +158,7 @@ def test_converted_model_at_context_parallel_2_equals_cp_1(tmp_path):
     """CP shards no weights: the converted checkpoint loads at CP = 2 (each rank a
     load-balanced half of the sequence, RoPE at those positions) and gives CP = 1's logits and
     loss, and transformers' logits."""
-    from megatron.training.hf_checkpoint.convert import import_hf
+    from megatron.memo_tools.hf_checkpoint.convert import import_hf
 
     hf = hf_oracle.save_tiny_model(tmp_path / "hf", "llama", max_position_embeddings=16384,
                                    rope_parameters={
@@ -188,7 +188,7 @@ def _convert(*argv: str) -> str:
 
 @pytest.mark.slow
 def test_commands_convert_train_at_tp2_and_export(tmp_path):
-    from megatron.training.hf_checkpoint.trainer_model import trainer_args, world_of_one
+    from megatron.memo_tools.hf_checkpoint.trainer_model import trainer_args, world_of_one
 
     hf = hf_oracle.save_tiny_model(tmp_path / "hf", "llama", vocab_size=VOCAB)
     checkpoint, trained, exported = (tmp_path / name for name in ("checkpoint", "trained", "out"))

@@ -154,7 +154,7 @@ def test_trainer_trains_on_the_preprocessed_data(folder, tmp_path, megatron_worl
 
 
 def test_conversion_carries_the_tokenizer_and_names_it(folder, tmp_path, megatron_world):
-    from megatron.training.hf_checkpoint.convert import import_hf
+    from megatron.memo_tools.hf_checkpoint.convert import import_hf
 
     hf = save_tiny_model(tmp_path / "hf", "llama")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -170,7 +170,7 @@ def test_conversion_carries_the_tokenizer_and_names_it(folder, tmp_path, megatro
 
 
 def test_conversion_without_a_usable_tokenizer_names_none(folder, tmp_path, megatron_world):
-    from megatron.training.hf_checkpoint.convert import import_hf
+    from megatron.memo_tools.hf_checkpoint.convert import import_hf
 
     hf = save_tiny_model(tmp_path / "hf", "llama", vocab_size=200)  # fewer rows than ids
     (hf / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())

@@ -75,7 +75,7 @@ LAYOUT_PARAMS = [pytest.param(name, marks=pytest.mark.slow) if name.startswith("
 
 @pytest.fixture(scope="module")
 def tool():
-    from megatron.training.cli import trace
+    from megatron.memo_tools.cli import trace
 
     return trace
 
@@ -565,7 +565,7 @@ def test_estimate_cli_json(tmp_path, cache, layout_models):
     model_file = tmp_path / "model.json"
     model_file.write_text(json.dumps(shape))
     done = subprocess.run(
-        [sys.executable, "-m", "megatron.training.cli.estimate", "--model", str(model_file),
+        [sys.executable, "-m", "megatron.memo_tools.cli.estimate", "--model", str(model_file),
          "--gpu", "a800", "--tp", "2", "--policy", "megatron-none", "--max-seq-length",
          "--json", "--jobs", "1", "--cache-dir", str(cache.directory)],
         cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)

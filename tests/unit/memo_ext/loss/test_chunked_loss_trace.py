@@ -19,7 +19,7 @@ from memo_ext.estimate.memory import LinearTrace
 
 @pytest.fixture(scope="module")
 def tool():
-    from megatron.training.cli import trace
+    from megatron.memo_tools.cli import trace
 
     return trace
 

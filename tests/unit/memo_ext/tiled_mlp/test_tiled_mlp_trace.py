@@ -10,7 +10,7 @@ SEQ, CP, TP, HIDDEN, TILE = 512, 2, 2, 64, 64
 def _largest_mlp_allocation(tile_tokens: int) -> tuple[int, int]:
     """(largest allocation of layer 0's fc1/fc2 in the iteration, number of TiledMLP modules)
     in a fake-tensor trace of a small bf16 model at TP=2+SP, CP=2."""
-    from megatron.training.cli import trace as tool
+    from megatron.memo_tools.cli import trace as tool
     from memo_ext.tiled_mlp import TiledMLP
 
     opts = tool.build_parser().parse_args([
