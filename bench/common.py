@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from memo_ext.alloc import ReplayResult, repeated_iterations, replay
 # longest_fitting is re-exported for the bench scripts.
-from memo_ext.estimate import external_bytes, longest_fitting, trace_rank  # noqa: F401
+from memo_ext.estimate import external_bytes, longest_fitting  # noqa: F401
 from memo_ext.planner.plan import arena_plan
 from memo_ext.planner.trace import Trace as EventTrace
 
@@ -65,8 +65,21 @@ def mfu_axis(axis, title: str) -> None:
 
 # ------------------------------------------------------------------------------------ traces
 
+def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> EventTrace:
+    """The trace of a tools/trace.py command line at ``seq`` tokens, written into ``workdir``:
+    its typed request traced by a tracer worker (memo_ext.estimate.tracer), as the estimator
+    traces."""
+    from memo_ext.estimate.tracer import TracerPool
+
+    from megatron.memo_tools.cli.trace import request_from_argv
+
+    request = request_from_argv([*trace_argv, "--seq-length", str(seq)])
+    with TracerPool(1) as pool:
+        return pool.trace(request, Path(workdir) / f"trace_{seq}.jsonl.gz")
+
+
 def record_trace(trace_argv: list[str], seq: int, workdir: Path) -> tuple[EventTrace, float]:
-    """Rank 0's trace at ``seq`` tokens (memo_ext.estimate.trace_rank) and its seconds."""
+    """Rank 0's trace at ``seq`` tokens (:func:`trace_rank`) and its seconds."""
     start = time.perf_counter()
     return trace_rank(trace_argv, seq, workdir), time.perf_counter() - start
 

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import GiB, seq_label  # noqa: E402
-from memo_ext.estimate import trace_rank  # noqa: E402
+from bench.common import trace_rank  # noqa: E402
 
 #: Modules whose allocations are the head and the loss (module names as traces record them).
 HEAD_MODULES = ("output_layer", "model")

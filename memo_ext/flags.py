@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from typing import Any, Callable, Iterable, Optional, TypeVar, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar, Union
 
 #: Prefix of every generated namespace attribute (``args.memo_<field>``).
 ARG_PREFIX = "memo_"
@@ -196,3 +196,39 @@ def config_from_args(config_cls: type[ConfigT], args: argparse.Namespace) -> Con
         values[field.name] = getattr(args, arg_dest(field.name), field.default)
     return config_cls(**values)
 
+
+
+def _value_text(value: Any) -> str:
+    """A flag value as the command line carries it: ``repr`` of a float (the shortest text that
+    reads back as the same number), ``str`` of anything else."""
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def render_flags(*items: Union[Mapping[str, Any], Any]) -> list[str]:
+    """The command line of ``items``, in order: the one renderer of flags, for every tool that
+    writes a trainer command line (the tracer, the recommender's launch lines, gpu-check,
+    checkpoint conversion).
+
+    An item is a config dataclass of memo_ext.config, whose fields differing from their
+    defaults are rendered by their :func:`memo_field` flags (the inverse of
+    :func:`config_from_args`), or a mapping of Megatron-LM flag names with ``_`` for ``-``
+    (``{"tensor_model_parallel_size": 4}`` -> ``--tensor-model-parallel-size 4``). A value
+    True is a switch, False or None leaves the flag out, a list or tuple gives several values.
+    """
+    argv: list[str] = []
+    for item in items:
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            pairs = [(field.metadata["flag"], getattr(item, field.name))
+                     for field, _annotation in _config_fields(type(item))
+                     if getattr(item, field.name) != field.default]
+        else:
+            pairs = [("--" + name.replace("_", "-"), value) for name, value in item.items()]
+        for flag, value in pairs:
+            if value is None or value is False:
+                continue
+            argv.append(flag)
+            if value is True:
+                continue
+            values = value if isinstance(value, (list, tuple)) else [value]
+            argv += [_value_text(one) for one in values]
+    return argv

@@ -3,6 +3,7 @@ metrics it writes."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -40,7 +41,41 @@ TINY_GPT_ARGS = [
 ]
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow-slice", metavar="K/N", default=None, type=parse_slow_slice,
+        help="of the slow tests selected, keep only slice K of N (0 <= K < N, by a stable hash "
+             "of the node id; the N slices partition them); other tests are not affected. "
+             "Use with -m slow (tests/README.md, \"Slow tests in CI\").")
+
+
+def parse_slow_slice(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> (K, N), 0 <= K < N; anything else is a usage error."""
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--slow-slice wants K/N (two integers), not {text!r}") from None
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"--slow-slice {text}: K must be in 0..N-1")
+    return k, n
+
+
+def slow_slice(nodeid: str, n: int) -> int:
+    """The slice, 0..n-1, a test belongs to: a hash of its node id that neither the Python
+    process (hash() is salted) nor the collection order changes."""
+    return int.from_bytes(hashlib.sha256(nodeid.encode()).digest()[:8], "big") % n
+
+
 def pytest_collection_modifyitems(config, items):
+    chosen = config.getoption("--slow-slice", default=None)
+    if chosen is not None:
+        k, n = chosen
+        dropped = [item for item in items
+                   if "slow" in item.keywords and slow_slice(item.nodeid, n) != k]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            keep = set(map(id, items)) - set(map(id, dropped))
+            items[:] = [item for item in items if id(item) in keep]
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA; this machine has none")
@@ -68,14 +103,34 @@ def run_torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool 
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", str(script), *args,
     ]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
-                            text=True, timeout=timeout)
+    launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=subprocess_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = launcher.communicate(timeout=timeout)
+    except BaseException:  # a timeout, pytest-timeout, or an interrupt (CI's slow-slice budget)
+        stop_launcher(launcher)
+        raise
+    result = subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(
             f"torchrun exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
             f"stderr:\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def stop_launcher(launcher: subprocess.Popen, grace: float = 60) -> None:
+    """Stop a torchrun launcher and its ranks. SIGTERM first: torchrun passes it on to the ranks,
+    which run in sessions of their own and so would outlive a SIGKILLed torchrun; SIGKILL if
+    it has not ended ``grace`` seconds later."""
+    if launcher.poll() is not None:
+        return
+    launcher.terminate()
+    try:
+        launcher.communicate(timeout=grace)  # drains its pipes, if any, while it shuts down
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        launcher.communicate()
 
 
 _TRAINING_LOSSES: dict[tuple, dict[int, float]] = {}
@@ -220,3 +275,11 @@ def loaded_fake_cuda_runtime(fake_cuda_runtime):
     import ctypes
 
     return ctypes.CDLL(str(fake_cuda_runtime), mode=ctypes.RTLD_LOCAL)
+
+
+def trace_request(argv: list, seq: int):
+    """The typed trace request (memo_ext.planner.trace.request.TraceRequest) of a tools/trace.py
+    command line at ``seq`` tokens: tests write small layouts as the command line a user types."""
+    from megatron.memo_tools.cli.trace import request_from_argv
+
+    return request_from_argv([*argv, "--seq-length", str(seq)])

@@ -106,6 +106,22 @@ def attach_memo_telemetry(telemetry: Optional[MemoryTelemetry], model: list) -> 
     telemetry.attach(model, params, grads, comm_buffers)
 
 
+def memo_offload(args: argparse.Namespace, engine: CopyEngine, *, host_memory_bytes: int,
+                 bandwidth_bytes_per_s: float, microbatches_in_flight: int, log,
+                 **runtime) -> MemoOffload:
+    """MEMO's runtime for a rank of the trainer ``args`` describe, copying through ``engine``:
+    the one place MemoOffload is built from the flags, for the trainer
+    (:func:`build_memo_offload`) and the tracer (megatron.training.tracing), so both run the
+    same MEMO. ``runtime``: MemoOffload's keywords that differ between them (the alpha
+    agreement across ranks, the device headroom, the host allocations' scope)."""
+    return MemoOffload(
+        config_from_args(OffloadConfig, args), engine,
+        layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
+        microbatches_in_flight=microbatches_in_flight, shape=ActivationShape.of_trainer(args),
+        host_memory_bytes=host_memory_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        log=log, position_wise_share=position_wise_share_of(args), **runtime)
+
+
 def build_memo_offload(args: argparse.Namespace, log,
                        telemetry: Optional[MemoryTelemetry] = None) -> Optional[MemoOffload]:
     """MEMO's runtime for this rank, or None without --memo-offload. Collective (measures the
@@ -120,18 +136,15 @@ def build_memo_offload(args: argparse.Namespace, log,
     bandwidth_source = ("--memo-pcie-gbps" if config.pcie_bytes_per_s is not None
                         else "measured, all ranks copying at once")
     host_memory = _host_memory_budget(config.host_memory_bytes)
-    shape = ActivationShape.of_trainer(args)
     in_flight = microbatches_in_flight(
         parallel_state.get_pipeline_model_parallel_rank(),
         args.pipeline_model_parallel_size,
         args.num_microbatches,
     )
-    memo = MemoOffload(
-        config, engine, layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
-        microbatches_in_flight=in_flight, shape=shape, host_memory_bytes=host_memory,
-        bandwidth_bytes_per_s=bandwidth, log=log, agree_on_alpha=_all_ranks_minimum,
+    memo = memo_offload(
+        args, engine, host_memory_bytes=host_memory, bandwidth_bytes_per_s=bandwidth,
+        microbatches_in_flight=in_flight, log=log, agree_on_alpha=_all_ranks_minimum,
         device_headroom=_device_headroom(device, telemetry),
-        position_wise_share=position_wise_share_of(args),
         **({} if telemetry is None else {"host_allocation_scope": telemetry.tracker.host_allocations}),
     )
     log(f"> MEMO offload: alpha {config.alpha} | D2H bandwidth {bandwidth / BYTES_PER_GB:.2f} GB/s "

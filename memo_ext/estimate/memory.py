@@ -22,25 +22,23 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Optional
 
 from memo_ext.planner.cuda_rules import STEPWISE_SCRATCH
-from memo_ext.planner.trace import POOL_EXTERNAL, Trace, read_trace
+from memo_ext.planner.trace import POOL_EXTERNAL, Trace
 
-#: The tracer (memo-trace), run as ``python -m`` in a subprocess: memo_ext never imports the
-#: trainer, and each trace builds its own fake world.
-TRACE_MODULE = "megatron.memo_tools.cli.trace"
+#: The tracer engine, which the trace pool's workers run (``python -m TRACE_MODULE --serve``,
+#: memo_ext.estimate.tracer): memo_ext never imports the trainer, and each worker builds its own
+#: fake world.
+TRACE_MODULE = "megatron.training.tracing"
 HARDWARE_FILE = Path(__file__).with_name("hardware.json")
 
 
 def tracer_environment() -> dict[str, str]:
-    """This process's environment with no GPU visible, for a tracer subprocess: a trace runs on
+    """This process's environment with no GPU visible, for a tracer worker: a trace runs on
     the CPU device whatever the machine has, and its CPU shims refuse a process that sees CUDA
     (on a GPU node every trace failed so)."""
     return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -83,21 +81,6 @@ def profile_for_device(device_name: str) -> Optional[dict]:
         if any(re.search(pattern, device_name) for pattern in patterns):
             return load_hardware(key)
     return None
-
-
-def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> Trace:
-    """The tracer (TRACE_MODULE) at ``seq`` tokens in a subprocess, writing into ``workdir``."""
-    workdir = Path(workdir).resolve()  # absolute: the child runs in it
-    path = workdir / f"trace_{seq}.jsonl.gz"
-    # cwd=workdir: ``-m`` puts the working directory first on sys.path, and workdir holds
-    # nothing that could shadow the installed modules.
-    done = subprocess.run([sys.executable, "-m", TRACE_MODULE, *trace_argv, "--seq-length",
-                           str(seq), "--quiet", "-o", str(path)],
-                          cwd=workdir, env=tracer_environment(), capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise EstimateError(f"tracing at {seq} tokens failed: {last}")
-    return read_trace(path)
 
 
 def _pair_outside_scratch(shorter: list[dict], longer: list[dict]) -> Optional[list]:
@@ -287,14 +270,3 @@ def max_sequence_length(estimate: Callable[[int], MemoryEstimate], step: int,
     if longest or not fine_step:
         return longest
     return longest_fitting(fits, fine_step, step - fine_step)
-
-
-def linear_trace(trace_argv: list[str], seqs: tuple[int, int],
-                 log: Callable[[str], None] = lambda line: None) -> LinearTrace:
-    """Trace at two sequence lengths and fit the line (two tools/trace.py runs)."""
-    with tempfile.TemporaryDirectory(prefix="memo_estimate_") as workdir:
-        traces = []
-        for seq in seqs:
-            log(f"tracing {seq} tokens")
-            traces.append(trace_rank(trace_argv, seq, Path(workdir)))
-    return LinearTrace.from_traces(*traces)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Optional
 
 # (layers, hidden, ffn hidden, heads) of examples/configs/gpt_{7b,13b,30b,65b}.sh.
 MODELS = {
@@ -86,6 +87,33 @@ def model_shape(name: str) -> dict:
         raise ModelError(f"--model {name}: the file lacks {', '.join(missing)}")
     shape.setdefault("ffn_hidden_size", 4 * shape["hidden_size"])
     return shape
+
+
+#: The shape keys a traced model takes from a shape dict (model_shape's keys).
+TRACED_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "kv_channels", "vocab_size", "swiglu", "normalization",
+                     "disable_bias_linear", "tie_embeddings")
+
+
+def traced_model(name: Optional[str], shape: Optional[dict] = None, **fields):
+    """The network a trace builds (memo_ext.planner.trace.request.TracedModel): preset
+    ``name``'s (None: none), with ``shape``'s given entries over it, and ``fields``. A preset's
+    FFN size stays only where the hidden size is the preset's."""
+    from memo_ext.planner.trace.request import TracedModel
+
+    values = {"vocab_size": DEFAULT_VOCAB_SIZE}
+    if name is not None:
+        layers, hidden, ffn, heads = MODELS[name]
+        values.update(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
+                      num_attention_heads=heads, name=name)
+    given = {key: value for key, value in (shape or {}).items()
+             if key in TRACED_SHAPE_KEYS and value is not None}
+    if name is not None and given.get("hidden_size", values["hidden_size"]) != \
+            values["hidden_size"] and given.get("ffn_hidden_size") is None:
+        values["ffn_hidden_size"] = None
+    values.update(given)
+    values.update({key: value for key, value in fields.items() if value is not None})
+    return TracedModel(**values)
 
 
 def padded_vocab_size(

@@ -3,7 +3,7 @@
 and the versions of Python and of the dependencies it runs.
 
 The modules come from the import graph, walked statically from the tracer's entry module (what
-``python -m TRACE_MODULE`` runs, as memo_ext.estimate.memory.trace_rank and
+``python -m TRACE_MODULE`` runs, as the worker pool
 memo_ext.estimate.tracer.TracerPool start it): every ``import`` and ``from ... import`` statement,
 relative ones and those inside functions too, and the packages whose ``__init__`` importing a
 module runs. Nothing is imported or executed: memo_ext does not import the trainer. The walk stays

@@ -1,14 +1,13 @@
-"""A pool of long-lived tracer processes, so that many traces pay the tracer's start-up once.
+"""A pool of long-lived tracer workers, so that many traces pay the tracer's start-up once.
 
-:func:`memo_ext.estimate.memory.trace_rank` runs the tracer (TRACE_MODULE) as one subprocess per
-trace. Importing torch and megatron takes about 3.5 s of each, while the trace itself of a small
-model (7B shape cut to 5 layers, TP=4 CP=2, 128K tokens) takes about 1.5 s: start-up is most of
-the cost of the small traces a layout search runs by the dozen. :class:`TracerPool` keeps up to
-``workers`` tracers running in server mode (``python -m TRACE_MODULE --serve``: one JSON request
-per line on stdin, one JSON answer per line on stdout; megatron/memo_tools/cli/trace.py) and hands
-each trace to an idle one. Each trace is still made by the tracer's own code path (the same file
-as a subprocess writes) in a process that never imports anything into this one: memo_ext does
-not import the trainer.
+Importing torch and megatron takes about 3.5 s, while the trace itself of a small model (7B
+shape cut to 5 layers, TP=4 CP=2, 128K tokens) takes about 1.5 s: start-up is most of the cost of
+the small traces a layout search runs by the dozen. :class:`TracerPool` keeps up to ``workers``
+workers of this interpreter running the tracer engine's loop (``python -m TRACE_MODULE --serve``,
+megatron/training/tracing.py: one JSON request per line on stdin, a typed
+:class:`~memo_ext.planner.trace.request.TraceRequest` as a dict, one JSON answer per line on
+stdout) and hands each trace to an idle one. Each worker builds its own fake world and sees no
+GPU (tracer_environment), and memo_ext never imports the trainer: the workers do.
 
 Measured on a 2-core CPU machine, 4 sequential traces of that 5-layer model at 128K tokens: one
 subprocess per trace 21.1 s (5.3 s each); the pool with one worker 8.2 s (4.3 s for the first,
@@ -29,6 +28,7 @@ from typing import Optional
 
 from memo_ext.estimate.memory import TRACE_MODULE, EstimateError, tracer_environment
 from memo_ext.planner.trace import Trace, read_trace
+from memo_ext.planner.trace.request import TraceRequest
 
 #: Seconds a server gets to exit after its stdin closes before it is killed.
 CLOSE_TIMEOUT_S = 10.0
@@ -41,7 +41,7 @@ class _Server:
 
     def __init__(self, workdir: str) -> None:
         # cwd=workdir: ``-m`` puts the working directory first on sys.path, and workdir holds
-        # nothing that could shadow the installed modules (as trace_rank does).
+        # nothing that could shadow the installed modules.
         self.process = subprocess.Popen(
             [sys.executable, "-m", TRACE_MODULE, "--serve"], cwd=workdir, env=tracer_environment(),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -55,10 +55,11 @@ class _Server:
         for line in self.process.stderr:
             self.stderr_tail.append(line.rstrip("\n"))
 
-    def request(self, argv: list[str], output: Path) -> Optional[dict]:
+    def request(self, request: TraceRequest, output: Path) -> Optional[dict]:
         """The server's answer to one trace request, or None when it has died."""
         try:
-            self.process.stdin.write(json.dumps({"argv": argv, "output": str(output)}) + "\n")
+            self.process.stdin.write(json.dumps({"request": request.to_dict(),
+                                                 "output": str(output)}) + "\n")
             self.process.stdin.flush()
         except (BrokenPipeError, OSError):
             return None
@@ -122,13 +123,14 @@ class TracerPool:
         with self._changed:
             return sorted(server.process.pid for server in self._servers)
 
-    def trace(self, argv: list[str], seq: int, output: Path) -> Trace:
-        """The tracer's trace of ``argv`` at ``seq`` tokens, written to ``output`` and read back
-        (what ``trace_rank(argv, seq, ...)`` gives). Raises EstimateError when it fails."""
+    def trace(self, request: TraceRequest, output: Path) -> Trace:
+        """The tracer's trace of ``request``, written to ``output`` and read back. Raises
+        EstimateError when it fails."""
         output = Path(output).resolve()  # the server runs elsewhere
+        seq = request.seq_length
         server = self._acquire()
         try:
-            reply = server.request([*argv, "--seq-length", str(seq)], output)
+            reply = server.request(request, output)
         except BaseException:  # interrupted mid-request: its answer would confuse the next
             self._discard(server, kill=True)
             raise

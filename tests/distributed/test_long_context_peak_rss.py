@@ -22,7 +22,7 @@ import threading
 
 import pytest
 
-from tests.conftest import REPO_ROOT, read_records, subprocess_env
+from tests.conftest import REPO_ROOT, read_records, stop_launcher, subprocess_env
 
 LIMIT_MIB = 2048
 SEQ_LENGTH = 32768
@@ -45,6 +45,9 @@ def run_with_rusage(command: list[str], log_path, timeout: float):
     timer.start()
     try:
         _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # interrupted (CI's slow-slice budget sends SIGINT): leave no process
+        stop_launcher(proc)
+        raise
     finally:
         timer.cancel()
     proc.returncode = os.waitstatus_to_exitcode(status)

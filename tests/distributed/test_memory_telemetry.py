@@ -129,7 +129,8 @@ MEMO_TRACE = ["--memo-offload", "--memo-alpha", "0.5"]
                          ids=["plain", "memo_alpha_0.5"])
 def test_estimated_peak_matches_the_measured_peak_of_the_demo_model(run_extra, trace_extra,
                                                                     tmp_path):
-    from memo_ext.estimate import estimate_at, trace_rank
+    from bench.common import trace_rank
+    from memo_ext.estimate import estimate_at
 
     metrics = tmp_path / "metrics.jsonl"
     run_torchrun(2, DEMO_ARGS + run_extra + [

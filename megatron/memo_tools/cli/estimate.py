@@ -64,7 +64,14 @@ from memo_ext.config import (  # noqa: E402
 from memo_ext.estimate.cpu_profile import CPU_PROFILE  # noqa: E402
 from memo_ext.estimate.kernels import kernel_rows_line, priced_rows  # noqa: E402
 from memo_ext.estimate.layout import BLOCK_RECOMPUTE_FRACTIONS, CHECKPOINT_FRACTIONS  # noqa: E402
-from memo_ext.estimate.models import MODELS, SHAPE_FLAGS, ModelError, model_shape  # noqa: E402
+from memo_ext.estimate.models import (  # noqa: E402
+    MODELS,
+    SHAPE_FLAGS,
+    ModelError,
+    model_shape,
+    traced_model,
+)
+from memo_ext.planner.trace.request import TracedModel  # noqa: E402
 from memo_ext.estimate.sppo_layouts import (  # noqa: E402
     SPPOLayoutModel,
     SPPOPrediction,
@@ -199,27 +206,16 @@ def _numbers(text: str, flag: str, kind=float) -> list:
         raise UsageError(f"{flag} {text}: give comma-separated numbers") from None
 
 
-def model_argv(name: str) -> tuple[list[str], dict]:
-    """tools/trace.py flags of the model and its shape (for the recommender's pruning)."""
+def traced_model_and_shape(name: str) -> tuple[TracedModel, dict]:
+    """The network the tracer builds for --model, and its shape (for the recommender's
+    pruning)."""
     if name in MODELS:
-        return ["--model", name], model_shape(name)
+        return traced_model(name), model_shape(name)
     try:
         shape = model_shape(name)
     except ModelError as exc:
         raise UsageError(str(exc)) from None
-    argv = []
-    for key, flag in SHAPE_FLAGS.items():
-        if shape.get(key) is not None:
-            argv += [flag, str(int(shape[key]))]
-    if shape.get("swiglu"):
-        argv.append("--swiglu")
-    if shape.get("normalization"):
-        argv += ["--normalization", shape["normalization"]]
-    if shape.get("disable_bias_linear"):
-        argv.append("--disable-bias-linear")
-    if shape.get("tie_embeddings"):
-        argv.append("--tie-embeddings")
-    return argv, shape
+    return traced_model(None, shape), shape
 
 
 def _memory_lines(memory, device_bytes: int, label: str, verdict: str) -> list[str]:
@@ -359,7 +355,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         print(line, file=out, flush=True)
 
     try:
-        shape_argv, shape = model_argv(opts.model)
+        network, shape = traced_model_and_shape(opts.model)
         cpu = opts.gpu.lower() == CPU_PROFILE
         if cpu:
             check_cpu_question(opts, shape)
@@ -428,7 +424,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
 
             def build(wanted: list) -> list:
                 models, failed = build_models(
-                    shape_argv, wanted, hardware, global_batch=opts.global_batch_size,
+                    network, wanted, hardware, global_batch=opts.global_batch_size,
                     cache=cache, jobs=opts.jobs, host_memory_gb_per_node=opts.host_memory_gb,
                     num_layers=shape["num_layers"], exhaustive=opts.exhaustive,
                     trust=not opts.max_seq_length, progress=progress)
@@ -515,7 +511,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             device = int(hardware["device_memory_bytes"])
         with cache:
             model, refused = build_layout_model(
-                shape_argv, layout, hardware, cache=cache, exhaustive=opts.exhaustive or cpu,
+                network, layout, hardware, cache=cache, exhaustive=opts.exhaustive or cpu,
                 global_batch=opts.global_batch_size, allocator=opts.allocator,
                 host_memory_gb_per_node=opts.host_memory_gb, num_layers=shape["num_layers"])
         how = ("traced whole at every length probed" if opts.exhaustive or cpu else

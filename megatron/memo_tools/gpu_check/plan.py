@@ -10,7 +10,7 @@ The trainer flags mirror what tools/trace.py traces for the estimator (bf16, dis
 optimizer, fp32 gradient accumulation, untied embeddings, rope, no dropout, sequence parallelism
 always asked for), so the measured run and the prediction describe the same configuration;
 tests/unit/megatron/memo_tools/gpu_check/test_gpu_check.py checks that against the tracer's own command line
-(megatron.memo_tools.cli.trace.trainer_argv).
+(megatron.training.tracing.trainer_argv).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from memo_ext.flags import render_flags
 
 #: Flags only a CUDA run accepts (the CPU trainer refuses them; see arguments.py).
 CUDA_ONLY_FLAGS = ("--bf16", "--use-distributed-optimizer")
@@ -136,25 +138,21 @@ class PlannedRun:
         """pretrain_gpt.py's flags; ``cuda=False`` drops :data:`CUDA_ONLY_FLAGS` (the CPU
         trainer, e.g. the test double's runner)."""
         m = self.model
-        argv = [
-            "--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
-            "--ffn-hidden-size", str(m.ffn_hidden_size),
-            "--num-attention-heads", str(m.num_attention_heads),
-            "--seq-length", str(m.seq_length), "--max-position-embeddings", str(m.seq_length),
-            "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-            "--attention-dropout", "0", "--hidden-dropout", "0",
-            "--micro-batch-size", "1", "--global-batch-size", str(self.global_batch),
-            "--train-iters", str(m.train_iters), "--lr", "1e-4",
-            "--mock-data", "--vocab-size", str(m.vocab_size),
-            "--log-interval", "1", "--eval-interval", str(m.train_iters + 1), "--eval-iters", "0",
-            "--tensor-model-parallel-size", str(self.tp),
-            "--pipeline-model-parallel-size", str(self.pp),
-            "--context-parallel-size", str(self.cp),
+        argv = render_flags({
+            "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+            "ffn_hidden_size": m.ffn_hidden_size, "num_attention_heads": m.num_attention_heads,
+            "seq_length": m.seq_length, "max_position_embeddings": m.seq_length,
+            "position_embedding_type": "rope", "untie_embeddings_and_output_weights": True,
+            "attention_dropout": 0, "hidden_dropout": 0, "micro_batch_size": 1,
+            "global_batch_size": self.global_batch, "train_iters": m.train_iters,
+            "lr": 1e-4, "mock_data": True, "vocab_size": m.vocab_size, "log_interval": 1,
+            "eval_interval": m.train_iters + 1, "eval_iters": 0,
+            "tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
+            "context_parallel_size": self.cp,
             # As the tracer: SP always asked for (the trainer drops it at TP=1).
-            "--sequence-parallel", "--accumulate-allreduce-grads-in-fp32", *CUDA_ONLY_FLAGS,
-            "--log-metrics-jsonl", str(metrics_path),
-            *self.mechanism.flags,
-        ]
+            "sequence_parallel": True, "accumulate_allreduce_grads_in_fp32": True,
+            "bf16": True, "use_distributed_optimizer": True,
+            "log_metrics_jsonl": str(metrics_path)}) + list(self.mechanism.flags)
         return argv if cuda else [flag for flag in argv if flag not in CUDA_ONLY_FLAGS]
 
 

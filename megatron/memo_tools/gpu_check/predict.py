@@ -76,6 +76,7 @@ def predict(run: PlannedRun, hardware: dict, cache, memo_alpha: Optional[float])
 def _predict_traced(run: PlannedRun, hardware: dict, cache, policy: str, allocator: str,
                     memo_alpha: Optional[float]) -> Predicted:
     from memo_ext.estimate.layout import Layout, LayoutModel
+    from memo_ext.estimate.models import traced_model
 
     basis = f"{allocator} allocator model"
     if policy == "memo":
@@ -83,12 +84,8 @@ def _predict_traced(run: PlannedRun, hardware: dict, cache, policy: str, allocat
             raise NoPrediction("no prediction: the run logged no solved alpha to predict at")
         basis += f", alpha {memo_alpha:g} (the run's)"
     shape = model_shape(run)
-    model_argv = [arg for key, flag in (("num_layers", "--num-layers"),
-                                        ("hidden_size", "--hidden-size"),
-                                        ("ffn_hidden_size", "--ffn-hidden-size"),
-                                        ("num_attention_heads", "--num-attention-heads"),
-                                        ("vocab_size", "--vocab-size"))
-                  for arg in (flag, str(shape[key]))]
+    traced = traced_model(None, {key: shape[key] for key in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")})
     flags = run.mechanism.flags
     buffers = (int(flags[flags.index("--memo-offload-buffers") + 1])
                if "--memo-offload-buffers" in flags else 2)
@@ -97,7 +94,7 @@ def _predict_traced(run: PlannedRun, hardware: dict, cache, policy: str, allocat
     # Traced at the run's own length (and twice it): a check's short runs sit below the
     # estimator's fitted lengths, where the chunked loss's capped logits buffer breaks the line.
     seq = run.model.seq_length
-    model = LayoutModel.build(model_argv, layout, hardware, global_batch=run.global_batch,
+    model = LayoutModel.build(traced, layout, hardware, global_batch=run.global_batch,
                               cache=cache, allocator=allocator, fit_seqs=(seq, 2 * seq))
     prediction = model.predict(run.model.seq_length)
     return Predicted(prediction.memory.peak_allocated_bytes / MIB, prediction.step_s, basis)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from megatron.memo_tools.hf_checkpoint.errors import ConversionError
 from megatron.memo_tools.hf_checkpoint.rope import rope_flags
+from memo_ext.flags import render_flags
 from megatron.memo_tools.hf_checkpoint.safetensors_io import read_json
 
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -106,20 +107,18 @@ def trainer_flags(config: dict, source: str, make_vocab_size_divisible_by: int =
     """pretrain_gpt.py's model flags for ``config``: the network, its positions, dropout as
     the model was trained (none in the MLP and residual) and the vocabulary."""
     arch = architecture(config, source, ignore_sliding_window)
-    flags = ["--num-layers", str(arch.num_layers), "--hidden-size", str(arch.hidden_size),
-             "--ffn-hidden-size", str(arch.ffn_hidden_size),
-             "--num-attention-heads", str(arch.num_heads)]
-    if arch.num_kv_heads != arch.num_heads:
-        flags += ["--group-query-attention", "--num-query-groups", str(arch.num_kv_heads)]
-    flags += ["--kv-channels", str(arch.head_dim), "--normalization", "RMSNorm",
-              "--norm-epsilon", repr(arch.norm_epsilon), "--swiglu", "--disable-bias-linear"]
-    if arch.qkv_bias:
-        flags.append("--add-qkv-bias")
-    if not arch.tie_embeddings:
-        flags.append("--untie-embeddings-and-output-weights")
-    flags += rope_flags(config, source)
-    flags += ["--max-position-embeddings", str(arch.max_position_embeddings),
-              "--attention-dropout", repr(arch.attention_dropout), "--hidden-dropout", "0.0",
-              "--vocab-size", str(arch.vocab_size),
-              "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]
-    return flags
+    grouped = arch.num_kv_heads != arch.num_heads
+    return render_flags({
+        "num_layers": arch.num_layers, "hidden_size": arch.hidden_size,
+        "ffn_hidden_size": arch.ffn_hidden_size, "num_attention_heads": arch.num_heads,
+        "group_query_attention": grouped,
+        "num_query_groups": arch.num_kv_heads if grouped else None,
+        "kv_channels": arch.head_dim, "normalization": "RMSNorm",
+        "norm_epsilon": arch.norm_epsilon, "swiglu": True, "disable_bias_linear": True,
+        "add_qkv_bias": arch.qkv_bias,
+        "untie_embeddings_and_output_weights": not arch.tie_embeddings,
+        **rope_flags(config, source),
+        "max_position_embeddings": arch.max_position_embeddings,
+        "attention_dropout": arch.attention_dropout, "hidden_dropout": 0.0,
+        "vocab_size": arch.vocab_size,
+        "make_vocab_size_divisible_by": make_vocab_size_divisible_by})

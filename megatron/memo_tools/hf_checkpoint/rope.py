@@ -42,8 +42,9 @@ def _number(value, source: str, key: str) -> float:
     return float(value)
 
 
-def rope_flags(config: dict, source: str) -> list[str]:
-    """The trainer's flags for the RoPE of ``config`` (refusing what megatron-core lacks)."""
+def rope_flags(config: dict, source: str) -> dict:
+    """The trainer's flags for the RoPE of ``config`` (refusing what megatron-core lacks), as
+    memo_ext.flags.render_flags takes them."""
     theta, kind, scaling = rope_settings(config, source)
     if theta != int(theta):
         raise ConversionError(f"{source}: rope_theta {theta} is not a whole number, which "
@@ -51,13 +52,13 @@ def rope_flags(config: dict, source: str) -> list[str]:
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConversionError(f"{source}: partial_rotary_factor "
                               f"{config['partial_rotary_factor']} is not supported; only 1")
-    base = ["--rotary-base", str(int(theta))]
+    base = {"rotary_base": int(theta)}
     if kind == "default":
-        return ["--position-embedding-type", "rope", *base]
+        return {"position_embedding_type": "rope", **base}
     if kind == "linear":
         factor = _number(scaling.get("factor"), source, "factor")
-        return ["--position-embedding-type", "rope", *base,
-                "--rotary-seq-len-interpolation-factor", repr(factor)]
+        return {"position_embedding_type": "rope", **base,
+                "rotary_seq_len_interpolation_factor": factor}
     if kind == "llama3":
         for key, fixed in LLAMA3_FIXED.items():
             if scaling.get(key) != fixed:
@@ -65,15 +66,15 @@ def rope_flags(config: dict, source: str) -> list[str]:
                     f"{source}: rope llama3 {key} {scaling.get(key)!r}: megatron-core fixes it "
                     f"to {fixed:g}; this scaling is not supported")
         factor = _number(scaling.get("factor"), source, "factor")
-        return ["--position-embedding-type", "rope", *base, "--use-rope-scaling",
-                "--rope-scaling-factor", repr(factor)]
+        return {"position_embedding_type": "rope", **base, "use_rope_scaling": True,
+                "rope_scaling_factor": factor}
     if kind == "yarn":
         return _yarn_flags(config, scaling, source, base)
     raise ConversionError(f"{source}: rope type {kind!r} is not supported; use default, linear, "
                           "llama3 or yarn")
 
 
-def _yarn_flags(config: dict, scaling: dict, source: str, base: list[str]) -> list[str]:
+def _yarn_flags(config: dict, scaling: dict, source: str, base: dict) -> dict:
     if scaling.get("attention_factor") is not None:
         raise ConversionError(f"{source}: yarn attention_factor is not supported; give mscale "
                               "and mscale_all_dim instead")
@@ -90,17 +91,17 @@ def _yarn_flags(config: dict, scaling: dict, source: str, base: list[str]) -> li
     if factor is None:
         factor = _number(config.get("max_position_embeddings"), source,
                          "max_position_embeddings") / original
-    flags = ["--position-embedding-type", "yarn", *base,
-             "--rotary-scaling-factor", repr(_number(factor, source, "factor")),
-             "--yarn-original-max-position-embeddings", str(int(original))]
+    flags = {"position_embedding_type": "yarn", **base,
+             "rotary_scaling_factor": _number(factor, source, "factor"),
+             "yarn_original_max_position_embeddings": int(original)}
     for key in ("beta_fast", "beta_slow"):
         if scaling.get(key):
-            flags += [f"--yarn-{key.replace('_', '-')}", repr(_number(scaling[key], source, key))]
+            flags[f"yarn_{key}"] = _number(scaling[key], source, key)
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        flags += ["--mscale", repr(float(scaling["mscale"])),
-                  "--mscale-all-dim", repr(float(scaling["mscale_all_dim"]))]
+        flags.update(mscale=float(scaling["mscale"]),
+                     mscale_all_dim=float(scaling["mscale_all_dim"]))
     if scaling.get("truncate", True) is False:
-        flags.append("--no-yarn-correction-range-round-to-int")
+        flags["no_yarn_correction_range_round_to_int"] = True
     return flags
 
 

@@ -17,9 +17,9 @@ memo_ext.estimate.search ranks them.
 
 One concern per module:
 
-- ``spec``: what a layout is (:class:`Layout`, :class:`Stage`), which ranks are traced, and its
-  tracer and trainer flags;
-- ``trace_cache``: traces on disk keyed by argv, length and the tracer's sources;
+- ``spec``: what a layout is (:class:`Layout`, :class:`Stage`), which ranks are traced, its
+  trace requests and its trainer flags;
+- ``trace_cache``: traces on disk keyed by the trace request and the tracer's sources;
 - ``candidates``: the layouts worth tracing for a number of GPUs;
 - ``prediction``: a layout at one length (memory per stage, time, host memory, verdict);
 - ``model``: :class:`LayoutModel`, a layout at any length, and building many in parallel.
@@ -43,8 +43,7 @@ from memo_ext.estimate.layout.prediction import Prediction, StagePrediction
 from memo_ext.estimate.layout.spec import (
     BLOCK_RECOMPUTE_FRACTIONS,
     CHECKPOINT_FRACTIONS,
-    CHUNKED_LOSS_TRAINER_FLAGS,
-    CPU_TRACE_FLAGS,
+    CPU_TRACE_FIELDS,
     FIT_SEQS,
     POLICY_FLAGS,
     POLICY_NAMES,
@@ -52,17 +51,15 @@ from memo_ext.estimate.layout.spec import (
     SYMBOLIC_LAYERS,
     Layout,
     Stage,
-    gpu_argv,
-    model_layers,
+    target_fields,
 )
 from memo_ext.estimate.layout.trace_cache import TraceCache, default_cache_dir
 
 __all__ = [
     "BLOCK_RECOMPUTE_FRACTIONS", "CHECKPOINT_FRACTIONS", "CHECK_SEQ",
-    "CHUNKED_LOSS_TRAINER_FLAGS", "CPU_TRACE_FLAGS", "FIT_SEQS", "MAX_HEAD_CHUNKS",
+    "CPU_TRACE_FIELDS", "FIT_SEQS", "MAX_HEAD_CHUNKS",
     "POLICY_FLAGS", "POLICY_NAMES", "REPLAY_ITERATIONS", "SYMBOLIC_LAYERS", "Layout",
     "LayoutModel", "Prediction", "Progress", "Stage", "StageModel", "StagePrediction",
     "TraceCache", "block_recompute_layers", "build_layout_model", "build_models",
-    "candidate_layouts", "checkpoint_layer_counts", "default_cache_dir", "gpu_argv",
-    "model_layers",
+    "candidate_layouts", "checkpoint_layer_counts", "default_cache_dir", "target_fields",
 ]

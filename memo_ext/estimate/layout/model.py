@@ -25,8 +25,6 @@ from memo_ext.estimate.layout.spec import (
     REPLAY_ITERATIONS,
     Layout,
     Stage,
-    gpu_argv,
-    model_layers,
 )
 from memo_ext.estimate.layout.trace_cache import TraceCache
 from memo_ext.estimate.memory import (
@@ -38,6 +36,7 @@ from memo_ext.estimate.memory import (
 from memo_ext.estimate.symbolic import SymbolicError, SymbolicTrace, live_lines
 from memo_ext.estimate.symbolic_shape import SymbolicShape
 from memo_ext.planner.trace import POOL_DEVICE, POOL_EXTERNAL, POOL_HOST, Trace
+from memo_ext.planner.trace.request import TracedModel, TraceRequest
 
 @dataclass
 class StageModel:
@@ -53,13 +52,13 @@ class StageModel:
     layers: int = 0
     shape: Optional[SymbolicShape] = None  # how the symbolic trace was cut and is checked
     checked: bool = False  # the symbolic trace matched a real trace (SymbolicTrace.check)
-    traced: Optional[tuple[TraceCache, list[str]]] = None  # exhaustive: traced at each length
+    traced: Optional[tuple[TraceCache, TraceRequest]] = None  # exhaustive: each length
     _lines: Optional[list] = field(default=None, repr=False)
 
     def at(self, seq: int) -> Trace:
         if self.traced is not None:
-            cache, argv = self.traced
-            return cache.trace(argv, seq)
+            cache, request = self.traced
+            return cache.trace(request.replace(seq_length=seq))
         if self.symbolic is None:
             return self.line.at(seq)
         return self.symbolic.at(seq, self.layers, self.state)
@@ -106,11 +105,11 @@ class LayoutModel:
     host_capacity_bytes: int
     stages: list[StageModel]
     efficiency: Efficiency
-    model_argv: list[str] = field(default_factory=list)
+    model: Optional[TracedModel] = None
     _cache: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, model_argv: list[str], layout: Layout, hardware: dict, *, global_batch: int,
+    def build(cls, model: TracedModel, layout: Layout, hardware: dict, *, global_batch: int,
               cache: TraceCache, allocator: Optional[str] = None,
               host_memory_gb_per_node: Optional[float] = None,
               fit_seqs: tuple[int, int] = FIT_SEQS, num_layers: Optional[int] = None,
@@ -129,32 +128,32 @@ class LayoutModel:
         the whole stage traced at every length asked (the reference the others are compared
         with; slow)."""
         microbatches = max(1, global_batch // (layout.dp * layout.micro_batch))
-        num_layers = num_layers or model_layers(model_argv)
+        num_layers = num_layers or model.num_layers
         stage_layers = None if num_layers is None else num_layers // layout.pp
         stages = []
         for stage in layout.stages(microbatches):
-            argv = layout.trace_argv(model_argv, stage) + gpu_argv(hardware)
+            request = layout.trace_request(model, fit_seqs[0], hardware, stage)
             if exhaustive:
-                stages.append(StageModel(stage, None, checked=True, traced=(cache, argv)))
+                stages.append(StageModel(stage, None, checked=True, traced=(cache, request)))
                 continue
             shape = None if stage_layers is None else layout.symbolic_shape(stage_layers, stage)
             if symbolic and shape is not None and stage_layers > shape.check_layers:
-                few = layout.traced_layers_argv(model_argv, stage, shape.layers,
-                                                shape.checkpoint_layers) + gpu_argv(hardware)
-                first, second = (cache.trace(few, seq) for seq in fit_seqs)
+                few = layout.traced_layers_request(model, fit_seqs[0], hardware, stage,
+                                                   shape.layers, shape.checkpoint_layers)
+                first, second = (cache.trace(few.replace(seq_length=seq)) for seq in fit_seqs)
                 # The persistent state does not depend on the policy (weights, gradients and
                 # optimizer state are the model's): one trace serves every policy of a layout.
                 plain = Layout(layout.tp, layout.cp, layout.pp, layout.dp, "megatron-none",
                                micro_batch=layout.micro_batch)
-                state = cache.trace([*plain.trace_argv(model_argv, stage), *gpu_argv(hardware),
-                                     "--persistent-only"], fit_seqs[0])
+                state = cache.trace(plain.trace_request(model, fit_seqs[0], hardware, stage)
+                                    .replace(persistent_only=True))
                 trace = SymbolicTrace.from_traces(first, second, shape.copied, shape.period)
                 trace.coefficients(stage_layers, state)  # an expansion that fails, fails here
                 stages.append(StageModel(
                     stage, WorkLine.from_headers(*trace.work_headers(stage_layers, state)),
                     symbolic=trace, state=state, layers=stage_layers, shape=shape))
                 continue
-            first, second = (cache.trace(argv, seq) for seq in fit_seqs)
+            first, second = (cache.trace(request.replace(seq_length=seq)) for seq in fit_seqs)
             stages.append(StageModel(stage, WorkLine.from_headers(first.header, second.header),
                                      line=LinearTrace.from_traces(first, second),
                                      checked=True))
@@ -162,7 +161,7 @@ class LayoutModel:
         return cls(layout=layout, hardware=hardware, global_batch=global_batch,
                    allocator=allocator or ("arena" if layout.policy == "memo" else "caching"),
                    host_capacity_bytes=int(float(host) * 1e9), stages=stages,
-                   efficiency=Efficiency.from_profile(hardware), model_argv=list(model_argv))
+                   efficiency=Efficiency.from_profile(hardware), model=model)
 
     @property
     def checked(self) -> bool:
@@ -175,10 +174,10 @@ class LayoutModel:
         for model in self.stages:
             if model.checked:
                 continue
-            deeper = self.layout.traced_layers_argv(
-                self.model_argv, model.stage, model.shape.check_layers,
-                model.shape.check_checkpoint_layers) + gpu_argv(self.hardware)
-            model.symbolic.check(cache.trace(deeper, CHECK_SEQ - CHECK_SEQ % self.multiple))
+            deeper = self.layout.traced_layers_request(
+                self.model, CHECK_SEQ - CHECK_SEQ % self.multiple, self.hardware, model.stage,
+                model.shape.check_layers, model.shape.check_checkpoint_layers)
+            model.symbolic.check(cache.trace(deeper))
             model.checked = True
 
     def trusted(self, cache: TraceCache) -> tuple["LayoutModel", Optional[str]]:
@@ -189,7 +188,7 @@ class LayoutModel:
             return self, None
         except SymbolicError as exc:
             whole = LayoutModel.build(
-                self.model_argv, self.layout, self.hardware, global_batch=self.global_batch,
+                self.model, self.layout, self.hardware, global_batch=self.global_batch,
                 cache=cache, allocator=self.allocator,
                 host_memory_gb_per_node=self.host_capacity_bytes / 1e9, symbolic=False)
             return whole, f"symbolic trace refused ({exc}); traced whole"
@@ -283,17 +282,17 @@ class _FitOnly:
 
 
 
-def build_layout_model(model_argv: list[str], layout: Layout, hardware: dict, *,
+def build_layout_model(model: TracedModel, layout: Layout, hardware: dict, *,
                        cache: TraceCache, **options) -> tuple[LayoutModel, Optional[str]]:
     """A trusted LayoutModel (:meth:`LayoutModel.trusted`) and why its symbolic trace was
     refused (None if it was not). ``options``: the keywords of :meth:`LayoutModel.build`."""
     try:
-        model = LayoutModel.build(model_argv, layout, hardware, cache=cache, **options)
+        layout_model = LayoutModel.build(model, layout, hardware, cache=cache, **options)
     except SymbolicError as exc:  # the traces are not a pass over the layers
         options["symbolic"] = False
-        return (LayoutModel.build(model_argv, layout, hardware, cache=cache, **options),
+        return (LayoutModel.build(model, layout, hardware, cache=cache, **options),
                 f"symbolic trace refused ({exc}); traced whole")
-    return model.trusted(cache)
+    return layout_model.trusted(cache)
 
 
 class Progress:
@@ -310,7 +309,7 @@ class Progress:
             self.log(f"[{self.done}/{self.total}] {line}")
 
 
-def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *,
+def build_models(model: TracedModel, layouts: list[Layout], hardware: dict, *,
                  global_batch: int, cache: TraceCache, jobs: int = 2,
                  host_memory_gb_per_node: Optional[float] = None,
                  log: Callable[[str], None] = lambda line: None,
@@ -329,17 +328,17 @@ def build_models(model_argv: list[str], layouts: list[Layout], hardware: dict, *
             options = dict(exhaustive=exhaustive, global_batch=global_batch,
                            num_layers=num_layers, host_memory_gb_per_node=host_memory_gb_per_node)
             if trust:
-                model, refused = build_layout_model(model_argv, layout, hardware, cache=cache,
+                built, refused = build_layout_model(model, layout, hardware, cache=cache,
                                                     **options)
             else:
                 try:
-                    model, refused = LayoutModel.build(model_argv, layout, hardware,
+                    built, refused = LayoutModel.build(model, layout, hardware,
                                                        cache=cache, **options), None
                 except SymbolicError as exc:
-                    model = LayoutModel.build(model_argv, layout, hardware, cache=cache,
+                    built = LayoutModel.build(model, layout, hardware, cache=cache,
                                               **{**options, "symbolic": False})
                     refused = f"symbolic trace refused ({exc}); traced whole"
-            result, line = (model, None), f"traced {layout.describe()}" + (
+            result, line = (built, None), f"traced {layout.describe()}" + (
                 f": {refused}" if refused else "")
         except (EstimateError, CostModelError) as exc:
             result, line = (None, (layout, str(exc))), f"not predicted: {layout.describe()}"

@@ -17,24 +17,25 @@ from typing import Optional
 from memo_ext.config import TiledMLPConfig
 from memo_ext.estimate.symbolic import COPIED_LAYER, TRACED_LAYERS
 from memo_ext.estimate.symbolic_shape import SymbolicShape, mixed_symbolic_shape
+from memo_ext.flags import render_flags
 from memo_ext.offload.alpha import offloaded_layers
+from memo_ext.planner.trace.request import CHUNKED_LOSS_FLAGS, TracedModel, TraceRequest
 
 #: The two lengths every layout is traced at (multiples of TP x CP x 2 for any TP, CP <= 64).
 FIT_SEQS = (131072, 262144)
 #: Allocator iterations replayed per estimate (persistent state once, then these).
 REPLAY_ITERATIONS = 3
 
-#: The trainer flags of memo_ext.loss's chunked output layer and loss (docs/loss.md).
-CHUNKED_LOSS_TRAINER_FLAGS = "--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"
-#: Megatron-LM policies as trainer flags; MEMO's is --memo-offload --memo-alpha A with the
-#: chunked loss (the Megatron policies keep the unfused loss Megatron-LM ships, whose
-#: [s/CP, V/TP] logits are the largest item of a long run).
+#: Megatron-LM's policies as trainer flags (each is also a TraceRequest field of that name);
+#: MEMO's is --memo-offload --memo-alpha A with the chunked loss (the Megatron policies keep
+#: the unfused loss Megatron-LM ships, whose [s/CP, V/TP] logits are the largest item of a long
+#: run).
 POLICY_FLAGS = {
-    "megatron": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--recompute-num-layers", "1"],
-    "megatron-none": [],
-    "megatron-block": ["--recompute-granularity", "full", "--recompute-method", "block"],
-    "memo": ["--memo-offload", f"--trainer-args={CHUNKED_LOSS_TRAINER_FLAGS}"],
+    "megatron": {"recompute_granularity": "full", "recompute_method": "uniform",
+                 "recompute_num_layers": 1},
+    "megatron-none": {},
+    "megatron-block": {"recompute_granularity": "full", "recompute_method": "block"},
+    "memo": {},
 }
 POLICY_NAMES = {"megatron": "Megatron full recompute", "megatron-none": "Megatron no recompute",
                 "megatron-block": "Megatron block recompute", "memo": "MEMO offload"}
@@ -54,37 +55,20 @@ CHECKPOINT_FRACTIONS = (0.0, 0.25, 0.5, 1.0)
 SYMBOLIC_LAYERS = {"megatron": (3, 1), "megatron-none": (3, 1),
                    "memo": (TRACED_LAYERS, COPIED_LAYER)}
 
-def model_layers(model_argv: list[str]) -> Optional[int]:
-    """The model's layers from the tracer's model flags (``--num-layers N``, else a
-    ``--model`` preset); None when they name neither."""
-    from memo_ext.estimate.models import MODELS
-
-    layers = None
-    for flag, value in zip(model_argv, model_argv[1:]):
-        if flag == "--num-layers":
-            layers = int(value)
-        elif flag == "--model" and value in MODELS and layers is None:
-            layers = MODELS[value][0]
-    return layers
-
-
-#: The tracer flags of the CPU trainer (a profile with ``"device_type": "cpu"``,
+#: How the CPU trainer is traced (a profile with ``"device_type": "cpu"``,
 #: memo_ext.estimate.cpu_profile): the CPU program's own allocations (no CUDA kernel rules),
 #: fp32 and megatron's plain optimizer, which is what pretrain_gpt.py runs without CUDA.
-CPU_TRACE_FLAGS = ["--no-cuda-semantics", "--no-bf16", "--no-distributed-optimizer"]
+CPU_TRACE_FIELDS = {"cuda_semantics": False, "bf16": False, "distributed_optimizer": False}
 
 
-def gpu_argv(hardware: dict) -> list[str]:
-    """The tracer flags naming the GPU whose kernels' workspaces a trace records (they follow
-    the layout's flags, so a CPU profile's --no-bf16 wins)."""
+def target_fields(hardware: dict) -> dict:
+    """The TraceRequest fields naming the GPU whose kernels' workspaces a trace records (they
+    override the layout's, so a CPU profile's fp32 wins)."""
     if hardware.get("device_type") == "cpu":
-        return list(CPU_TRACE_FLAGS)
+        return dict(CPU_TRACE_FIELDS)
     if "name" not in hardware:
-        return []
-    argv = ["--gpu", hardware["name"]]
-    if hardware.get("hardware_file"):
-        argv += ["--hardware-file", hardware["hardware_file"]]
-    return argv
+        return {}
+    return {"gpu": hardware["name"], "hardware_file": hardware.get("hardware_file") or None}
 
 
 @dataclass(frozen=True)
@@ -128,29 +112,24 @@ class Layout:
         return [Stage(0, 0, min(self.pp, microbatches)),
                 Stage(self.pp - 1, (self.pp - 1) * self.tp * self.cp * self.dp, 1)]
 
-    def trace_argv(self, model_argv: list[str], stage: Optional[Stage] = None) -> list[str]:
-        argv = [*model_argv, "--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp),
-                "--dp", str(self.dp), "--micro-batch-size", str(self.micro_batch), "--bf16",
-                *POLICY_FLAGS[self.policy]]
+    def trace_request(self, model: TracedModel, seq: int, hardware: dict,
+                      stage: Optional[Stage] = None) -> TraceRequest:
+        """The tracer's request for ``stage`` (its first rank; stage 0 without one) at ``seq``
+        tokens on ``hardware``."""
+        fields = dict(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp,
+                      micro_batch_size=self.micro_batch, bf16=True, **POLICY_FLAGS[self.policy])
         if self.policy == "memo":
-            argv += ["--memo-alpha", f"{self.alpha:g}",
-                     "--memo-checkpoint-layers", str(self.checkpoint_layers)]
-            if self.offload_fp8:
-                argv.append("--memo-offload-fp8")
-            if self.offload_buffers != 2:
-                argv += ["--memo-offload-buffers", str(self.offload_buffers)]
+            fields.update(memo_alpha=self.alpha, memo_checkpoint_layers=self.checkpoint_layers,
+                          memo_offload_fp8=self.offload_fp8,
+                          memo_offload_buffers=self.offload_buffers, chunked_loss=True)
         if self.policy == "megatron-block":
-            argv += ["--recompute-num-layers", str(self.recompute_layers)]
-        if self.mlp_tiles:
-            argv += ["--memo-mlp-tiles", str(self.mlp_tiles)]
-        if self.projection_tiles:
-            argv += ["--memo-attention-projection-tiles", str(self.projection_tiles)]
-        if self.head_chunks > 1:
-            argv += ["--memo-attention-head-chunks", str(self.head_chunks)]
+            fields["recompute_num_layers"] = self.recompute_layers
+        fields.update(mlp_tiles=self.mlp_tiles, projection_tiles=self.projection_tiles,
+                      head_chunks=self.head_chunks)
         if stage is not None and self.pp > 1:
-            argv += ["--rank", str(stage.rank),
-                     "--microbatches-in-flight", str(stage.microbatches_in_flight)]
-        return argv
+            fields.update(rank=stage.rank, microbatches_in_flight=stage.microbatches_in_flight)
+        fields.update(target_fields(hardware))
+        return TraceRequest(model=model, seq_length=seq, **fields)
 
     def offloaded_per_stage(self, layers: int, stage: Stage) -> int:
         """MEMO's offloaded layers of a ``layers``-layer ``stage`` (the trainer's
@@ -165,14 +144,16 @@ class Layout:
         return (self.policy == "memo" and self.checkpoint_layers > 0
                 and self.checkpoint_layers == self.offloaded_per_stage(layers, stage))
 
-    def traced_layers_argv(self, model_argv: list[str], stage: Stage, layers: int,
-                           checkpoint_layers: Optional[int] = None) -> list[str]:
-        """The tracer flags of ``stage`` cut to ``layers`` layers per stage (a symbolic trace's
-        few layers, or its check's), with ``checkpoint_layers`` of them in (b) when given."""
-        argv = [*self.trace_argv(model_argv, stage), "--num-layers", str(layers * self.pp)]
+    def traced_layers_request(self, model: TracedModel, seq: int, hardware: dict,
+                              stage: Stage, layers: int,
+                              checkpoint_layers: Optional[int] = None) -> TraceRequest:
+        """The tracer's request for ``stage`` cut to ``layers`` layers per stage (a symbolic
+        trace's few layers, or its check's), with ``checkpoint_layers`` of them in (b) when
+        given."""
+        request = self.trace_request(model, seq, hardware, stage).with_layers(layers * self.pp)
         if checkpoint_layers is not None:
-            argv += ["--memo-checkpoint-layers", str(checkpoint_layers)]
-        return argv
+            request = request.replace(memo_checkpoint_layers=checkpoint_layers)
+        return request
 
     def symbolic_shape(self, stage_layers: int, stage: Stage) -> Optional[SymbolicShape]:
         """How a stage of ``stage_layers`` is traced symbolically, or None (traced whole): the
@@ -197,36 +178,30 @@ class Layout:
         """The layout's pretrain_gpt.py flags at ``seq`` tokens (the model's own flags, data and
         tokenizer come from its config script): parallel sizes, the policy's flags and the
         batch. What the recommender prints for each row, ready to append to a launch line."""
-        flags = ["--tensor-model-parallel-size", str(self.tp)]
-        if self.tp > 1:
-            flags.append("--sequence-parallel")
-        flags += ["--context-parallel-size", str(self.cp),
-                  "--pipeline-model-parallel-size", str(self.pp),
-                  "--use-distributed-optimizer",
-                  "--seq-length", str(seq), "--max-position-embeddings", str(seq),
-                  "--micro-batch-size", str(self.micro_batch),
-                  "--global-batch-size", str(global_batch)]
+        flags = {"tensor_model_parallel_size": self.tp, "sequence_parallel": self.tp > 1,
+                 "context_parallel_size": self.cp, "pipeline_model_parallel_size": self.pp,
+                 "use_distributed_optimizer": True, "seq_length": seq,
+                 "max_position_embeddings": seq, "micro_batch_size": self.micro_batch,
+                 "global_batch_size": global_batch}
         if self.policy == "memo":
-            flags += ["--memo-offload", "--memo-alpha", f"{self.alpha:g}",
-                      "--memo-checkpoint-layers", str(self.checkpoint_layers),
-                      *CHUNKED_LOSS_TRAINER_FLAGS.split()]
-            if self.offload_fp8:
-                flags.append("--memo-offload-fp8")
-            if self.offload_buffers != 2:
-                flags += ["--memo-offload-buffers", str(self.offload_buffers)]
+            flags.update(memo_offload=True, memo_alpha=f"{self.alpha:g}",
+                         memo_checkpoint_layers=self.checkpoint_layers, **CHUNKED_LOSS_FLAGS,
+                         memo_offload_fp8=self.offload_fp8,
+                         memo_offload_buffers=(None if self.offload_buffers == 2
+                                               else self.offload_buffers))
         else:
-            flags += POLICY_FLAGS[self.policy]
+            flags.update(POLICY_FLAGS[self.policy])
         if self.policy == "megatron-block":
-            flags += ["--recompute-num-layers", str(self.recompute_layers)]
+            flags["recompute_num_layers"] = self.recompute_layers
         if self.mlp_tiles:
-            flags += ["--memo-mlp-tile-size",
-                      str(TiledMLPConfig.tile_size_for(seq // self.cp, self.mlp_tiles, self.tp))]
+            flags["memo_mlp_tile_size"] = TiledMLPConfig.tile_size_for(
+                seq // self.cp, self.mlp_tiles, self.tp)
         if self.projection_tiles:
-            flags += ["--memo-attention-projection-tile-size", str(
-                TiledMLPConfig.tile_size_for(seq // self.cp, self.projection_tiles, self.tp))]
+            flags["memo_attention_projection_tile_size"] = TiledMLPConfig.tile_size_for(
+                seq // self.cp, self.projection_tiles, self.tp)
         if self.head_chunks > 1:
-            flags += ["--memo-attention-head-chunks", str(self.head_chunks)]
-        return flags
+            flags["memo_attention_head_chunks"] = self.head_chunks
+        return render_flags(flags)
 
     def describe(self) -> str:
         policy = POLICY_NAMES[self.policy]

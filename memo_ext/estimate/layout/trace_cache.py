@@ -1,5 +1,6 @@
-"""The trace cache: traces on disk keyed by the tracer's argv, the length and the tracer's
-sources (memo_ext.estimate.trace_key), traced on a miss by a pool of tracer processes."""
+"""The trace cache: traces on disk keyed by the tracer's request (memo_ext.planner.trace.request)
+and the tracer's sources (memo_ext.estimate.trace_key), traced on a miss by a pool of tracer
+workers."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from typing import Optional
 
 from memo_ext.estimate.trace_key import tracer_digest
 from memo_ext.planner.trace import Trace, read_trace
+from memo_ext.planner.trace.request import TraceRequest
 
 class TraceCache:
-    """Traces on disk, keyed by the tracer's argv, the length and the tracer's sources, so a
-    repeated estimate or search costs no tracing. ``directory`` None: no cache. Misses are
-    traced by a :class:`memo_ext.estimate.tracer.TracerPool` of ``workers`` long-lived tracer
-    processes (started on the first miss; :meth:`close` ends them)."""
+    """Traces on disk, keyed by the request and the tracer's sources, so a repeated estimate or
+    search costs no tracing. ``directory`` None: no cache. Misses are traced by a
+    :class:`memo_ext.estimate.tracer.TracerPool` of ``workers`` long-lived tracer workers
+    (started on the first miss; :meth:`close` ends them)."""
 
     def __init__(self, directory: Optional[Path], workers: int = 2) -> None:
         self.directory = None if directory is None else Path(directory)
@@ -44,20 +46,20 @@ class TraceCache:
         if pool is not None:
             pool.close()
 
-    def _traced(self, argv: list[str], seq: int, output: Path) -> Trace:
+    def _traced(self, request: TraceRequest, output: Path) -> Trace:
         from memo_ext.estimate.tracer import TracerPool
 
         with self._pool_lock:
             if self._pool is None:
                 self._pool = TracerPool(self.workers)
             pool = self._pool
-        return pool.trace(argv, seq, output)
+        return pool.trace(request, output)
 
-    def trace(self, argv: list[str], seq: int) -> Trace:
-        """The trace of ``argv`` at ``seq`` tokens, from the cache or traced now; a request
-        made while the same one is being traced waits for it rather than tracing it again
-        (a search's layouts share traces, e.g. the persistent state of every policy)."""
-        key = json.dumps([argv, seq])
+    def trace(self, request: TraceRequest) -> Trace:
+        """The trace of ``request``, from the cache or traced now; a request made while the
+        same one is being traced waits for it rather than tracing it again (a search's layouts
+        share traces, e.g. the persistent state of every policy)."""
+        key = request.key()
         with self._pool_lock:
             pending = self._pending.get(key)
             mine = pending is None
@@ -66,7 +68,7 @@ class TraceCache:
         if not mine:
             return pending.result()
         try:
-            trace = self._trace_once(argv, seq)
+            trace = self._trace_once(request, key)
             pending.set_result(trace)
             return trace
         except BaseException as exc:
@@ -76,11 +78,12 @@ class TraceCache:
             with self._pool_lock:
                 del self._pending[key]
 
-    def _trace_once(self, argv: list[str], seq: int) -> Trace:
+    def _trace_once(self, request: TraceRequest, request_key: str) -> Trace:
         if self.directory is None:
             with tempfile.TemporaryDirectory(prefix="memo_estimate_") as workdir:
-                return self._traced(argv, seq, Path(workdir) / "trace.jsonl.gz")
-        key = hashlib.sha256(json.dumps([argv, seq, self._sources_digest]).encode()).hexdigest()
+                return self._traced(request, Path(workdir) / "trace.jsonl.gz")
+        key = hashlib.sha256(json.dumps([request_key, self._sources_digest]).encode()
+                             ).hexdigest()
         path = self.directory / f"{key[:32]}.jsonl.gz"
         if path.exists():
             try:
@@ -90,7 +93,7 @@ class TraceCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.directory) as workdir:  # parallel-safe
             partial = Path(workdir) / "trace.jsonl.gz"
-            trace = self._traced(argv, seq, partial)
+            trace = self._traced(request, partial)
             os.replace(partial, path)
         return trace
 

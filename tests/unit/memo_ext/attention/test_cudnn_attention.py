@@ -218,17 +218,17 @@ def test_a_trace_declares_cudnns_backward_workspace():
 
 
 def test_the_trace_declares_the_kernel_of_its_target_gpu():
-    from megatron.memo_tools.cli.trace import traced_attention_kernel
+    from megatron.training.tracing import traced_attention_kernel
     from memo_ext.planner.cuda_rules import CudaTarget
     from types import SimpleNamespace
 
-    opts = SimpleNamespace(no_cuda_semantics=False)
+    opts = SimpleNamespace(cuda_semantics=True)
     args = SimpleNamespace(attention_backend="auto", deterministic_mode=False)
     assert traced_attention_kernel(opts, args, CudaTarget.for_gpu("h100")) == "cuda_cudnn"
     assert traced_attention_kernel(opts, args, CudaTarget.for_gpu("a800")) == "cuda_flash"
     args.attention_backend = "flash"
     assert traced_attention_kernel(opts, args, CudaTarget.for_gpu("h200")) == "cuda_flash"
-    opts.no_cuda_semantics, args.attention_backend = True, "auto"
+    opts.cuda_semantics, args.attention_backend = False, "auto"
     assert traced_attention_kernel(opts, args, CudaTarget.for_gpu("h100")) == "cuda_flash"
 
 

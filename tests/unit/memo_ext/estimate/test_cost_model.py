@@ -21,8 +21,9 @@ from memo_ext.estimate.cost import (
 from memo_ext.estimate.flops import model_flops_per_sequence, parameter_count
 from memo_ext.estimate.kernels import at_model_shapes, kernel_rows
 from memo_ext.estimate.layout import Layout, TraceCache, candidate_layouts
+from memo_ext.estimate.models import traced_model
 from memo_ext.attention import ZigzagLayout
-from tests.conftest import run_estimate_cli
+from tests.conftest import run_estimate_cli, trace_request
 
 LAYERS, HIDDEN, FFN, HEADS, VOCAB = 2, 64, 256, 4, 512
 SMALL = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--ffn-hidden-size",
@@ -36,12 +37,13 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     # One tracer server for the three traces (one process start instead of three): its traces
-    # are trace_rank's (tests/unit/memo_ext/estimate/test_tracer_pool.py).
+    # are the engine's (tests/unit/memo_ext/estimate/test_tracer_pool.py).
     from memo_ext.estimate.tracer import TracerPool
 
     workdir = tmp_path_factory.mktemp("cost")
     with TracerPool(workers=1) as pool:
-        return {seq: pool.trace(SMALL + FULL_RECOMPUTE, seq, workdir / f"cost_{seq}.jsonl.gz")
+        return {seq: pool.trace(trace_request(SMALL + FULL_RECOMPUTE, seq),
+                                workdir / f"cost_{seq}.jsonl.gz")
                 for seq in (1024, 2048, 8192)}
 
 
@@ -191,9 +193,9 @@ def test_block_recompute_layouts():
     assert {(l.pp, l.recompute_layers) for l in kept} == {(1, 8), (1, 16), (1, 24), (2, 4),
                                                           (2, 8), (2, 12)}
     layout = Layout(8, 1, 1, 1, "megatron-block", recompute_layers=16)
-    assert layout.trace_argv(["--model", "7b"])[-6:] == [
-        "--recompute-granularity", "full", "--recompute-method", "block",
-        "--recompute-num-layers", "16"]
+    request = layout.trace_request(traced_model("7b"), 131072, a800)
+    assert (request.recompute_granularity, request.recompute_method,
+            request.recompute_num_layers) == ("full", "block", 16)
     assert layout.describe().endswith("Megatron block recompute 16 layers per stage")
     base = ["--model", "7b", "--gpu", "a800", "--tp", "8", "--seq-length", "131072",
             "--policy", "megatron-block"]
@@ -241,9 +243,9 @@ def test_cli_refuses_bad_recommender_input(tmp_path):
 
 def test_trace_cache_never_trusts_a_damaged_entry(tmp_path):
     cache = TraceCache(tmp_path)
-    argv = SMALL
-    first = cache.trace(argv, 1024)
+    request = trace_request(SMALL, 1024)
+    first = cache.trace(request)
     (entry,) = tmp_path.glob("*.jsonl.gz")
     entry.write_bytes(b"not gzip")
-    again = cache.trace(argv, 1024)
+    again = cache.trace(request)
     assert [e["bytes"] for e in again.events] == [e["bytes"] for e in first.events]

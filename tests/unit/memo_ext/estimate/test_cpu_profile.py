@@ -12,7 +12,7 @@ from memo_ext.estimate import load_hardware
 from memo_ext.estimate.cost import Efficiency, predict_step
 from memo_ext.estimate.cpu_profile import CpuProfileError, measure_cpu_profile
 from memo_ext.estimate.kernels import at_model_shapes
-from memo_ext.estimate.layout import CPU_TRACE_FLAGS, gpu_argv
+from memo_ext.estimate.layout import CPU_TRACE_FIELDS, target_fields
 from tests.conftest import run_estimate_cli
 
 TINY = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
@@ -36,7 +36,7 @@ def test_the_profile_has_every_key_of_a_gpu_profile(one_rank):
     missing = set(load_hardware("a800")) - GPU_ONLY_KEYS - set(one_rank)
     assert not missing
     assert one_rank["name"] == "cpu" and one_rank["device_type"] == "cpu"
-    assert gpu_argv(one_rank) == CPU_TRACE_FLAGS  # traced as the fp32 CPU trainer runs
+    assert target_fields(one_rank) == CPU_TRACE_FIELDS  # traced as the fp32 CPU trainer runs
 
 
 def test_kernel_rows_have_the_kernel_table_format(one_rank):

@@ -16,7 +16,9 @@ from memo_ext.estimate import (
     max_sequence_length,
 )
 from memo_ext.estimate.layout import Layout, Stage
-from tests.conftest import REPO_ROOT, run_estimate_cli
+from memo_ext.estimate.models import traced_model
+from memo_ext.planner.trace.request import TracedModel
+from tests.conftest import REPO_ROOT, run_estimate_cli, trace_request
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--vocab-size", "512", "--tp", "2", "--cp", "2", "--bf16",
@@ -26,13 +28,13 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def small_traces(tmp_path_factory):
-    # One tracer server for the three traces (one process start instead of three): its traces
-    # are trace_rank's (tests/unit/memo_ext/estimate/test_tracer_pool.py).
+    # One tracer worker for the three traces (one process start instead of three): its traces
+    # are the engine's (tests/unit/memo_ext/estimate/test_tracer_pool.py).
     from memo_ext.estimate.tracer import TracerPool
 
     workdir = tmp_path_factory.mktemp("estimate")
     with TracerPool(workers=1) as pool:
-        return {seq: pool.trace(SMALL, seq, workdir / f"small_{seq}.jsonl.gz")
+        return {seq: pool.trace(trace_request(SMALL, seq), workdir / f"small_{seq}.jsonl.gz")
                 for seq in (1024, 2048, 8192)}
 
 
@@ -112,7 +114,7 @@ def test_model_flag_file_is_the_shape_the_trainer_builds(tmp_path):
     from memo_ext.estimate.models import ModelError, model_shape
 
     from megatron.training.arguments import parse_args
-    from megatron.memo_tools.cli.estimate import model_argv
+    from megatron.memo_tools.cli.estimate import traced_model_and_shape
     from megatron.memo_tools.hf_checkpoint.hf_config import trainer_flags
     from tests.unit.megatron.memo_tools.hf_checkpoint.test_hf_checkpoint import LLAMA_3_1_8B
 
@@ -126,11 +128,11 @@ def test_model_flag_file_is_the_shape_the_trainer_builds(tmp_path):
     assert shape["num_query_groups"] == 8 and shape["vocab_size"] == 128256
     assert (shape["normalization"], shape["disable_bias_linear"], shape["tie_embeddings"]) == (
         args.normalization, not args.add_bias_linear, not args.untie_embeddings_and_output_weights)
-    argv, _ = model_argv(f"@{flags}")  # what tools/trace.py is given
-    assert " ".join(argv) == ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 "
-                              "--num-attention-heads 32 --num-query-groups 8 --kv-channels 128 "
-                              "--vocab-size 128256 --swiglu --normalization RMSNorm "
-                              "--disable-bias-linear")
+    traced, _ = traced_model_and_shape(f"@{flags}")  # what the tracer builds
+    assert traced == TracedModel(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+                                 num_attention_heads=32, num_query_groups=8, kv_channels=128,
+                                 vocab_size=128256, swiglu=True, normalization="RMSNorm",
+                                 disable_bias_linear=True)
     flags.write_text("--hidden-size\n4096\n")
     with pytest.raises(ModelError, match=r"the file lacks --num-layers, --num-attention-heads, "
                        "--vocab-size"):
@@ -144,9 +146,11 @@ def test_pipeline_layouts_trace_their_first_and_last_stage():
     # megatron's rank order puts PP outermost: stage 3 starts at rank 3 x TP x CP x DP
     assert Layout(2, 2, 4, 1).stages(16) == [Stage(0, 0, 4), Stage(3, 12, 1)]
     assert Layout(1, 1, 4, 2).stages(3) == [Stage(0, 0, 3), Stage(3, 6, 1)]
-    argv = Layout(2, 2, 4, 1).trace_argv(["--model", "7b"], Stage(3, 12, 1))
-    assert argv[-4:] == ["--rank", "12", "--microbatches-in-flight", "1"]
-    assert "--rank" not in Layout(2, 2, 1, 1).trace_argv(["--model", "7b"], Stage(0, 0, 1))
+    a800 = load_hardware("a800")
+    last = Layout(2, 2, 4, 1).trace_request(traced_model("7b"), 131072, a800, Stage(3, 12, 1))
+    assert (last.rank, last.microbatches_in_flight) == (12, 1)
+    first = Layout(2, 2, 1, 1).trace_request(traced_model("7b"), 131072, a800, Stage(0, 0, 1))
+    assert (first.rank, first.microbatches_in_flight) == (0, 1)
 
 
 def test_pipeline_estimate_names_the_stage_that_runs_out(tmp_path):

@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from megatron.training import tracing
+
 from memo_ext.estimate import load_hardware
 from memo_ext.estimate.layout import (
     REPLAY_ITERATIONS,
@@ -38,11 +40,11 @@ from memo_ext.estimate.symbolic import (
 from memo_ext.attention.kernels import SPLIT_KV_LSE_ACCUM, SPLIT_KV_OUT_ACCUM
 from memo_ext.planner.cuda_rules import REDUCTION_SCRATCH
 from memo_ext.planner.trace import Trace
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, subprocess_env, trace_request
 
 GiB = 1 << 30
 
-# The shape flags (the order of memo-estimate's --model JSON keys, so that the CLI test below
+# The shape flags (the network of memo-estimate's --model JSON below, so that the CLI test
 # finds the layout tests' traces in their cache).
 SHAPE = ["--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-heads", "8",
          "--vocab-size", "1024"]
@@ -81,7 +83,7 @@ def tool():
 
 
 def _opts(tool, flags: list[str], layers: int, seq: int, *more: str):
-    return tool.build_parser().parse_args(
+    return tool.request_from_argv(
         [*SHAPE, "--bf16", *flags, "--num-layers", str(layers), "--seq-length", str(seq), *more])
 
 
@@ -109,14 +111,14 @@ def cases(tool):
             # the layers and copied layer the estimator traces this policy with
             traced, copied = SYMBOLIC_LAYERS["memo" if "--memo-offload" in flags
                                              else "megatron-none"]
-            fitted = tuple(tool.record(_opts(tool, flags, traced * pp, seq))[0]
+            fitted = tuple(tracing.record(_opts(tool, flags, traced * pp, seq))[0]
                            for seq in FIT)
             symbolic = SymbolicTrace.from_traces(*fitted, copied)
-            reals = {seq: tool.record(_opts(tool, flags, layers * pp, seq))[0]
+            reals = {seq: tracing.record(_opts(tool, flags, layers * pp, seq))[0]
                      for seq, layers in POINTS}
             seq, layers = POINTS[-1]
             # --persistent-only through record(opts), as the tracer's CLI does
-            state, _ = tool.record(_opts(tool, flags, layers * pp, seq, "--persistent-only"))
+            state, _ = tracing.record(_opts(tool, flags, layers * pp, seq, "--persistent-only"))
             done[name] = Case(name, pp, fitted, symbolic, reals, state)
         return done[name]
 
@@ -271,7 +273,7 @@ def test_persistent_only_through_traced_rank(tool, cases):
     case = cases("pp2-last")
     flags, pp = LAYOUTS["pp2-last"]
     seq, layers = POINTS[-1]
-    with tool.traced_rank(_opts(tool, flags, layers * pp, seq)) as rank:
+    with tracing.traced_rank(_opts(tool, flags, layers * pp, seq)) as rank:
         state = rank.record(persistent_only=True)
     assert state.events == case.state.events
     assert state.header["persistent_events"] == case.state.header["persistent_events"]
@@ -372,7 +374,7 @@ def test_expansion_copies_the_middle_layer(cases):
 
 #: The layout model's shape: 8 layers (more than the traced layers + 2, so the stage is
 #: symbolic for every policy).
-MODEL = ["--num-layers", "8", *SHAPE]
+MODEL = trace_request(["--num-layers", "8", *SHAPE], FIT[0]).model
 STEP, MAXIMUM, FINE = 131072, 8 * 1048576, 16384  # memo-estimate's search
 
 
@@ -435,14 +437,14 @@ def test_a_mixed_stage_is_symbolic_by_one_period_of_its_pattern(cache, layers, c
     traced whole event by event, with the same peak and MFU."""
     mixed = Layout(2, 1, 1, 1, "memo", 0.0, checkpoint_layers=count, offload_buffers=1,
                    mlp_tiles=2, projection_tiles=2, head_chunks=2)
-    model_argv = ["--num-layers", str(layers), *SHAPE]
-    model, refused = build_layout_model(model_argv, mixed, load_hardware("a800"), cache=cache,
+    network = trace_request(["--num-layers", str(layers), *SHAPE], FIT[0]).model
+    model, refused = build_layout_model(network, mixed, load_hardware("a800"), cache=cache,
                                         global_batch=16, num_layers=layers)
     (stage,) = model.stages
     assert refused is None and model.checked
     assert (stage.symbolic.period, stage.shape.check_layers - stage.shape.layers) == \
         (period, max(2, period))
-    whole = LayoutModel.build(model_argv, mixed, load_hardware("a800"), global_batch=16,
+    whole = LayoutModel.build(network, mixed, load_hardware("a800"), global_batch=16,
                               cache=cache, num_layers=layers, symbolic=False)
     for seq in (FIT[1], 1 << 20):
         mine, real = stage.at(seq), whole.stages[0].at(seq)

@@ -1,6 +1,6 @@
-"""memo_ext.estimate.tracer.TracerPool and the tracer's ``--serve`` mode: traces from a long-lived
-server equal the one-subprocess-per-trace tracer's, errors answer without ending the server, a
-dead server is replaced, and close() leaves no process behind."""
+"""memo_ext.estimate.tracer.TracerPool and the tracer engine's ``--serve`` loop: a typed request
+traced by a long-lived worker equals the engine's trace of it in this process, errors answer
+without ending the worker, a dead worker is replaced, and close() leaves no process behind."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ import threading
 
 import pytest
 
-from memo_ext.estimate import EstimateError, trace_rank
+from memo_ext.estimate import EstimateError
 from memo_ext.estimate.tracer import TracerPool
+from memo_ext.planner.trace.request import TracedModel, TraceRequest
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "256",
-        "--num-attention-heads", "4", "--vocab-size", "128", "--tp", "1"]
+TINY_MODEL = TracedModel(num_layers=2, hidden_size=64, ffn_hidden_size=256,
+                         num_attention_heads=4, vocab_size=128)
+
+
+def tiny(seq: int, **fields) -> TraceRequest:
+    return TraceRequest(model=TINY_MODEL, seq_length=seq, **fields)
 
 
 def running(pid: int) -> bool:
@@ -30,17 +35,21 @@ def pool():
         yield shared
 
 
-def test_pool_trace_equals_the_subprocess_trace(pool, tmp_path):
-    direct = trace_rank(TINY, 256, tmp_path)
-    served = pool.trace(TINY, 256, tmp_path / "served.jsonl.gz")
+def test_pool_trace_equals_the_engines_trace_in_process(pool, tmp_path):
+    from megatron.training.tracing import trace_to_file
+    from memo_ext.planner.trace import read_trace
+
+    trace_to_file(tiny(256), str(tmp_path / "direct.jsonl.gz"))
+    direct = read_trace(tmp_path / "direct.jsonl.gz")
+    served = pool.trace(tiny(256), tmp_path / "served.jsonl.gz")
     assert served.events == direct.events and served.header == direct.header
     assert served.header["model"]["seq_length"] == 256
 
 
 def test_traces_in_a_row_reuse_the_server(pool, tmp_path):
-    first = pool.trace(TINY, 128, tmp_path / "a.jsonl.gz")
+    first = pool.trace(tiny(128), tmp_path / "a.jsonl.gz")
     pids = pool.pids
-    second = pool.trace(TINY, 512, tmp_path / "b.jsonl.gz")
+    second = pool.trace(tiny(512), tmp_path / "b.jsonl.gz")
     assert pool.pids == pids and len(pids) == 1
     assert (first.header["model"]["seq_length"], second.header["model"]["seq_length"]) \
         == (128, 512)
@@ -48,31 +57,31 @@ def test_traces_in_a_row_reuse_the_server(pool, tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    (["--tp", "3"], r"tracing at 256 tokens failed: .*ArgumentValidationError: "
-                    r"--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
-    (["--rank", "99"], r"tracing at 256 tokens failed: error: --rank 99 is outside the world"),
-    (["--no-such-flag"], r"tracing at 256 tokens failed: .*unrecognized arguments: "
-                         r"--no-such-flag"),
+    ({"tp": 3}, r"tracing at 256 tokens failed: .*ArgumentValidationError: "
+                r"--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
+    ({"rank": 99}, r"tracing at 256 tokens failed: error: --rank 99 is outside the world"),
+    ({"extra_trainer_argv": ("--no-such-flag",)},
+     r"tracing at 256 tokens failed: .*unrecognized arguments: --no-such-flag"),
 ], ids=["tp-3", "rank-99", "unknown-flag"])
 def test_a_failed_trace_leaves_the_server_serving(pool, tmp_path, bad, message):
     output = tmp_path / "bad.jsonl.gz"
     with pytest.raises(EstimateError, match=message):
-        pool.trace(TINY + bad, 256, output)
+        pool.trace(tiny(256, **bad), output)
     assert not output.exists()
     pids = pool.pids
-    assert pool.trace(TINY, 128, tmp_path / "good.jsonl.gz").events
+    assert pool.trace(tiny(128), tmp_path / "good.jsonl.gz").events
     assert pool.pids == pids
 
 
 def test_a_dead_server_is_reported_and_replaced(pool, tmp_path):
-    pool.trace(TINY, 128, tmp_path / "warm.jsonl.gz")
+    pool.trace(tiny(128), tmp_path / "warm.jsonl.gz")
     (pid,) = pool.pids
     os.kill(pid, 9)
     with pytest.raises(EstimateError, match=r"tracing at 128 tokens failed: .*exited with "
                                             r"status -9"):
-        pool.trace(TINY, 128, tmp_path / "dead.jsonl.gz")
+        pool.trace(tiny(128), tmp_path / "dead.jsonl.gz")
     assert pool.pids == []
-    assert pool.trace(TINY, 128, tmp_path / "fresh.jsonl.gz").events
+    assert pool.trace(tiny(128), tmp_path / "fresh.jsonl.gz").events
     assert pool.pids != [pid]
 
 
@@ -81,7 +90,7 @@ def test_concurrent_traces_then_close_leaves_no_process(tmp_path):
     results: dict[int, object] = {}
     with TracerPool(workers=2) as two:
         def work(seq: int) -> None:
-            results[seq] = two.trace(TINY, seq, tmp_path / f"t{seq}.jsonl.gz")
+            results[seq] = two.trace(tiny(seq), tmp_path / f"t{seq}.jsonl.gz")
 
         threads = [threading.Thread(target=work, args=(seq,)) for seq in (128, 256)]
         for thread in threads:
@@ -94,4 +103,4 @@ def test_concurrent_traces_then_close_leaves_no_process(tmp_path):
             == {128: 128, 256: 256}
     assert two.pids == [] and not any(map(running, pids))
     with pytest.raises(EstimateError, match="closed"):
-        two.trace(TINY, 128, tmp_path / "late.jsonl.gz")
+        two.trace(tiny(128), tmp_path / "late.jsonl.gz")

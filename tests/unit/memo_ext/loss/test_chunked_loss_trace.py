@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.training import tracing
+
 from bench.loss_memory import head_allocations
-from memo_ext.estimate.layout import CHUNKED_LOSS_TRAINER_FLAGS, Layout
+from memo_ext.estimate import load_hardware
+from memo_ext.estimate.layout import Layout
+from memo_ext.estimate.models import traced_model
 from memo_ext.estimate.memory import LinearTrace
 
 
@@ -26,11 +30,11 @@ def tool():
 
 def record(tool, argv):
     """(trace, trainer args) of tools/trace.py ``argv``, in this process."""
-    with tool.traced_rank(tool.build_parser().parse_args(argv)) as rank:
+    with tracing.traced_rank(tool.request_from_argv(argv)) as rank:
         return rank.record(), rank.args
 
 
-CHUNKED = [f"--trainer-args={CHUNKED_LOSS_TRAINER_FLAGS}"]
+CHUNKED = ["--trainer-args=--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"]
 GiB = 1 << 30
 
 
@@ -71,10 +75,10 @@ def test_tracer_sees_unfused_logits_and_a_length_independent_chunked_structure(t
 
 
 def test_estimator_memo_policy_traces_the_chunked_loss(tool):
-    argv = Layout(4, 2, 1, 1, "memo", alpha=0.0).trace_argv(["--model", "7b"])
-    opts = tool.build_parser().parse_args(argv + ["--seq-length", "131072"])
-    trainer = tool.trainer_argv(opts)
+    a800 = load_hardware("a800")
+    memo = Layout(4, 2, 1, 1, "memo", alpha=0.0).trace_request(traced_model("7b"), 131072, a800)
+    trainer = tracing.trainer_argv(memo)
     assert trainer[-3:] == ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl",
                             "chunked"]
-    megatron = Layout(4, 2, 1, 1, "megatron").trace_argv(["--model", "7b"])
-    assert not any(flag.startswith("--trainer-args") for flag in megatron)
+    megatron = Layout(4, 2, 1, 1, "megatron").trace_request(traced_model("7b"), 131072, a800)
+    assert "--cross-entropy-loss-fusion" not in tracing.trainer_argv(megatron)

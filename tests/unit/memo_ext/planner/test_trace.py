@@ -19,6 +19,8 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
+
+from megatron.training import tracing
 import torch
 
 from memo_ext.planner import trace as T
@@ -39,8 +41,8 @@ def tool():
 
 
 def record(tool, argv, **overrides):
-    opts = tool.build_parser().parse_args(argv)
-    with tool.traced_rank(opts) as rank:
+    opts = tool.request_from_argv(argv)
+    with tracing.traced_rank(opts) as rank:
         return rank.record(**overrides), rank.args
 
 
@@ -312,8 +314,8 @@ def test_peak_agrees_with_memtracker(tool, extra):
     not tensors; CPU dtypes, since MemTracker sees real op outputs)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    opts = tool.build_parser().parse_args(SMALL + extra + ["--no-cuda-semantics"])
-    with tool.traced_rank(opts) as rank:
+    opts = tool.request_from_argv(SMALL + extra + ["--no-cuda-semantics"])
+    with tracing.traced_rank(opts) as rank:
         rank.model.buffers = _CallableBufferList(rank.model.buffers, rank.model)
         params, grads = T.persistent_tensors(rank.model)
         tracker = MemTracker()

@@ -10,14 +10,15 @@ SEQ, CP, TP, HIDDEN, TILE = 512, 2, 2, 64, 64
 def _largest_mlp_allocation(tile_tokens: int) -> tuple[int, int]:
     """(largest allocation of layer 0's fc1/fc2 in the iteration, number of TiledMLP modules)
     in a fake-tensor trace of a small bf16 model at TP=2+SP, CP=2."""
+    from megatron.training import tracing
     from megatron.memo_tools.cli import trace as tool
     from memo_ext.tiled_mlp import TiledMLP
 
-    opts = tool.build_parser().parse_args([
+    opts = tool.request_from_argv([
         "--num-layers", "2", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4",
         "--seq-length", str(SEQ), "--vocab-size", "512", "--tp", str(TP), "--cp", str(CP),
         "--bf16", "--memo-mlp-tile-size", str(tile_tokens)])
-    with tool.traced_rank(opts) as rank:
+    with tracing.traced_rank(opts) as rank:
         tiled_modules = sum(isinstance(m, TiledMLP) for m in rank.model.modules())
         trace = rank.record()
     largest = max(event["bytes"] for event in trace.events if event["action"] == "alloc"

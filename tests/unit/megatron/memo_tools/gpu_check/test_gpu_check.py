@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from megatron.training import tracing
+
 from megatron.memo_tools.gpu_check import check, measure, plan, predict, report
 from megatron.memo_tools.gpu_check.measure import (
     Completed,
@@ -157,7 +159,7 @@ def test_run_flags_match_what_the_estimator_traces(tmp_path):
         if run.mechanism.estimator in (None, ("sppo", "solver")):
             continue
         shape = predict.model_shape(run)
-        opts = trace_tool.build_parser().parse_args(
+        opts = trace_tool.request_from_argv(
             ["--num-layers", str(shape["num_layers"]), "--hidden-size", str(shape["hidden_size"]),
              "--ffn-hidden-size", str(shape["ffn_hidden_size"]),
              "--num-attention-heads", str(shape["num_attention_heads"]),
@@ -165,7 +167,7 @@ def test_run_flags_match_what_the_estimator_traces(tmp_path):
              str(run.model.seq_length), "--tp", str(run.tp), "--cp", str(run.cp),
              "--pp", str(run.pp), "--dp",
              str(run.dp), "--bf16"])
-        traced = trace_tool.trainer_argv(opts)
+        traced = tracing.trainer_argv(opts)
         ours = run.argv(tmp_path / "m.jsonl")
         for flag in ("--bf16", "--use-distributed-optimizer", "--sequence-parallel",
                      "--accumulate-allreduce-grads-in-fp32",
