@@ -10,7 +10,7 @@ The trainer flags mirror what tools/trace.py traces for the estimator (bf16, dis
 optimizer, fp32 gradient accumulation, untied embeddings, rope, no dropout, sequence parallelism
 always asked for), so the measured run and the prediction describe the same configuration;
 tests/unit/megatron/training/gpu_check/test_gpu_check.py checks that against the tracer's own command line
-(megatron.training.cli.trace.trainer_argv).
+(megatron.training.tracing.trainer_argv).
 """
 
 from __future__ import annotations
