@@ -565,20 +565,20 @@ def predict_long(evidence: Evidence, profile: str) -> None:
     from memo_ext.estimate import load_hardware
     from memo_ext.estimate.layout import LayoutModel, TraceCache, default_cache_dir
 
-    from megatron.memo_tools.cli.estimate import model_argv
+    from megatron.memo_tools.cli.estimate import traced_model_and_shape
 
     # The trainer's model flags as a flag file, read the way `tools/estimate.py --model @FILE`
     # reads a converted checkpoint's model_flags.txt (one reading of trainer flags).
     flag_file = evidence.out / f"{evidence.stem}_model_flags.txt"
     _write_atomic(flag_file, "\n".join(LONG_MODEL_FLAGS) + "\n")
-    tracer_argv, _ = model_argv(f"@{flag_file}")
+    network, _ = traced_model_and_shape(f"@{flag_file}")
     hardware = load_hardware(profile)
     with TraceCache(default_cache_dir()) as cache:  # ends its tracer servers
         longest_done = set()
         for record in [r for r in evidence.of("long") if r["status"] == "measured"]:
             policy, seq = record["policy"], record["seq"]
             alpha = record.get("memo_alpha") if policy == "memo" else None
-            model = LayoutModel.build(tracer_argv, long_layout(policy, alpha), hardware,
+            model = LayoutModel.build(network, long_layout(policy, alpha), hardware,
                                       global_batch=1, cache=cache, allocator="caching",
                                       fit_seqs=(seq, 2 * seq))
             prediction = model.predict(seq)

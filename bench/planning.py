@@ -53,6 +53,7 @@ from bench.common import (  # noqa: E402
     longest_fitting,
     replay_iterations,
     seq_label,
+    trace_rank,
 )
 from memo_ext.planner.plan import plan_trace  # noqa: E402
 
@@ -243,7 +244,6 @@ def cuda_request_runs(workdir: Path, log) -> list[dict]:
         load_fake_runtime,
         replay_through_hooks,
     )
-    from memo_ext.estimate import trace_rank
 
     load_fake_runtime(build_fake_runtime(workdir))
     runs = []
