@@ -71,7 +71,7 @@ def trace_rank(trace_argv: list[str], seq: int, workdir: Path) -> EventTrace:
     traces."""
     from memo_ext.estimate.tracer import TracerPool
 
-    from megatron.training.cli.trace import request_from_argv
+    from megatron.memo_tools.cli.trace import request_from_argv
 
     request = request_from_argv([*trace_argv, "--seq-length", str(seq)])
     with TracerPool(1) as pool:

@@ -54,7 +54,9 @@ from memo_ext.estimate.layout import (  # noqa: E402
     candidate_layouts,
     default_cache_dir,
 )
+from memo_ext.estimate.models import traced_model  # noqa: E402
 from memo_ext.hardware import load_hardware  # noqa: E402
+from memo_ext.trace.request import TracedModel  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 PUBLISHED_RUNS = REPO_ROOT / "bench" / "published_runs.json"
@@ -178,7 +180,7 @@ def memo_paper_models(names: list[str], hardware: dict, cache, jobs: int) -> dic
         gpus = GPUS[name]
         layouts = paper_layouts(name, hardware)
         print(f"{name}: {len(layouts)} layouts", flush=True)
-        models, failed = build_models(["--model", name], layouts, hardware,
+        models, failed = build_models(traced_model(name), layouts, hardware,
                                       global_batch=GLOBAL_BATCH, cache=cache, jobs=jobs,
                                       host_memory_gb_per_node=HOST_GB,
                                       log=lambda line: print(f"  {line}", flush=True))
@@ -206,16 +208,13 @@ def memo_paper_rows(systems: dict) -> list[dict]:
     return rows
 
 
-def _model_argv(shape: dict) -> list[str]:
-    argv = ["--num-layers", str(shape["num_layers"]), "--hidden-size", str(shape["hidden_size"]),
-            "--ffn-hidden-size", str(shape["ffn_hidden_size"]),
-            "--num-attention-heads", str(shape["num_attention_heads"]),
-            "--vocab-size", str(shape["vocab_size"])]
-    if shape.get("num_query_groups"):
-        argv += ["--num-query-groups", str(shape["num_query_groups"])]
-    if shape.get("swiglu"):
-        argv.append("--swiglu")
-    return argv
+def _traced_model(shape: dict) -> TracedModel:
+    """The network a published run's shape describes: its sizes, grouped-query attention and
+    SwiGLU; the tracer's defaults for the rest."""
+    return traced_model(None, {key: shape[key] for key in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")},
+        num_query_groups=shape.get("num_query_groups") or None,
+        swiglu=bool(shape.get("swiglu")))
 
 
 def _megatron_2021_flops(run: dict) -> float:
@@ -255,7 +254,7 @@ def published_rows(hardware_of, cache) -> list[dict]:
                         micro_batch=run.get("micro_batch") or 1)
         seq = run["seq_length"]
         fit = (seq, 2 * seq) if seq < 131072 else (131072, 262144)
-        model = LayoutModel.build(_model_argv(run["model"]), layout, hardware,
+        model = LayoutModel.build(_traced_model(run["model"]), layout, hardware,
                                   global_batch=run["global_batch"], cache=cache, fit_seqs=fit,
                                   num_layers=run["model"]["num_layers"])
         prediction = model.predict(seq)

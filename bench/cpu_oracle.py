@@ -9,8 +9,8 @@ For each configuration, one after another:
 1. the ``cpu`` hardware profile is micro-benchmarked (memo_ext.estimate.cpu_profile) with the
    ranks and threads the trainer will use: GEMMs and the trainer's attention kernels at the
    layout's shapes, element-wise bandwidth, MEMO's host copies, gloo's collectives;
-2. the estimator traces the layout (tools/trace.py with the cpu profile's flags: fp32, no CUDA
-   rules, megatron's plain optimizer; traced whole at the trainer's length) and predicts one
+2. the estimator traces the layout (the tracer with the cpu profile's request fields: fp32, no
+   CUDA rules, megatron's plain optimizer; traced whole at the trainer's length) and predicts one
    iteration (memo_ext.estimate.layout.LayoutModel.predict, the same path as
    ``tools/estimate.py --gpu cpu``);
 3. the trainer runs that trace's own command line (its header's ``trainer_argv``, with the
@@ -50,10 +50,13 @@ from memo_ext.estimate.cpu_profile import (  # noqa: E402
 from memo_ext.estimate.kernels import at_model_shapes  # noqa: E402
 from memo_ext.estimate.layout import (  # noqa: E402
     Layout,
+    LayoutModel,
     TraceCache,
     build_layout_model,
     default_cache_dir,
 )
+from memo_ext.estimate.models import traced_model  # noqa: E402
+from memo_ext.flags import render_flags  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 #: One model for every row: GEMMs dominate (hidden 1024, MLP 4096) and an iteration of 2
@@ -63,8 +66,8 @@ RESULTS = REPO_ROOT / "bench" / "results"
 SEQ = 4096
 MODEL = {"num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 4096,
          "num_attention_heads": 8, "vocab_size": 4096, "seq_length": SEQ}
-MODEL_ARGV = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
-              "--num-attention-heads", "8", "--vocab-size", "4096"]
+#: The network traced: MODEL's shape (the tracer's defaults for the rest).
+TRACED_MODEL = traced_model(None, MODEL)
 GLOBAL_BATCH = 2
 ITERATIONS = 6
 WARMUP_ITERATIONS = 2  # page faults of first allocations, MKL and gloo start-up
@@ -79,10 +82,14 @@ RUN_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1",
 
 @dataclass(frozen=True)
 class Config:
+    """One row. ``request_fields``: TraceRequest fields (memo_ext.trace.request) that
+    the layout does not say, set on each of its trace requests (e.g. sequence parallelism off
+    at TP=2)."""
+
     name: str
     layout: Layout
     description: str
-    tracer_flags: tuple = ()
+    request_fields: dict = field(default_factory=dict)
 
 
 CONFIGS = [
@@ -91,7 +98,7 @@ CONFIGS = [
     Config("memo0", Layout(1, 1, 1, 1, "memo", 0.0), "MEMO alpha 0"),
     Config("memo1", Layout(1, 1, 1, 1, "memo", 1.0), "MEMO alpha 1"),
     Config("tp2", Layout(2, 1, 1, 1, "megatron-none"), "TP=2",
-           ("--no-sequence-parallel",)),
+           {"sequence_parallel": False}),
     Config("tp2sp", Layout(2, 1, 1, 1, "megatron-none"), "TP=2 + sequence parallel"),
     Config("cp2", Layout(1, 2, 1, 1, "megatron-none"), "CP=2"),
     Config("pp2", Layout(1, 1, 2, 1, "megatron-none"), "PP=2 (1F1B, 2 micro-batches)"),
@@ -132,11 +139,26 @@ def wait_for_quiet(max_load: float, minutes: float, say) -> None:
         load = os.getloadavg()[0]
 
 
-def profile_layout(layout: Layout, tracer_flags: tuple) -> dict:
-    """The layout as cpu_profile.measure_cpu_profile takes it."""
+def profile_layout(config: Config) -> dict:
+    """The configuration's layout as cpu_profile.measure_cpu_profile takes it."""
+    layout = config.layout
     return {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp,
             "micro_batch_size": layout.micro_batch,
-            "sequence_parallel": layout.tp > 1 and "--no-sequence-parallel" not in tracer_flags}
+            "sequence_parallel": layout.tp > 1 and config.request_fields.get(
+                "sequence_parallel", True)}
+
+
+def layout_model(config: Config, hardware: dict, cache: TraceCache) -> LayoutModel:
+    """The configuration's layout traced whole at every length asked (the path of
+    ``tools/estimate.py --gpu cpu``), each stage's trace request with the configuration's
+    ``request_fields``."""
+    model, _ = build_layout_model(TRACED_MODEL, config.layout, hardware, cache=cache,
+                                  exhaustive=True, global_batch=GLOBAL_BATCH,
+                                  num_layers=MODEL["num_layers"])
+    for stage in model.stages:  # exhaustive: no trace yet, each stage's request (StageModel)
+        traced_cache, request = stage.traced
+        stage.traced = (traced_cache, request.replace(**config.request_fields))
+    return model
 
 
 def trainer_command(trace_argv: list[str], ranks: int, metrics: Path) -> list[str]:
@@ -189,12 +211,10 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> Row:
     ranks = layout.gpus
     threads = threads_per_rank(ranks)
     load_before = os.getloadavg()[0]
-    hardware = measure_cpu_profile(MODEL, profile_layout(layout, config.tracer_flags),
+    hardware = measure_cpu_profile(MODEL, profile_layout(config),
                                    ranks=ranks, threads=threads, repeats=PROFILE_REPEATS,
                                    log=lambda line: say(f"  {line}"))
-    model_argv = [*MODEL_ARGV, *config.tracer_flags]
-    model, _ = build_layout_model(model_argv, layout, hardware, cache=cache, exhaustive=True,
-                                  global_batch=GLOBAL_BATCH, num_layers=MODEL["num_layers"])
+    model = layout_model(config, hardware, cache)
     prediction = model.predict(SEQ)
     step = prediction.step
     breakdown = step.breakdown()
@@ -202,8 +222,7 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> Row:
         breakdown += "; micro-batch per stage " + ", ".join(
             f"{microbatch_s(p.step):.3f}" for p in prediction.stages)
     say(f"  predicted: {breakdown}")
-    traced_cache, argv = model.stages[0].traced
-    header = traced_cache.trace(argv, SEQ).header
+    header = model.stages[0].at(SEQ).header
     efficiency = at_model_shapes(model.efficiency, hardware, header["model"], header["layout"])
     command = trainer_command(header["trainer_argv"], ranks,
                               run_root / config.name / "metrics.jsonl")
@@ -246,6 +265,7 @@ def write_report(rows: list[Row], command: str, wall_s: float, load: tuple) -> P
     dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain"],
                            capture_output=True, text=True).stdout.strip()
     worst = max(rows, key=lambda r: abs(r.error))
+    shape = " ".join(render_flags({k: v for k, v in MODEL.items() if k != "seq_length"}))
     lines = [
         "# The CPU trainer as an oracle for the time model",
         "",
@@ -254,7 +274,7 @@ def write_report(rows: list[Row], command: str, wall_s: float, load: tuple) -> P
         f"{__import__('torch').__version__}, in {wall_s / 60:.1f} min; load average (1 min) "
         f"{load[0]:.2f} before, {load[1]:.2f} after.",
         "",
-        f"Model: {' '.join(MODEL_ARGV)}, {SEQ} tokens, global batch {GLOBAL_BATCH}, micro-batch "
+        f"Model: {shape}, {SEQ} tokens, global batch {GLOBAL_BATCH}, micro-batch "
         f"1, fp32 (the CPU trainer's dtype), {ITERATIONS} iterations, the median of "
         f"iterations {WARMUP_ITERATIONS + 1}-{ITERATIONS} measured. Measured: the trainer's "
         "`iteration_time_s` on this machine. Predicted: the estimator (tools/estimate.py's "

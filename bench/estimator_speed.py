@@ -163,6 +163,7 @@ def answers(models: list[str], jobs: int, benches: list[str]) -> tuple[list[str]
         build_models,
         default_cache_dir,
     )
+    from memo_ext.estimate.models import traced_model
     from memo_ext.estimate.search import dominating
 
     hardware = load_hardware("a800")
@@ -171,7 +172,7 @@ def answers(models: list[str], jobs: int, benches: list[str]) -> tuple[list[str]
     differ = 0
 
     def built(name: str, layouts, exhaustive: bool):
-        made, failed = build_models(["--model", name], layouts, hardware,
+        made, failed = build_models(traced_model(name), layouts, hardware,
                                     global_batch=calibration.GLOBAL_BATCH, cache=cache,
                                     jobs=jobs, host_memory_gb_per_node=calibration.HOST_GB,
                                     exhaustive=exhaustive,

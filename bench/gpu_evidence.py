@@ -8,7 +8,7 @@ run cut off by its time limit still leaves data; the markdown and JSON reports a
 * ``correctness``: the one attention's tile compositions (zigzag ring CP=2/4, packed documents,
   head chunks at micro-batch 2) with the kernels this device dispatches, and with
   FlashAttention-2's too where that is cuDNN's fused attention, against a dense fp32 reference
-  (megatron.training.gpu_check.ring_composition).
+  (megatron.memo_tools.gpu_check.ring_composition).
 * ``attention``: one attention tile forward and backward, bf16, head dim 128, 32 query heads
   in 8 K/V groups (GQA 4:1), batch 1, causal and not, 2K-64K tokens: the tile ops as the
   trainer dispatches them (``memo_attention::tile_forward/backward``; cuDNN's fused attention
@@ -180,7 +180,7 @@ def section_env(evidence: Evidence, dry_run: bool) -> None:
 
 def section_correctness(evidence: Evidence, dry_run: bool) -> None:
     from memo_ext.attention import kernels
-    from megatron.training.gpu_check import ring_composition
+    from megatron.memo_tools.gpu_check import ring_composition
 
     # A dry run checks the compositions on the CPU kernels at a size the unit suite affords.
     device, dtype, seq, shape = (("cpu", torch.float32, 128, dict(heads=4, groups=2, head_dim=32))
@@ -204,7 +204,7 @@ def section_correctness(evidence: Evidence, dry_run: bool) -> None:
 
 def _correctness_case(evidence: Evidence, case, seq: int, device: str, dtype, shape: dict,
                       kernel: str) -> None:
-    from megatron.training.gpu_check import ring_composition
+    from megatron.memo_tools.gpu_check import ring_composition
 
     if evidence.left_s() < 20:
         evidence.add("correctness", case=case.name, kernel=kernel, status=NOT_MEASURED,
@@ -512,7 +512,7 @@ def long_argv(policy: str, seq: int, metrics: Path) -> list[str]:
 
 
 def section_long(evidence: Evidence, dry_run: bool) -> None:
-    from megatron.training.gpu_check.measure import (RunFailure, failure_reason, launch,
+    from megatron.memo_tools.gpu_check.measure import (RunFailure, failure_reason, launch,
                                                      measure, read_records)
 
     run_root = evidence.run_dir
@@ -565,20 +565,20 @@ def predict_long(evidence: Evidence, profile: str) -> None:
     from memo_ext.hardware import load_hardware
     from memo_ext.estimate.layout import LayoutModel, TraceCache, default_cache_dir
 
-    from megatron.training.cli.estimate import model_argv
+    from megatron.memo_tools.cli.estimate import traced_model_and_shape
 
     # The trainer's model flags as a flag file, read the way `tools/estimate.py --model @FILE`
     # reads a converted checkpoint's model_flags.txt (one reading of trainer flags).
     flag_file = evidence.out / f"{evidence.stem}_model_flags.txt"
     _write_atomic(flag_file, "\n".join(LONG_MODEL_FLAGS) + "\n")
-    tracer_argv, _ = model_argv(f"@{flag_file}")
+    network, _ = traced_model_and_shape(f"@{flag_file}")
     hardware = load_hardware(profile)
     with TraceCache(default_cache_dir()) as cache:  # ends its tracer servers
         longest_done = set()
         for record in [r for r in evidence.of("long") if r["status"] == "measured"]:
             policy, seq = record["policy"], record["seq"]
             alpha = record.get("memo_alpha") if policy == "memo" else None
-            model = LayoutModel.build(tracer_argv, long_layout(policy, alpha), hardware,
+            model = LayoutModel.build(network, long_layout(policy, alpha), hardware,
                                       global_batch=1, cache=cache, allocator="caching",
                                       fit_seqs=(seq, 2 * seq))
             prediction = model.predict(seq)
@@ -670,7 +670,7 @@ def render_markdown(evidence: Evidence) -> str:
 
 def import_rows(evidence: Path, table: Optional[Path] = None) -> int:
     """--import-rows: the evidence file's rows into the estimator's measured table."""
-    from megatron.training.cli.quiet import hide_library_warnings
+    from megatron.memo_tools.cli.quiet import hide_library_warnings
 
     hide_library_warnings()  # memo_ext.estimate imports megatron.core
     from memo_ext.estimate.measured_kernels import MEASURED_FILE, MeasuredRowsError, \

@@ -55,13 +55,12 @@ from memo_ext.estimate.host_memory import (  # noqa: E402
     node_host_memory,
 )
 from memo_ext.estimate.layout import Layout, TraceCache, build_layout_model  # noqa: E402
+from memo_ext.estimate.models import traced_model  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 SEQ = 1024
 MODEL = {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 1024,
          "num_attention_heads": 4, "vocab_size": 512, "seq_length": SEQ}
-MODEL_ARGV = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "1024",
-              "--num-attention-heads", "4", "--vocab-size", "512"]
 ITERATIONS = 2
 #: The tracer's stand-ins for what the trainer measures (host capacity, bandwidth), and the
 #: flags set here instead (each with its value).
@@ -137,13 +136,13 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> dict:
     started = time.perf_counter()
     layout = config.layout
     model_shape = {**MODEL, "num_layers": config.num_layers}
-    model_argv = [*MODEL_ARGV[:1], str(config.num_layers), *MODEL_ARGV[2:]]
     hardware = measure_cpu_profile(model_shape, {"tp": layout.tp, "cp": layout.cp,
                                                  "pp": layout.pp,
                                                  "micro_batch_size": layout.micro_batch},
                                    ranks=layout.gpus, repeats=1,
                                    log=lambda line: say(f"  {line}"))
-    model, _ = build_layout_model(model_argv, layout, hardware, cache=cache, exhaustive=True,
+    model, _ = build_layout_model(traced_model(None, model_shape), layout, hardware,
+                                  cache=cache, exhaustive=True,
                                   global_batch=config.global_batch,
                                   num_layers=config.num_layers)
     prediction = model.predict(SEQ)

@@ -33,7 +33,7 @@ from bench.common import mfu_axis, seq_label  # noqa: E402
 from bench.cost_calibration import GLOBAL_BATCH, PAPER, PAPER_LONGEST  # noqa: E402
 from memo_ext.estimate.flops import model_flops_per_sequence  # noqa: E402
 from memo_ext.estimate.layout import Layout, TraceCache, build_models, default_cache_dir  # noqa: E402
-from memo_ext.estimate.models import model_shape  # noqa: E402
+from memo_ext.estimate.models import model_shape, traced_model  # noqa: E402
 from memo_ext.hardware import load_hardware  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -79,7 +79,7 @@ def main() -> int:
         for family, layouts in families.items():
             wanted = [Layout(tp, cp, pp, dp, policy) for tp, cp, pp, dp in layouts
                       for policy in ("megatron", "megatron-none")]
-            built, failed = build_models(["--model", name], wanted, hardware,
+            built, failed = build_models(traced_model(name), wanted, hardware,
                                          global_batch=GLOBAL_BATCH, cache=cache, jobs=opts.jobs,
                                          log=lambda line: print(f"  {line}", flush=True))
             for layout, reason in failed:

@@ -295,7 +295,7 @@ class Bench:
         from memo_ext.config import OffloadConfig
         from memo_ext.offload import (AUTO_ALPHA_MEASURING_ITERATIONS, ActivationShape,
                                       MemoOffload, position_wise_share_of)
-        import pretrain_gpt
+        from megatron.training import gpt
 
         sizes = self.sizes
         result = Measurement(method.key, seq, layers, capacity_bytes)
@@ -321,7 +321,7 @@ class Bench:
                                    position_wise_share=position_wise_share_of(args))
             torch.manual_seed(0)
             tensor_parallel.model_parallel_cuda_manual_seed(0)
-            model = pretrain_gpt.model_provider(config, args, memo=memo)
+            model = gpt.model_provider(config, args, memo=memo)
             model.train()
             params = list(model.parameters())
             for p in params:

@@ -74,7 +74,7 @@ def write_corpus(prefix: Path, documents: int, seq_length: int, held_out: set[st
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from megatron.training.long_context_eval.passkey import PasskeyPrompts, draw_keys
+    from megatron.memo_tools.long_context_eval.passkey import PasskeyPrompts, draw_keys
     from megatron.training.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer("BPETokenizer", str(demo_tokenizer()))
@@ -133,7 +133,7 @@ def evaluate(load: Path, data: Path, output: Path, launcher: tuple = (),
 
 def run(workdir: Path) -> dict:
     """Corpus, both checkpoints and both evaluations under ``workdir``."""
-    from megatron.training.long_context_eval.passkey import passkey_cases
+    from megatron.memo_tools.long_context_eval.passkey import passkey_cases
 
     held_out = {case.key for case in passkey_cases(EVAL["lengths"], EVAL["depths"],
                                                    EVAL["samples"], EVAL["digits"], EVAL["seed"])}
@@ -213,7 +213,7 @@ def main() -> None:
 
 
 def trained_markdown_passkey(record: dict) -> list[str]:
-    from megatron.training.long_context_eval.report import markdown
+    from megatron.memo_tools.long_context_eval.report import markdown
 
     section = markdown({**record, "perplexity": None}).split("## Passkey retrieval")[1]
     return section.splitlines()[2:]

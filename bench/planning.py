@@ -53,6 +53,7 @@ from bench.common import (  # noqa: E402
     longest_fitting,
     replay_iterations,
     seq_label,
+    trace_rank,
 )
 from memo_ext.planner.plan import plan_trace  # noqa: E402
 
@@ -216,7 +217,7 @@ def plot(out_dir: Path, runs: list[PolicyRun]) -> None:
 # ------------------------------------------------------- the arena under CUDA's requests
 CUDA_REQUESTS_MD = "planning_cuda_requests.md"
 CUDA_REQUESTS_JSON = "planning_cuda_requests.json"
-#: megatron/training/gpu_check/plan.py's ModelSettings as tools/trace.py flags (micro-batch 1;
+#: megatron/memo_tools/gpu_check/plan.py's ModelSettings as tools/trace.py flags (micro-batch 1;
 #: the trace holds one micro-batch, the replay repeats it).
 GPU_CHECK_MODEL = ("--num-layers", "4", "--hidden-size", "512", "--ffn-hidden-size", "2048",
                    "--num-attention-heads", "8", "--vocab-size", "4096", "--micro-batch-size",
@@ -243,7 +244,6 @@ def cuda_request_runs(workdir: Path, log) -> list[dict]:
         load_fake_runtime,
         replay_through_hooks,
     )
-    from memo_ext.estimate import trace_rank
 
     load_fake_runtime(build_fake_runtime(workdir))
     runs = []

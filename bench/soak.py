@@ -61,7 +61,7 @@ def rank_main(argv: list[str]) -> None:
 
     from megatron.training import training
     from megatron.training.arguments import run_main
-    import pretrain_gpt
+    import pretrain_gpt  # the entry script of --source-tree (on PYTHONPATH), any commit's
 
     rank = int(os.environ.get("RANK", "0"))
     samples = open(Path(os.environ[RSS_DIR_ENV]) / f"rank{rank}.csv", "w", buffering=1)

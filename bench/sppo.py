@@ -144,7 +144,7 @@ class Stage:
         ``count_saved``, the bytes of the unique offloadable storages autograd saved."""
         from megatron.core import tensor_parallel
 
-        import pretrain_gpt
+        from megatron.training import gpt
         from megatron.training.arguments import core_transformer_config_from_args
         from memo_ext.config import SPPOConfig
         from memo_ext.device import CopyEngine
@@ -165,7 +165,7 @@ class Stage:
         torch.manual_seed(0)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         config = core_transformer_config_from_args(self.args)
-        model = pretrain_gpt.model_provider(config, self.args, sppo=sppo)
+        model = gpt.model_provider(config, self.args, sppo=sppo)
         sppo.attach(model)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -182,7 +182,7 @@ class Stage:
         start = time.perf_counter()
         with tracker, (torch.autograd.graph.saved_tensors_hooks(count, lambda t: t)
                        if count_saved else contextlib.nullcontext()):
-            sppo.forward_backward(forward_step_func=pretrain_gpt.forward_step,
+            sppo.forward_backward(forward_step_func=gpt.forward_step,
                                   data_iterator=iter([self.batch()]), model=[model],
                                   num_microbatches=1, forward_only=False, config=config)
         seconds = time.perf_counter() - start

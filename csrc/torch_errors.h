@@ -50,7 +50,7 @@ inline std::string human_bytes(int64_t bytes) {
 
 // c10::OutOfMemoryError (torch.OutOfMemoryError in Python). The message begins as PyTorch's
 // ("CUDA out of memory. Tried to allocate ...", which log parsers such as
-// megatron/training/gpu_check look for) and names the allocator, the bytes and the device.
+// megatron/memo_tools/gpu_check look for) and names the allocator, the bytes and the device.
 [[noreturn]] inline void throw_out_of_memory(const std::string& allocator, int64_t bytes,
                                              int device, const std::string& detail) {
   C10_THROW_ERROR(OutOfMemoryError,

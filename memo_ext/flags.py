@@ -1,5 +1,5 @@
 """The ``--memo-*`` flags generated from memo_ext.config's dataclasses: one definition per flag,
-for the trainer (megatron.training.arguments) and the tools (megatron.training.cli.trace and
+for the trainer (megatron.training.arguments) and the tools (megatron.memo_tools.cli.trace and
 .estimate) alike.
 
 Each dataclass field carries its flag name and help text in its ``metadata`` (see
@@ -199,12 +199,9 @@ def config_from_args(config_cls: type[ConfigT], args: argparse.Namespace) -> Con
 
 
 def _value_text(value: Any) -> str:
-    """A flag value as the command line carries it: a float in its shortest form that reads
-    back as the same number (``0.5``, ``1e+06``), anything else as ``str``."""
-    if isinstance(value, float):
-        short = f"{value:g}"
-        return short if float(short) == value else repr(value)
-    return str(value)
+    """A flag value as the command line carries it: ``repr`` of a float (the shortest text that
+    reads back as the same number), ``str`` of anything else."""
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 def render_flags(*items: Union[Mapping[str, Any], Any]) -> list[str]:

@@ -197,7 +197,7 @@ def run_estimate_cli(argv: list[str]) -> tuple[int, str]:
     import io
     from contextlib import redirect_stdout
 
-    from megatron.training.cli import estimate
+    from megatron.memo_tools.cli import estimate
 
     out = io.StringIO()
     with redirect_stdout(out):
@@ -280,6 +280,6 @@ def loaded_fake_cuda_runtime(fake_cuda_runtime):
 def trace_request(argv: list, seq: int):
     """The typed trace request (memo_ext.trace.request.TraceRequest) of a tools/trace.py
     command line at ``seq`` tokens: tests write small layouts as the command line a user types."""
-    from megatron.training.cli.trace import request_from_argv
+    from megatron.memo_tools.cli.trace import request_from_argv
 
     return request_from_argv([*argv, "--seq-length", str(seq)])

@@ -23,17 +23,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pretrain_gpt  # noqa: E402
+from megatron.training import gpt  # noqa: E402
 from megatron.training.arguments import parse_args, run_main  # noqa: E402
 
 
 def model_provider(config, args, pre_process: bool = True, post_process: bool = True, **_):
-    """The trainer's GPT (pretrain_gpt.model_provider) with megatron.core's DotProductAttention
-    as every layer's core attention (which holds no parameters)."""
+    """The trainer's GPT (megatron.training.gpt.model_provider) with megatron.core's
+    DotProductAttention as every layer's core attention (which holds no parameters)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    model = pretrain_gpt.model_provider(config, args, pre_process, post_process)
+    model = gpt.model_provider(config, args, pre_process, post_process)
     for layer in model.decoder.layers:
         layer.self_attention.core_attention = DotProductAttention(
             config, layer.layer_number, AttnMaskType.causal, "self")
@@ -51,7 +51,7 @@ def forward_step(eod: int, data_iterator, model):
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     output = model(batch["tokens"] if first else None, batch["position_ids"] if first else None,
                    attention_mask=mask, labels=batch["labels"] if last else None)
-    return output, partial(pretrain_gpt.loss_func, batch["loss_mask"])
+    return output, partial(gpt.loss_func, batch["loss_mask"])
 
 
 def main(argv: list[str]) -> None:

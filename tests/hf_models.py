@@ -1,5 +1,5 @@
 """Tiny random transformers models, the oracle of the Hugging Face conversion tests
-(tests/unit/megatron/training/hf_checkpoint/test_hf_checkpoint.py, tests/distributed/test_hf_checkpoint_layouts.py), a tiny
+(tests/unit/megatron/memo_tools/hf_checkpoint/test_hf_checkpoint.py, tests/distributed/test_hf_checkpoint_layouts.py), a tiny
 Hugging Face tokenizer folder (tests/unit/megatron/training/test_hf_tokenizer.py), and the logits of our model
 loaded from a converted checkpoint through the trainer's load path."""
 
@@ -98,18 +98,18 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def model_flags(checkpoint: Path) -> list[str]:
-    from megatron.training.hf_checkpoint.convert import FLAGS_FILE
+    from megatron.memo_tools.hf_checkpoint.convert import FLAGS_FILE
 
     return (Path(checkpoint) / FLAGS_FILE).read_text().split()
 
 
 def our_logits(checkpoint: Path, ids: torch.Tensor, extra: list[str] = (),
                flags: list[str] | None = None) -> torch.Tensor:
-    """Logits [b, s, padded vocabulary] of pretrain_gpt's model loaded from ``checkpoint`` by
+    """Logits [b, s, padded vocabulary] of the trainer's model loaded from ``checkpoint`` by
     the trainer's load_checkpoint, in a megatron world of one that already exists; ``flags``:
     the model flags (default: those beside a converted checkpoint)."""
     from megatron.training import checkpointing
-    from megatron.training.hf_checkpoint.trainer_model import build_model, trainer_args
+    from megatron.memo_tools.hf_checkpoint.trainer_model import build_model, trainer_args
     from megatron.training.tokenizer import padded_vocab_size
 
     flags = model_flags(checkpoint) if flags is None else flags

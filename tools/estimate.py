@@ -1,7 +1,7 @@
-"""The `memo-estimate` command in a checkout: megatron.training.cli.estimate.main."""
+"""The `memo-estimate` command in a checkout: megatron.memo_tools.cli.estimate.main."""
 import sys
 
-from megatron.training.cli.estimate import main
+from megatron.memo_tools.cli.estimate import main
 
 if __name__ == "__main__":
     sys.exit(main())

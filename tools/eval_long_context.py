@@ -1,4 +1,4 @@
-"""Long-context evaluation of a checkpoint: megatron.training.long_context_eval.cli.main
+"""Long-context evaluation of a checkpoint: megatron.memo_tools.long_context_eval.cli.main
 (docs/eval_long_context.md).
 
     python tools/eval_long_context.py --load CKPT --use-checkpoint-args --seq-length 4096 \
@@ -12,7 +12,7 @@ from pathlib import Path
 # tools/ is not a package: make the repository root importable like the other tools do.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron.training.long_context_eval.cli import main  # noqa: E402
+from megatron.memo_tools.long_context_eval.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

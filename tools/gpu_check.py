@@ -1,8 +1,8 @@
 """The `memo-gpu-check` command (`make gpu-check`) in a checkout:
-megatron.training.gpu_check.check.main. See docs/gpu_check.md."""
+megatron.memo_tools.gpu_check.check.main. See docs/gpu_check.md."""
 import sys
 
-from megatron.training.gpu_check.check import main
+from megatron.memo_tools.gpu_check.check import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
-"""The `memo-sppo-plan` command in a checkout: megatron.training.cli.sppo_plan.main."""
+"""The `memo-sppo-plan` command in a checkout: megatron.memo_tools.cli.sppo_plan.main."""
 import sys
 
-from megatron.training.cli.sppo_plan import main
+from megatron.memo_tools.cli.sppo_plan import main
 
 if __name__ == "__main__":
     sys.exit(main())

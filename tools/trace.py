@@ -1,7 +1,7 @@
-"""The `memo-trace` command in a checkout: megatron.training.cli.trace.main."""
+"""The `memo-trace` command in a checkout: megatron.memo_tools.cli.trace.main."""
 import sys
 
-from megatron.training.cli.trace import main
+from megatron.memo_tools.cli.trace import main
 
 if __name__ == "__main__":
     sys.exit(main())

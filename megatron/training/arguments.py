@@ -379,7 +379,7 @@ def parse_args(
 def silence_expected_cpu_warnings() -> None:
     """Hide megatron.core's import-time notices that Apex/Transformer Engine are missing:
     on a CPU machine that is the expected state, and they would bury real errors."""
-    from megatron.training.cli.quiet import hide_library_warnings
+    from megatron.training.library_warnings import hide_library_warnings
 
     hide_library_warnings()
 
@@ -949,7 +949,7 @@ def core_transformer_config_from_args(args: argparse.Namespace):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
-        # "chunked" is not megatron-core's: pretrain_gpt.model_provider builds
+        # "chunked" is not megatron-core's: megatron.training.gpt.model_provider builds
         # memo_ext.loss's GPTModel for it (the dataclass does not check its Literal).
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         batch_p2p_comm=True,

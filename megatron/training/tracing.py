@@ -124,7 +124,7 @@ def make_forward_step(args, model, config):
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model
 
-    import pretrain_gpt
+    from megatron.training import gpt
 
     first = parallel_state.is_pipeline_first_stage()
     last = parallel_state.is_pipeline_last_stage()
@@ -150,7 +150,7 @@ def make_forward_step(args, model, config):
             set_input_tensor(received)
             received_inputs[microbatch] = received
             del received
-        output, loss_func = pretrain_gpt.forward_step(iter([batch] if batch else []), model)
+        output, loss_func = gpt.forward_step(iter([batch] if batch else []), model)
         del batch
         if not first:
             set_input_tensor(None)
@@ -346,7 +346,7 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
         DistributedDataParallelConfig,
     )
 
-    import pretrain_gpt
+    from megatron.training import gpt
     from memo_ext.attention import kernels
     from memo_ext.trace.cuda_rules import CudaTarget
     from memo_ext.trace import (
@@ -388,7 +388,7 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
         if request.memo_offload:
             memo = _tracing_memo(args, recorder, stack, request.microbatches_in_flight)
         # The trainer's model, built by its own spec (--transformer-impl local).
-        model = pretrain_gpt.model_provider(
+        model = gpt.model_provider(
             config, args, pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(), memo=memo)
         attention_kernel = traced_attention_kernel(request, args, target)
@@ -493,7 +493,7 @@ def serve() -> int:
     # The interpreter's and the libraries' objects live as long as the worker: moved out of the
     # collector's view, the collections record_iteration makes cost 2 ms instead of 160 ms.
     import megatron.training.arguments  # noqa: F401  (the heavy imports, before freezing)
-    import pretrain_gpt  # noqa: F401
+    from megatron.training import gpt  # noqa: F401
     gc.collect()
     gc.freeze()
     for line in sys.stdin:

@@ -19,7 +19,7 @@ P is the parameters whose GEMMs run for every token:
   weight and token), under 0.1 % of a 7B model's P.
 
 :func:`gpt_shape` picks the fields P depends on from a trainer argument namespace; a trace
-header's ``header["model"]`` holds the same fields (megatron/training/cli/trace.py builds them
+header's ``header["model"]`` holds the same fields (megatron/memo_tools/cli/trace.py builds them
 with it), and memo_ext.estimate.models' presets hold them too (those without ``kv_channels``,
 ``num_query_groups``, ``swiglu`` are plain multi-head GELU models).
 """

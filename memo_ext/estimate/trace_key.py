@@ -29,9 +29,10 @@ from typing import Optional, Sequence
 
 from memo_ext.estimate.memory import TRACE_MODULE
 
-#: The import names the project owns: pyproject.toml's packages (megatron.training*, memo_ext*)
-#: and py-modules (pretrain_gpt). The graph is followed into these only.
-PROJECT_MODULES = ("memo_ext", "megatron.training", "pretrain_gpt")
+#: The import names the project owns: pyproject.toml's packages (megatron.training*,
+#: megatron.memo_tools*, memo_ext*) and py-modules (pretrain_gpt). The graph is followed into
+#: these only.
+PROJECT_MODULES = ("memo_ext", "megatron.training", "megatron.memo_tools", "pretrain_gpt")
 #: Distributions whose code the tracer runs, keyed by their installed versions; flash-attn's
 #: decides which CUDA kernels' requests the attention tiles record (its absence: torch's own
 #: FlashAttention-2 build, memo_ext.attention.kernels.installed_flash_attn).

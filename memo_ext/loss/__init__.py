@@ -2,7 +2,7 @@
 
 One entry point, :func:`chunked_vocab_parallel_cross_entropy` (memo_ext.loss.chunked); the
 trainer reaches it through :class:`ChunkedLossGPTModel` (memo_ext.loss.model), which
-pretrain_gpt.model_provider builds for ``--cross-entropy-loss-fusion
+megatron.training.gpt.model_provider builds for ``--cross-entropy-loss-fusion
 --cross-entropy-fusion-impl chunked``. Imports megatron.core only when the model is asked for.
 """
 

@@ -19,7 +19,7 @@ an upper bound), so the MFU is the solver's.
 
 It lives beside the solver, above the estimator: the solver prices with the estimator's cost
 model and rank constants, so the estimator never imports SPPO (the recommender,
-megatron/training/cli/estimate.py, imports both).
+megatron/memo_tools/cli/estimate.py, imports both).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Optional
 
 from memo_ext.estimate.kernels import kernel_rows_line
 from memo_ext.estimate.memory import EstimateError, max_sequence_length
+from memo_ext.flags import render_flags
 from memo_ext.sppo.solver import (
     MIN_SUBSEQUENCE_TOKENS,
     Candidate,
@@ -91,18 +92,15 @@ class SPPOPrediction:
         flags come from its config script). Offload is ``auto`` when the plan offloads: the
         trainer solves the same fractions from its measured bandwidth and host memory."""
         c = self.candidate
-        flags = ["--tensor-model-parallel-size", str(c.tp)]
-        if c.tp > 1:
-            flags.append("--sequence-parallel")
-        flags += ["--context-parallel-size", "1", "--pipeline-model-parallel-size", str(c.pp),
-                  "--use-distributed-optimizer", "--seq-length", str(self.seq),
-                  "--max-position-embeddings", str(self.seq), "--micro-batch-size", "1",
-                  "--global-batch-size", str(global_batch),
-                  "--memo-sppo", "--memo-sppo-subsequences", str(c.subsequences),
-                  "--memo-sppo-offload", "auto" if any(c.alphas) else "none"]
-        if self.problem.msp:
-            flags.append("--memo-sppo-msp")
-        return flags
+        return render_flags({
+            "tensor_model_parallel_size": c.tp, "sequence_parallel": c.tp > 1,
+            "context_parallel_size": 1, "pipeline_model_parallel_size": c.pp,
+            "use_distributed_optimizer": True, "seq_length": self.seq,
+            "max_position_embeddings": self.seq, "micro_batch_size": 1,
+            "global_batch_size": global_batch, "memo_sppo": True,
+            "memo_sppo_subsequences": c.subsequences,
+            "memo_sppo_offload": "auto" if any(c.alphas) else "none",
+            "memo_sppo_msp": self.problem.msp})
 
     def describe(self) -> str:
         c = self.candidate

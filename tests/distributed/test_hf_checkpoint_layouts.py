@@ -56,11 +56,10 @@ def _forward(model, ids: torch.Tensor):
 
 
 def _rank(rank: int, world_size: int, checkpoint, layout: list[str], ids, reference, out):
-    import pretrain_gpt
-
     from megatron.training import checkpointing
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args, parse_args
-    from megatron.training.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
+    from megatron.memo_tools.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
     from megatron.training.initialize import initialize_megatron
     from megatron.training.tokenizer import padded_vocab_size
     from megatron.training.training import build_model
@@ -72,7 +71,7 @@ def _rank(rank: int, world_size: int, checkpoint, layout: list[str], ids, refere
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
     config = core_transformer_config_from_args(args)
-    model = build_model(args, config, pretrain_gpt.model_provider)
+    model = build_model(args, config, gpt.model_provider)
     checkpointing.load_checkpoint(args, model, None, None)
     logits = _forward(model, ids)
     if logits is not None:
@@ -91,7 +90,7 @@ def _rank(rank: int, world_size: int, checkpoint, layout: list[str], ids, refere
 def test_converted_model_at_other_layouts(layout, tmp_path):
     from safetensors.torch import load_file
 
-    from megatron.training.hf_checkpoint.convert import export_hf, import_hf
+    from megatron.memo_tools.hf_checkpoint.convert import export_hf, import_hf
 
     hf = hf_oracle.save_tiny_model(tmp_path / "hf", "qwen2", vocab_size=VOCAB,
                                    tie_word_embeddings=True)
@@ -114,14 +113,14 @@ def test_converted_model_at_other_layouts(layout, tmp_path):
 
 def _cp_rank(rank: int, world_size: int, checkpoint, ids, out):
     """This CP rank's positions, logits and per-token losses of the loaded checkpoint, its
-    sequence split as pretrain_gpt.get_batch splits it (2 x CP chunks, rank r keeping chunks r
-    and 2 CP - 1 - r)."""
-    import pretrain_gpt
+    sequence split as megatron.training.gpt.get_batch splits it (2 x CP chunks, rank r keeping
+    chunks r and 2 CP - 1 - r)."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron.training import checkpointing
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args, parse_args
-    from megatron.training.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
+    from megatron.memo_tools.hf_checkpoint.trainer_model import PLACEHOLDER_FLAGS
     from megatron.training.initialize import initialize_megatron
     from megatron.training.tokenizer import padded_vocab_size
     from megatron.training.training import build_model
@@ -133,7 +132,7 @@ def _cp_rank(rank: int, world_size: int, checkpoint, ids, out):
     initialize_megatron(args)
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                1)
-    model = build_model(args, core_transformer_config_from_args(args), pretrain_gpt.model_provider)
+    model = build_model(args, core_transformer_config_from_args(args), gpt.model_provider)
     checkpointing.load_checkpoint(args, model, None, None)
     batch = get_batch_on_this_cp_rank({"tokens": ids, "labels": ids.roll(-1, dims=1),
                                        "position_ids": torch.arange(ids.shape[1]).expand_as(ids)})
@@ -159,7 +158,7 @@ def test_converted_model_at_context_parallel_2_equals_cp_1(tmp_path):
     """CP shards no weights: the converted checkpoint loads at CP = 2 (each rank a
     load-balanced half of the sequence, RoPE at those positions) and gives CP = 1's logits and
     loss, and transformers' logits."""
-    from megatron.training.hf_checkpoint.convert import import_hf
+    from megatron.memo_tools.hf_checkpoint.convert import import_hf
 
     hf = hf_oracle.save_tiny_model(tmp_path / "hf", "llama", max_position_embeddings=16384,
                                    rope_parameters={
@@ -189,7 +188,7 @@ def _convert(*argv: str) -> str:
 
 @pytest.mark.slow
 def test_commands_convert_train_at_tp2_and_export(tmp_path):
-    from megatron.training.hf_checkpoint.trainer_model import trainer_args, world_of_one
+    from megatron.memo_tools.hf_checkpoint.trainer_model import trainer_args, world_of_one
 
     hf = hf_oracle.save_tiny_model(tmp_path / "hf", "llama", vocab_size=VOCAB)
     checkpoint, trained, exported = (tmp_path / name for name in ("checkpoint", "trained", "out"))

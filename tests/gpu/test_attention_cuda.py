@@ -103,7 +103,7 @@ def test_this_gpu_dispatches_the_backend_auto_chooses():
 def test_every_tile_composition_on_cudnn():
     """The ring CP=2/4 (ranks as threads), packed documents, head chunks at micro-batch 2,
     all tiles on cuDNN (--attention-backend fused), against a dense fp32 reference."""
-    from megatron.training.gpu_check import ring_composition
+    from megatron.memo_tools.gpu_check import ring_composition
 
     saved = kernels.attention_backend()
     kernels.set_attention_backend("fused")

@@ -184,7 +184,7 @@ class Layout:
                  "max_position_embeddings": seq, "micro_batch_size": self.micro_batch,
                  "global_batch_size": global_batch}
         if self.policy == "memo":
-            flags.update(memo_offload=True, memo_alpha=self.alpha,
+            flags.update(memo_offload=True, memo_alpha=f"{self.alpha:g}",
                          memo_checkpoint_layers=self.checkpoint_layers, **CHUNKED_LOSS_FLAGS,
                          memo_offload_fp8=self.offload_fp8,
                          memo_offload_buffers=(None if self.offload_buffers == 2

@@ -1,12 +1,12 @@
 """bench/gpu_evidence.py end to end on CPU (--dry-run), and the tile-composition check it and
-make gpu-check run (megatron.training.gpu_check.ring_composition)."""
+make gpu-check run (megatron.memo_tools.gpu_check.ring_composition)."""
 
 import json
 
 import pytest
 import torch
 
-from megatron.training.gpu_check import ring_composition
+from megatron.memo_tools.gpu_check import ring_composition
 from tests.conftest import REPO_ROOT, load_script
 
 

@@ -395,7 +395,7 @@ def test_continue_pretraining_dry_run_prints_a_launch_the_trainer_accepts(
     the script asking the estimator itself is the slow test below), the printed launch reads
     the converted model's flags, loads it, trains on its Hugging Face tokenizer with the answer's
     layout and --memo-* flags, and pretrain_gpt.py's argument validation accepts it."""
-    from megatron.training.hf_checkpoint.convert import import_hf
+    from megatron.memo_tools.hf_checkpoint.convert import import_hf
     from memo_ext.estimate.layout import Layout
 
     checkpoint = tmp_path / "converted"

@@ -1,9 +1,9 @@
 """What a non-editable `pip install .` carries, checked on the build tree alone (setuptools'
-build_py, no compiler, a few seconds): every console script's module, the trainer module the
-tracer builds its model with, the tracer the estimator spawns, the JSON tables the code reads
-(GPU profiles, kernel tables), and the CUDA stitching allocator's sources with the headers they
-include. The slow test_wheel_install.py builds the wheel, installs it into a fresh venv and runs
-each command."""
+build_py, no compiler, a few seconds): every console script's module, the trainer's entry
+script that memo-gpu-check launches and the module the tracer builds its model with, the
+tracer the estimator spawns, the JSON tables the code reads (GPU profiles, kernel tables), and
+the CUDA stitching allocator's sources with the headers they include. The slow
+test_wheel_install.py builds the wheel, installs it into a fresh venv and runs each command."""
 from __future__ import annotations
 
 import subprocess
@@ -30,7 +30,7 @@ def test_the_build_carries_what_an_installed_package_runs(tmp_path):
     assert {"memo-estimate", "memo-trace", "memo-plan", "memo-memory-report",
             "memo-sppo-plan", "memo-gpu-check"} <= set(scripts)
     modules = {target.split(":")[0] for target in scripts.values()}
-    modules |= {TRACE_MODULE, "pretrain_gpt"}
+    modules |= {TRACE_MODULE, "pretrain_gpt", "megatron.training.gpt"}
     for module in modules:
         path = tmp_path.joinpath(*module.split("."))
         assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), module

@@ -106,12 +106,14 @@ def installed(tmp_path_factory) -> Installed:
 def test_the_installed_modules_come_from_the_wheel(installed):
     report = json.loads(installed.run(installed.python, "-c", """if True:
         import importlib.metadata, json, sys
-        import megatron.core, megatron.training.cli.trace, memo_ext, memo_ext._C, pretrain_gpt
+        import megatron.core, megatron.memo_tools.cli.trace, megatron.training.gpt, memo_ext
+        import memo_ext._C, pretrain_gpt
         from memo_ext.alloc import stitching_cuda
         from memo_ext.estimate.trace_key import tracer_files
         print(json.dumps({
             "files": {m.__name__: m.__file__ for m in (
-                memo_ext, memo_ext._C, megatron.training.cli.trace, pretrain_gpt)},
+                memo_ext, memo_ext._C, megatron.memo_tools.cli.trace, megatron.training.gpt,
+                pretrain_gpt)},
             "core": megatron.core.__file__,
             "dists": [str(d.locate_file("")) for d in
                       importlib.metadata.distributions(name="megatron-memo")],

@@ -122,9 +122,9 @@ def test_trainer_refuses_a_missing_folder_in_one_line(tmp_path):
 def test_trainer_trains_on_the_preprocessed_data(folder, tmp_path, megatron_world):
     """The trainer's steps (pretrain's tokenizer, vocabulary and data, then train_step) on the
     dataset preprocess_data wrote with the folder; the model's vocabulary is --vocab-size."""
-    import pretrain_gpt
     from megatron.core.distributed import finalize_model_grads
 
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args
     from megatron.training.data import build_data_iterator, build_datasets
     from megatron.training.tokenizer import padded_vocab_size
@@ -141,20 +141,20 @@ def test_trainer_trains_on_the_preprocessed_data(folder, tmp_path, megatron_worl
     args.padded_vocab_size = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, 1)
     assert args.padded_vocab_size == 1024  # the model's 1000 rows, not the tokenizer's 300 ids
     config = core_transformer_config_from_args(args)
-    model = build_model(args, config, pretrain_gpt.model_provider)
+    model = build_model(args, config, gpt.model_provider)
     optimizer, scheduler = build_optimizer(args, model)
     config.finalize_model_grads_func = finalize_model_grads
     dataset = build_datasets(args, tokenizer)[0]
     sample = dataset[0]["tokens"].tolist()
     assert tokenizer.eod in sample and max(sample) < 300
     iterator = build_data_iterator(dataset, 0, args)
-    losses = [train_step(pretrain_gpt.forward_step, iterator, model, optimizer, scheduler,
+    losses = [train_step(gpt.forward_step, iterator, model, optimizer, scheduler,
                          args)[0]["lm loss"] for _ in range(3)]
     assert all(torch.isfinite(torch.as_tensor(loss)) for loss in losses), losses
 
 
 def test_conversion_carries_the_tokenizer_and_names_it(folder, tmp_path, megatron_world):
-    from megatron.training.hf_checkpoint.convert import import_hf
+    from megatron.memo_tools.hf_checkpoint.convert import import_hf
 
     hf = save_tiny_model(tmp_path / "hf", "llama")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -170,7 +170,7 @@ def test_conversion_carries_the_tokenizer_and_names_it(folder, tmp_path, megatro
 
 
 def test_conversion_without_a_usable_tokenizer_names_none(folder, tmp_path, megatron_world):
-    from megatron.training.hf_checkpoint.convert import import_hf
+    from megatron.memo_tools.hf_checkpoint.convert import import_hf
 
     hf = save_tiny_model(tmp_path / "hf", "llama", vocab_size=200)  # fewer rows than ids
     (hf / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())

@@ -41,7 +41,7 @@ def trainer_shape(extra: list[str]) -> dict:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_trainers_count_equals_the_estimators_from_a_trace_header(case, tmp_path):
-    from megatron.training.cli import trace
+    from megatron.memo_tools.cli import trace
 
     trainer_flags, tracer_flags = CASES[case]
     output = tmp_path / "trace.jsonl.gz"

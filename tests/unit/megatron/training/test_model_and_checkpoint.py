@@ -49,10 +49,10 @@ def build_args(extra: list[str]):
 def test_mfu_parameter_count_is_the_built_models_per_token_gemm_weights(megatron_world, variant):
     """P counts every 2-D weight of a layer's GEMMs and the output layer once, with the
     tokenizer's vocabulary rows (not the padding); embeddings (lookups), biases and norms out."""
-    import pretrain_gpt
+    from megatron.training import gpt
 
     args = build_args(VARIANTS[variant])
-    model = pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
+    model = gpt.model_provider(core_transformer_config_from_args(args), args)
     output_layer = ("output_layer.weight" if args.untie_embeddings_and_output_weights
                     else "embedding.word_embeddings.weight")
     gemm_weights = 0
@@ -102,18 +102,18 @@ def test_crash_during_save_keeps_previous_checkpoint(megatron_world, tmp_path, m
     from megatron.core.distributed import finalize_model_grads
 
     from megatron.training import checkpointing
+    from megatron.training import gpt
     from megatron.training.data import build_data_iterator, build_datasets
     from megatron.training.tokenizer import build_tokenizer
     from megatron.training.training import TrainState, build_model, build_optimizer, train_step
-    import pretrain_gpt
 
     args = build_args(["--save", str(tmp_path), "--load", str(tmp_path)])
     config = core_transformer_config_from_args(args)
-    model = build_model(args, config, pretrain_gpt.model_provider)
+    model = build_model(args, config, gpt.model_provider)
     optimizer, scheduler = build_optimizer(args, model)
     config.finalize_model_grads_func = finalize_model_grads
     train_dataset = build_datasets(args, build_tokenizer("NullTokenizer", None, args.vocab_size))[0]
-    train_step(pretrain_gpt.forward_step, build_data_iterator(train_dataset, 0, args), model,
+    train_step(gpt.forward_step, build_data_iterator(train_dataset, 0, args), model,
                optimizer, scheduler, args)  # gives the optimizer state to save
     checkpointing.save_checkpoint(args, TrainState(iteration=1, consumed_train_samples=8),
                                   model, optimizer, scheduler)
@@ -156,7 +156,7 @@ def test_long_context_path_gradients_equal_megatrons_tensor_by_tensor(megatron_w
     parameter's gradient agree to fp32 round-off."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    import pretrain_gpt
+    from megatron.training import gpt
     from megatron.training import layer_specs
 
     class MegatronAttention(DotProductAttention):
@@ -168,7 +168,7 @@ def test_long_context_path_gradients_equal_megatrons_tensor_by_tensor(megatron_w
     def model_for(extra):
         args = build_args(VARIANTS[variant] + extra)
         torch.manual_seed(0)
-        return pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
+        return gpt.model_provider(core_transformer_config_from_args(args), args)
 
     ours = model_for(LONG_CONTEXT_PATH)
     with monkeypatch.context() as patch:

@@ -60,15 +60,14 @@ def test_each_packed_document_gets_its_logits_alone(megatron_world):
     """The trainer's GPT (RoPE, GQA) on documents A|B|C packed into one sequence: each
     document's logits equal those of the model run on it alone (RoPE scores depend on
     distances only, so no position reset is needed)."""
-    import pretrain_gpt
-
+    from megatron.training import gpt
     from megatron.training.tokenizer import padded_vocab_size
 
     args = parse_args(TINY_GPT_ARGS + ROPE, world_size=1, cuda_available=False)
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                1)
     torch.manual_seed(0)
-    model = pretrain_gpt.model_provider(core_transformer_config_from_args(args), args).eval()
+    model = gpt.model_provider(core_transformer_config_from_args(args), args).eval()
     lengths = (20, 13, 31)
     documents = [torch.randint(8, args.vocab_size, (n,)) for n in lengths]
     for document in documents[:-1]:

@@ -19,7 +19,7 @@ Each mechanism here runs the trainer's own pieces in this process (one gloo rank
 build_mechanisms, build_model, build_optimizer, the planner, mock data, train_step inside the
 mechanisms' step / end_step / report hooks, as ``pretrain`` runs them) for a few warm-up
 iterations, then asserts that each further iteration leaves no object of this project's types
-(memo_ext, megatron.training, pretrain_gpt) and no tensor in cyclic garbage. Torch's own
+(memo_ext, megatron.training) and no tensor in cyclic garbage. Torch's own
 short-lived cycles (``torch.utils._pytree.tree_flatten``'s recursive helper, made on every op
 under a dispatch mode) are not ours and are not counted. The layouts that need two ranks
 (the context-parallel ring, the pipeline, SPPO across it, METP, MEMO under TP=2 + SP) run the
@@ -79,7 +79,7 @@ TWO_RANK_LAYOUTS = {
 # traces the second and serves from the third. Every mechanism is in its steady state after 3.
 WARMUP_ITERATIONS = 3
 CHECKED_ITERATIONS = 2
-OUR_MODULES = ("memo_ext", "megatron.training", "pretrain_gpt")
+OUR_MODULES = ("memo_ext", "megatron.training")
 
 
 def _ours(obj) -> bool:
@@ -142,12 +142,12 @@ def _trainer(flags: list[str], world_size: int = 1):
     """(one training iteration as ``pretrain`` runs it, the objects it needs kept alive)."""
     from megatron.core.distributed import finalize_model_grads
 
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args, parse_args
     from megatron.training.data import build_data_iterator, build_datasets
     from megatron.training.mechanisms import build_mechanisms, build_planner_mechanism
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
     from megatron.training.training import build_model, build_optimizer, train_step
-    import pretrain_gpt
 
     args = parse_args(MODEL + flags, world_size=world_size, cuda_available=False)
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
@@ -155,7 +155,7 @@ def _trainer(flags: list[str], world_size: int = 1):
     config = core_transformer_config_from_args(args)
     quiet = lambda message: None  # noqa: E731
     mechanisms = build_mechanisms(args, log=quiet)
-    model = build_model(args, config, pretrain_gpt.model_provider, mechanisms)
+    model = build_model(args, config, gpt.model_provider, mechanisms)
     optimizer, scheduler = build_optimizer(args, model)
     mechanisms.register(build_planner_mechanism(args, model, log=quiet))
     config.finalize_model_grads_func = finalize_model_grads
@@ -163,7 +163,7 @@ def _trainer(flags: list[str], world_size: int = 1):
     train_dataset = build_datasets(args, build_tokenizer("NullTokenizer", None, args.vocab_size))[0]
     data = build_data_iterator(train_dataset, 0, args)
     forward_step = mechanisms.wrap_forward_step(
-        functools.partial(pretrain_gpt.forward_step, packed_documents=args.reset_attention_mask))
+        functools.partial(gpt.forward_step, packed_documents=args.reset_attention_mask))
     logger = _Logger()
 
     def iteration(number: int) -> None:

@@ -1,7 +1,7 @@
 """RoPE scaling (docs/rope_scaling.md) against transformers: for each rule, the rotary
-frequencies and cos/sin (with YaRN's attention temperature) of the model pretrain_gpt builds
-equal those of transformers' Llama rotary embedding at positions up to 131072; the flags reach
-the model and the attention; parse_args accepts and refuses the combinations."""
+frequencies and cos/sin (with YaRN's attention temperature) of the model megatron.training.gpt
+builds equal those of transformers' Llama rotary embedding at positions up to 131072; the flags
+reach the model and the attention; parse_args accepts and refuses the combinations."""
 
 from __future__ import annotations
 
@@ -66,14 +66,13 @@ def megatron_world():
 
 
 def build_model(flags: list[str]):
-    import pretrain_gpt
-
+    from megatron.training import gpt
     from megatron.training.tokenizer import padded_vocab_size
 
     args = parse_args(MODEL + flags, world_size=1, cuda_available=False)
     args.padded_vocab_size = padded_vocab_size(args.vocab_size,
                                                args.make_vocab_size_divisible_by, 1)
-    return pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
+    return gpt.model_provider(core_transformer_config_from_args(args), args)
 
 
 def reference_rotary(theta: float, rope_scaling) -> LlamaRotaryEmbedding:

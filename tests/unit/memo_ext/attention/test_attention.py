@@ -233,7 +233,7 @@ def test_attention_dropout_is_one_line_with_its_cost(megatron_world):
     """With --attention-dropout > 0 the trainer prints one line after building the model (the
     explicit kernel instead of flash, and the fp32 scores of this layout's largest tile); at 0
     nothing. The tiny model: micro-batch 2, 4 heads, 64 tokens."""
-    import pretrain_gpt
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args, parse_args
     from memo_ext.attention import attention_dropout_notice
     from memo_ext.attention.core import _largest_tile
@@ -244,7 +244,7 @@ def test_attention_dropout_is_one_line_with_its_cost(megatron_world):
         args = parse_args(TINY_GPT_ARGS + ["--attention-dropout", dropout], world_size=1,
                           cuda_available=False)
         args.padded_vocab_size = args.vocab_size  # the trainer sets it from its tokenizer
-        model = pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
+        model = gpt.model_provider(core_transformer_config_from_args(args), args)
         lines.append(attention_dropout_notice([model], args.seq_length, args.micro_batch_size))
     assert lines == [
         "> --attention-dropout 0.1: attention tiles with dropout run the explicit kernel, not "

@@ -114,7 +114,7 @@ def test_every_composition_through_the_double(cudnn_attention_double, monkeypatc
     """The ring CP=2/4, packed documents, head chunks at micro-batch 2: each tile's slice of
     the rows' out and log-sum-exp reaches cuDNN as its cached graph reads it. The ring's ranks
     are threads (each with its own graph cache, as cuDNN's is per thread)."""
-    from megatron.training.gpu_check import ring_composition
+    from megatron.memo_tools.gpu_check import ring_composition
 
     monkeypatch.setattr(kernels, "kernel_for",
                         lambda q, dropout_p=0.0, key_length=None: "cuda_cudnn")

@@ -95,9 +95,9 @@ def test_model_flag_file_is_the_shape_the_trainer_builds(tmp_path):
     from memo_ext.estimate.models import ModelError, model_shape
 
     from megatron.training.arguments import parse_args
-    from megatron.training.cli.estimate import traced_model_and_shape
-    from megatron.training.hf_checkpoint.hf_config import trainer_flags
-    from tests.unit.megatron.training.hf_checkpoint.test_hf_checkpoint import LLAMA_3_1_8B
+    from megatron.memo_tools.cli.estimate import traced_model_and_shape
+    from megatron.memo_tools.hf_checkpoint.hf_config import trainer_flags
+    from tests.unit.megatron.memo_tools.hf_checkpoint.test_hf_checkpoint import LLAMA_3_1_8B
 
     flags = tmp_path / "model_flags.txt"
     flags.write_text("\n".join(trainer_flags(LLAMA_3_1_8B, "config.json")) + "\n")
@@ -338,7 +338,7 @@ def test_json_answer_keeps_stdout_to_itself():
     from tests.conftest import subprocess_env
 
     code = ("import os\n"
-            "from megatron.training.cli.estimate import _answer_stream\n"
+            "from megatron.memo_tools.cli.estimate import _answer_stream\n"
             "with _answer_stream(True) as answer:\n"
             "    os.write(1, b'banner from C\\n')\n"
             "    print('progress')\n"

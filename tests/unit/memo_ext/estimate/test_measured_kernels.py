@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-import megatron.training.cli.estimate  # noqa: F401  (the CLI test's import, at collection)
+import megatron.memo_tools.cli.estimate  # noqa: F401  (the CLI test's import, at collection)
 from memo_ext.estimate import kernels
 from memo_ext.estimate.cost import Efficiency
 from memo_ext.estimate.kernels import (

@@ -38,13 +38,13 @@ from memo_ext.estimate.symbolic import (
 )
 from memo_ext.hardware import load_hardware
 from memo_ext.attention.kernels import SPLIT_KV_LSE_ACCUM, SPLIT_KV_OUT_ACCUM
-from memo_ext.trace.cuda_rules import REDUCTION_SCRATCH
 from memo_ext.trace import Trace
-from tests.conftest import REPO_ROOT, subprocess_env
+from memo_ext.trace.cuda_rules import REDUCTION_SCRATCH
+from tests.conftest import REPO_ROOT, subprocess_env, trace_request
 
 GiB = 1 << 30
 
-# The shape flags (the order of memo-estimate's --model JSON keys, so that the CLI test below
+# The shape flags (the network of memo-estimate's --model JSON below, so that the CLI test
 # finds the layout tests' traces in their cache).
 SHAPE = ["--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-heads", "8",
          "--vocab-size", "1024"]
@@ -77,7 +77,7 @@ LAYOUT_PARAMS = [pytest.param(name, marks=pytest.mark.slow) if name.startswith("
 
 @pytest.fixture(scope="module")
 def tool():
-    from megatron.training.cli import trace
+    from megatron.memo_tools.cli import trace
 
     return trace
 
@@ -374,7 +374,7 @@ def test_expansion_copies_the_middle_layer(cases):
 
 #: The layout model's shape: 8 layers (more than the traced layers + 2, so the stage is
 #: symbolic for every policy).
-MODEL = ["--num-layers", "8", *SHAPE]
+MODEL = trace_request(["--num-layers", "8", *SHAPE], FIT[0]).model
 STEP, MAXIMUM, FINE = 131072, 8 * 1048576, 16384  # memo-estimate's search
 
 
@@ -437,14 +437,14 @@ def test_a_mixed_stage_is_symbolic_by_one_period_of_its_pattern(cache, layers, c
     traced whole event by event, with the same peak and MFU."""
     mixed = Layout(2, 1, 1, 1, "memo", 0.0, checkpoint_layers=count, offload_buffers=1,
                    mlp_tiles=2, projection_tiles=2, head_chunks=2)
-    model_argv = ["--num-layers", str(layers), *SHAPE]
-    model, refused = build_layout_model(model_argv, mixed, load_hardware("a800"), cache=cache,
+    network = trace_request(["--num-layers", str(layers), *SHAPE], FIT[0]).model
+    model, refused = build_layout_model(network, mixed, load_hardware("a800"), cache=cache,
                                         global_batch=16, num_layers=layers)
     (stage,) = model.stages
     assert refused is None and model.checked
     assert (stage.symbolic.period, stage.shape.check_layers - stage.shape.layers) == \
         (period, max(2, period))
-    whole = LayoutModel.build(model_argv, mixed, load_hardware("a800"), global_batch=16,
+    whole = LayoutModel.build(network, mixed, load_hardware("a800"), global_batch=16,
                               cache=cache, num_layers=layers, symbolic=False)
     for seq in (FIT[1], 1 << 20):
         mine, real = stage.at(seq), whole.stages[0].at(seq)
@@ -567,7 +567,7 @@ def test_estimate_cli_json(tmp_path, cache, layout_models):
     model_file = tmp_path / "model.json"
     model_file.write_text(json.dumps(shape))
     done = subprocess.run(
-        [sys.executable, "-m", "megatron.training.cli.estimate", "--model", str(model_file),
+        [sys.executable, "-m", "megatron.memo_tools.cli.estimate", "--model", str(model_file),
          "--gpu", "a800", "--tp", "2", "--policy", "megatron-none", "--max-seq-length",
          "--json", "--jobs", "1", "--cache-dir", str(cache.directory)],
         cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)

@@ -138,12 +138,12 @@ def test_labels_must_match_hidden():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_gpt_model_matches_unfused(megatron_world, tied):
-    """pretrain_gpt.model_provider with --cross-entropy-fusion-impl chunked: the same parameters
-    (names and checkpoint), losses and every parameter's gradient as the unfused GPTModel; tied,
-    the output gradient reaches the shared embedding weight."""
-    import pretrain_gpt
+    """megatron.training.gpt.model_provider with --cross-entropy-fusion-impl chunked: the same
+    parameters (names and checkpoint), losses and every parameter's gradient as the unfused
+    GPTModel; tied, the output gradient reaches the shared embedding weight."""
     from megatron.core.models.gpt import GPTModel
 
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args, parse_args
     from memo_ext.loss import ChunkedLossGPTModel
     from tests.conftest import TINY_GPT_ARGS
@@ -155,7 +155,7 @@ def test_gpt_model_matches_unfused(megatron_world, tied):
     for flags in ([], chunked_flags):
         args = parse_args(TINY_GPT_ARGS + untie + flags, world_size=1, cuda_available=False)
         args.padded_vocab_size = args.vocab_size
-        models.append(pretrain_gpt.model_provider(core_transformer_config_from_args(args), args))
+        models.append(gpt.model_provider(core_transformer_config_from_args(args), args))
     unfused, chunked = models
     assert type(unfused) is GPTModel and type(chunked) is ChunkedLossGPTModel
     chunked.load_state_dict(unfused.state_dict())

@@ -23,7 +23,7 @@ from memo_ext.hardware import load_hardware
 
 @pytest.fixture(scope="module")
 def tool():
-    from megatron.training.cli import trace
+    from megatron.memo_tools.cli import trace
 
     return trace
 

@@ -32,12 +32,12 @@ def model_args(extra):
 def build_model(args, memo=None):
     from megatron.core import tensor_parallel
 
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args
-    import pretrain_gpt
 
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    return pretrain_gpt.model_provider(core_transformer_config_from_args(args), args, memo=memo)
+    return gpt.model_provider(core_transformer_config_from_args(args), args, memo=memo)
 
 
 def loss_and_grads(model):

@@ -44,14 +44,14 @@ class AllocatorHooksOnCpu(AllocationRecorder):
 def _model():
     from megatron.core import tensor_parallel
 
-    import pretrain_gpt
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args, parse_args
 
     args = parse_args(TINY_GPT_ARGS, world_size=1, cuda_available=False)
     args.padded_vocab_size = VOCAB
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    return pretrain_gpt.model_provider(core_transformer_config_from_args(args), args)
+    return gpt.model_provider(core_transformer_config_from_args(args), args)
 
 
 def _train_step(model) -> None:

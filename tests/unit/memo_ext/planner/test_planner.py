@@ -341,7 +341,7 @@ def test_memory_report_replays_a_memo_plan_plan(traced, tmp_path):
 
 
 def _load_cli():
-    from megatron.training.cli import memo_plan
+    from megatron.memo_tools.cli import memo_plan
 
     return memo_plan
 

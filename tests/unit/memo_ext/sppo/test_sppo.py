@@ -87,13 +87,13 @@ def test_sppo_flags_need_memo_sppo():
 def build(args, sppo=None):
     from megatron.core import tensor_parallel
 
-    import pretrain_gpt
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args
 
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     config = core_transformer_config_from_args(args)
-    model = pretrain_gpt.model_provider(config, args, sppo=sppo)
+    model = gpt.model_provider(config, args, sppo=sppo)
     if sppo is not None:
         sppo.attach(model)
     return model, config
@@ -129,7 +129,7 @@ def full_sequence_grads(args, batch=None):
 
 def sppo_run(args, subsequences: int, partition: str = "flops", offload: str = "none",
              engine=None, tracker=None, host_budget_bytes=None, batch=None):
-    import pretrain_gpt
+    from megatron.training import gpt
 
     batch = batch or sequence()
     config = SPPOConfig(sppo=True, sppo_subsequences=str(subsequences), sppo_partition=partition,
@@ -150,7 +150,7 @@ def sppo_run(args, subsequences: int, partition: str = "flops", offload: str = "
     with tracker if tracker is not None else torch.autograd.graph.saved_tensors_hooks(
             lambda t: t, lambda t: t):
         reports = sppo.forward_backward(
-            forward_step_func=pretrain_gpt.forward_step, data_iterator=iter([batch]),
+            forward_step_func=gpt.forward_step, data_iterator=iter([batch]),
             model=[model], num_microbatches=1, forward_only=False, config=config)
     loss = sum(report["lm loss"][0] for report in reports).item()
     return loss, {name: p.grad.clone() for name, p in model.named_parameters()}, sppo

@@ -22,7 +22,7 @@ A100 = load_hardware("a100-80gb")
 
 
 def _cli():
-    from megatron.training.cli import sppo_plan
+    from megatron.memo_tools.cli import sppo_plan
 
     return sppo_plan
 
@@ -132,7 +132,7 @@ def test_sppo_rows_hold_what_a_trace_of_the_same_layout_records(tmp_path):
     parameter, the cuBLAS workspaces and the memory outside the allocator must be what a trace
     of the same layout (TP 2, DP 2, distributed optimizer) records, and what the traced
     candidates' filter (memo_ext.estimate.layout) assumes."""
-    from megatron.training.cli import trace
+    from megatron.memo_tools.cli import trace
 
     output = tmp_path / "trace.jsonl.gz"
     assert trace.main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -260,12 +260,12 @@ def _model_args(extra):
 def _loss_and_grads(args, memo=None):
     from megatron.core import tensor_parallel
 
-    import pretrain_gpt
+    from megatron.training import gpt
     from megatron.training.arguments import core_transformer_config_from_args
 
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    model = pretrain_gpt.model_provider(core_transformer_config_from_args(args), args, memo=memo)
+    model = gpt.model_provider(core_transformer_config_from_args(args), args, memo=memo)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 512, (2, 64), generator=generator)
     labels = torch.randint(0, 512, (2, 64), generator=generator)

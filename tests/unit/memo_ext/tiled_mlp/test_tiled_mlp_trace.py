@@ -11,7 +11,7 @@ def _largest_mlp_allocation(tile_tokens: int) -> tuple[int, int]:
     """(largest allocation of layer 0's fc1/fc2 in the iteration, number of TiledMLP modules)
     in a fake-tensor trace of a small bf16 model at TP=2+SP, CP=2."""
     from megatron.training import tracing
-    from megatron.training.cli import trace as tool
+    from megatron.memo_tools.cli import trace as tool
     from memo_ext.tiled_mlp import TiledMLP
 
     opts = tool.request_from_argv([

@@ -35,7 +35,7 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 
 @pytest.fixture(scope="module")
 def tool():
-    from megatron.training.cli import trace
+    from megatron.memo_tools.cli import trace
 
     return trace
 
@@ -526,7 +526,7 @@ def test_a_command_line_on_a_gpu_node_restarts_with_no_gpu_visible(
             tool.main()
         (path, args, env), = calls
         assert path == sys.executable and env["CUDA_VISIBLE_DEVICES"] == ""
-        assert args == [sys.executable, "-m", "megatron.training.cli.trace", "--seq-length", "512"]
+        assert args == [sys.executable, "-m", "megatron.memo_tools.cli.trace", "--seq-length", "512"]
     else:
         tool.hide_gpus_by_restarting()
         assert calls == []
