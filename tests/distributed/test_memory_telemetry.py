@@ -3,7 +3,7 @@
 Must-show 3: the estimator's predicted peak for the demo model (examples/cpu_quickstart.sh's
 shape and layout, traced on fake tensors by tools/trace.py) matches the peak the tracker
 measures in a real 2-rank run within 5% -- without and with MEMO offload.
-Must-show 4: a 4-rank run (TP=2 x PP=2) prints telemetry lines with per-rank peaks and skew;
+Must-show 4: a 4-rank run (TP=2 x PP=2) prints telemetry lines with per-rank peaks and skew (slow);
 with a tiny simulated capacity it stops at the first step that does not fit, with a report
 naming the rank, phase, layer and categories (and with a capacity just above the peak, the
 fail-fast check stops it after the warm-up instead of running on)."""
@@ -25,6 +25,10 @@ LINE = re.compile(r"^memory \[step (\d+)\] peak max ([\d.]+) MiB \(rank (\d+)\) 
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 
+# ~25 s on 2 loaded cores (four ranks); the default suite keeps the gathered line's max, mean,
+# skew and worst rank (tests/unit/memo_ext/telemetry/test_telemetry.py) and four ranks with
+# telemetry on in the tiny-capacity stop below.
+@pytest.mark.slow
 def test_four_ranks_print_telemetry_lines_with_per_rank_skew(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     result = run_torchrun(4, TINY_GPT_ARGS + TP2_PP2 + [

@@ -14,6 +14,11 @@ import pytest
 
 from tests.conftest import REPO_ROOT, subprocess_env
 
+# Slow: the bench's quick run takes ~30 s on 2 loaded cores. What it shows of MEMO is in the
+# default suite: tests/unit/memo_ext/offload/test_memo_offload.py (one layer on device at a
+# time, exact gradients, host bytes, auto alpha within the device headroom).
+pytestmark = pytest.mark.slow
+
 BENCH = REPO_ROOT / "bench" / "offload_memory.py"
 OUTPUTS = ("offload_memory.md", "offload_memory.json", "offload_memory.png",
            "offload_memory_layers.png")

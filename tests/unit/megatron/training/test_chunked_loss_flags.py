@@ -39,15 +39,34 @@ def test_bad_combinations_name_the_flag(case, flags, message):
     assert "\n" not in str(error.value)
 
 
+TE_ON_CPU_LINE = ("error: --cross-entropy-fusion-impl te needs Transformer Engine on CUDA; "
+                  "use native or chunked")
+
+
+def test_te_refused_on_cpu_by_the_trainers_entry_point(monkeypatch, capsys):
+    """pretrain_gpt.main under run_main in this process, as ``python pretrain_gpt.py`` runs it."""
+    import pretrain_gpt
+    from megatron.training.arguments import run_main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        run_main(pretrain_gpt.main, [*BASE, *FUSION, "--cross-entropy-fusion-impl", "te"])
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [TE_ON_CPU_LINE] and out == ""
+
+
+# ~15 s (a fresh process importing torch); the default suite keeps the in-process entry point
+# above, and test_bad_arguments.py's fresh-process cases for this exit path.
+@pytest.mark.slow
 def test_te_refused_on_cpu_with_one_line_and_status_2():
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *BASE, *FUSION,
          "--cross-entropy-fusion-impl", "te"],
         cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "error: --cross-entropy-fusion-impl te needs Transformer Engine on CUDA; "
-        "use native or chunked"]
+    assert result.stderr.strip().splitlines() == [TE_ON_CPU_LINE]
 
 
 def test_defaults_and_config():

@@ -206,6 +206,10 @@ def test_block_recompute_layouts():
                              "--seq-length", "1024", "--block-recompute-fractions", "1"])[0] == 2
 
 
+# ~70 s on 2 loaded cores (six layouts traced, the CLI run twice); the default suite keeps the
+# recommender (test_estimate.py's SPPO rows, test_symbolic.py's rank_longest) and the cache
+# (test_trace_cache_never_trusts_a_damaged_entry).
+@pytest.mark.slow
 def test_recommend_ranks_layouts_and_reuses_its_trace_cache(tmp_path):
     model_file = tmp_path / "small.json"
     model_file.write_text(json.dumps({"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256,

@@ -71,7 +71,10 @@ LAYOUTS = {
 #: loss about 70 s). By default MEMO's symbolic trace is still checked event by event against a
 #: real trace two layers deeper (layout_models' MEMO alpha 0 model: build_layout_model refuses
 #: a symbolic trace whose check fails, and the fixture asserts ``model.checked``).
-LAYOUT_PARAMS = [pytest.param(name, marks=pytest.mark.slow) if name.startswith("memo-") else name
+#: cp2 and pp2-last (about 35 s of tracing each on 2 loaded cores) are slow as well: the
+#: default suite keeps TP (tp2) and a pipeline stage with micro-batches in flight (pp2-first).
+LAYOUT_PARAMS = [pytest.param(name, marks=pytest.mark.slow)
+                 if name.startswith("memo-") or name in ("cp2", "pp2-last") else name
                  for name in LAYOUTS]
 
 
