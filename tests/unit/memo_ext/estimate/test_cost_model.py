@@ -246,10 +246,10 @@ def test_cli_refuses_bad_recommender_input(tmp_path):
 
 
 def test_trace_cache_never_trusts_a_damaged_entry(tmp_path):
-    cache = TraceCache(tmp_path)
-    request = trace_request(SMALL, 1024)
-    first = cache.trace(request)
-    (entry,) = tmp_path.glob("*.jsonl.gz")
-    entry.write_bytes(b"not gzip")
-    again = cache.trace(request)
+    with TraceCache(tmp_path) as cache:  # close() ends its tracer server with the test
+        request = trace_request(SMALL, 1024)
+        first = cache.trace(request)
+        (entry,) = tmp_path.glob("*.jsonl.gz")
+        entry.write_bytes(b"not gzip")
+        again = cache.trace(request)
     assert [e["bytes"] for e in again.events] == [e["bytes"] for e in first.events]
