@@ -27,9 +27,11 @@ def layout_losses(layout: str, tmp_path_factory) -> dict[int, float]:
 
 
 def _slow_if_tp4(names):
-    # tp4 is slow (4 processes, the longest run): TP is in the default suite with tp2_pp2 and
-    # tp2_sp_cp2, and the agreement test compares tp2_sp_cp2 with dp4 without it.
-    return [pytest.param(name, marks=pytest.mark.slow) if name == "tp4" else name
+    # tp4 is slow (4 processes, the longest run): TP is in the default suite with tp2_sp_cp2,
+    # and the agreement test compares tp2_sp_cp2 with dp4 without it. tp2_pp2 is slow too
+    # (~30 s on 2 idle cores): PP trains in the default suite in test_sppo_exactness.py's
+    # full-sequence baseline (PP=2, 20 iterations) and test_memory_telemetry.py (TP=2 x PP=2).
+    return [pytest.param(name, marks=pytest.mark.slow) if name in ("tp4", "tp2_pp2") else name
             for name in names]
 
 

@@ -149,9 +149,8 @@ def test_trainer_entry_point_exits_2_with_one_line(case, world_size, argv, flag,
 #: the same path (parse_args raises, run_main prints one line and exits 2, checked above for
 #: all); these add what only a fresh process shows (its exit status, and that nothing else
 #: reaches stderr): the world size from $WORLD_SIZE, the one case whose validation imports
-#: megatron.core (whose import-time warnings must stay off stderr), and MEMO's and SPPO's flags.
-IN_A_PROCESS = {"heads_not_divisible_by_tp", "missing_data_path_file", "memo_alpha_not_a_number",
-                "sppo_msp_with_tensor_parallel_without_sp", "transformer_engine_on_cpu"}
+#: megatron.core (whose import-time warnings must stay off stderr), and the CUDA check.
+IN_A_PROCESS = {"heads_not_divisible_by_tp", "missing_data_path_file", "transformer_engine_on_cpu"}
 
 
 @pytest.mark.parametrize("case,world_size,argv,flag", [

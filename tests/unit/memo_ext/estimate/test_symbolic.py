@@ -71,8 +71,9 @@ LAYOUTS = {
 #: loss about 70 s). By default MEMO's symbolic trace is still checked event by event against a
 #: real trace two layers deeper (layout_models' MEMO alpha 0 model: build_layout_model refuses
 #: a symbolic trace whose check fails, and the fixture asserts ``model.checked``).
-#: cp2 and pp2-last (about 35 s of tracing each on 2 loaded cores) are slow as well: the
-#: default suite keeps TP (tp2) and a pipeline stage with micro-batches in flight (pp2-first).
+#: cp2 and pp2-last (about 20 s of tracing each on 2 idle cores) are slow as well, and so are
+#: the two tests below that trace them for themselves: the default suite keeps TP (tp2) and a
+#: pipeline stage with micro-batches in flight (pp2-first).
 LAYOUT_PARAMS = [pytest.param(name, marks=pytest.mark.slow)
                  if name.startswith("memo-") or name in ("cp2", "pp2-last") else name
                  for name in LAYOUTS]
@@ -271,6 +272,9 @@ def test_persistent_only_state_stands_for_the_real_trace(cases, name):
         real.header["work"]["phases"]["optimizer"]
 
 
+# Slow: traces pp2-last's case (~20 s idle); persistent-only states stay checked by default
+# (test_persistent_only_state_stands_for_the_real_trace at tp2 and pp2-first).
+@pytest.mark.slow
 def test_persistent_only_through_traced_rank(tool, cases):
     """rank.record(persistent_only=True) records what --persistent-only does."""
     case = cases("pp2-last")
@@ -285,6 +289,9 @@ def test_persistent_only_through_traced_rank(tool, cases):
 # ------------------------------------------------------------------ refusals
 
 
+# Slow: traces cp2's and pp2-last's cases (~25 s idle); the check's refusals of a tampered
+# size and of different work stay in the default suite.
+@pytest.mark.slow
 def test_check_refuses_a_trace_of_another_layout(cases):
     tp, cp = cases("tp2"), cases("cp2")
     seq, layers = POINTS[0]
@@ -411,6 +418,10 @@ def layout_models(cache):
     return models
 
 
+# Slow (~40 s idle, its own 8-layer traces): the default suite keeps symbolic stages checked
+# against deeper real traces (layout_models, event by event at tp2 and pp2-first) and the
+# tiled MLP traced (tests/unit/memo_ext/tiled_mlp/test_tiled_mlp_trace.py).
+@pytest.mark.slow
 def test_tiled_layers_all_in_checkpoint_mode_are_symbolic_and_checked(cache):
     """Every layer in MEMO's checkpoint mode (b), with tiled MLP and projections and chunked
     heads: every layer is alike, so the stage is symbolic, and its check against a deeper real
