@@ -48,9 +48,11 @@ GROUPS = (
 
 def trace_command(tp: int, cp: int, tiled: bool, output: Path) -> list[str]:
     command = [sys.executable, str(REPO_ROOT / "tools" / "trace.py"), "--model", "7b",
-               "--num-layers", "4", "--seq-length", str(SEQ), "--tp", str(tp), "--cp", str(cp),
-               "--bf16", "--memo-offload", "--memo-alpha", "0", "--memo-checkpoint-layers", "2",
-               "--memo-mlp-tiles", "16", "--gpu", "a800", "-o", str(output),
+               "--num-layers", "4", "--seq-length", str(SEQ), "--tensor-model-parallel-size",
+               str(tp), "--context-parallel-size", str(cp), "--bf16",
+               "--use-distributed-optimizer", "--memo-offload", "--memo-alpha", "0",
+               "--memo-checkpoint-layers", "2", "--memo-mlp-tiles", "16", "--gpu", "a800", "-o",
+               str(output),
                "--trainer-args=--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"]
     if tiled:
         chunks = min(8, 32 // tp)

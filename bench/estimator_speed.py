@@ -43,10 +43,11 @@ RESULTS = REPO_ROOT / "bench" / "results"
 OLD_COMMIT = "ff4ab63"
 #: name -> tools/estimate.py flags (issue 24's cases, and each model at one fixed layout).
 CASES = {
-    "7b-memo": "--model 7b --gpu a800 --tp 4 --cp 2 --policy memo --host-memory-gb 2048 "
-               "--max-seq-length",
-    "65b-memo": "--model 65b --gpu a800 --gpus 64 --tp 8 --cp 8 --policy memo "
-                "--host-memory-gb 2048 --max-seq-length",
+    "7b-memo": "--model 7b --gpu a800 --tensor-model-parallel-size 4 --context-parallel-size 2 "
+               "--policy memo --host-memory-gb 2048 --max-seq-length",
+    "65b-memo": "--model 65b --gpu a800 --gpus 64 --tensor-model-parallel-size 8 "
+                "--context-parallel-size 8 --policy memo --host-memory-gb 2048 "
+                "--max-seq-length",
     "7b-recommend": "--model 7b --gpu a800 --gpus 8 --host-memory-gb 2048 --recommend "
                     "--max-seq-length",
     "30b-search": "--model 30b --gpu a800 --gpus 32 --host-memory-gb 2048 --policy memo "
@@ -104,6 +105,16 @@ def _old_checkout(commit: str, workdir: Path) -> Path:
     return root
 
 
+#: The parallel sizes as tools/estimate.py spelled them before it took the trainer's flags.
+OLD_SPELLINGS = {"--tensor-model-parallel-size": "--tp", "--context-parallel-size": "--cp",
+                 "--pipeline-model-parallel-size": "--pp"}
+
+
+def old_spelling(flags: str) -> str:
+    """``flags`` as the estimator of --old-commit reads them."""
+    return " ".join(OLD_SPELLINGS.get(flag, flag) for flag in flags.split())
+
+
 def speed(cases: list[str], old_commit: str, timeout_s: float) -> list[str]:
     lines = [f"| case | command | before ({old_commit}) | answer before | now | answer now | "
              "target |", "|---|---|---|---|---|---|---|"]
@@ -117,7 +128,8 @@ def speed(cases: list[str], old_commit: str, timeout_s: float) -> list[str]:
                 times = {}
                 for label, root in (("old", old), ("new", REPO_ROOT)):
                     cache = workdir / f"cache-{case}-{label}"  # empty: nothing traced before
-                    times[label] = _run(root, flags, cache, timeout_s)
+                    times[label] = _run(root, flags if label == "new" else old_spelling(flags),
+                                        cache, timeout_s)
                     shutil.rmtree(cache, ignore_errors=True)
                     print(f"{case} {label}: {times[label][0]:.1f} s, {times[label][1]}",
                           flush=True)

@@ -82,12 +82,15 @@ class Setup:
 
 
 FULL = Setup(
-    model_argv=("--model", "7b", "--tp", "4", "--cp", "2", "--bf16"),
+    model_argv=("--model", "7b", "--tensor-model-parallel-size", "4", "--context-parallel-size",
+                "2", "--bf16", "--use-distributed-optimizer"),
     seqs=(131072, 262144, 524288), capacity_bytes=80 * GiB, search_step=65536,
     search_max=2097152)
 QUICK = Setup(
     model_argv=("--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
-                "--ffn-hidden-size", "1024", "--vocab-size", "2048", "--tp", "2", "--cp", "1",
+                "--ffn-hidden-size", "1024", "--vocab-size", "2048",
+                "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2",
+                "--context-parallel-size", "1", "--use-distributed-optimizer",
                 "--cuda-context-mib", "4", "--nccl-mib-per-communicator", "2"),
     seqs=(2048, 8192), capacity_bytes=160 * MiB, search_step=2048, search_max=16384)
 

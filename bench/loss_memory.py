@@ -55,7 +55,8 @@ def head_allocations(trace) -> tuple[int, int]:
 
 
 def trace_argv(tp: int, cp: int, chunked: bool) -> list[str]:
-    argv = ["--model", "7b", "--num-layers", "1", "--tp", str(tp), "--cp", str(cp), "--bf16"]
+    argv = ["--model", "7b", "--num-layers", "1", "--tensor-model-parallel-size", str(tp),
+            "--context-parallel-size", str(cp), "--bf16", "--use-distributed-optimizer"]
     return argv + ([f"--trainer-args={CHUNKED_FLAGS}"] if chunked else [])
 
 
@@ -129,8 +130,8 @@ def write_results(rows, out: Path, command: str, seconds: float, tp: int, cp: in
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK_SEQS}")
-    parser.add_argument("--tp", type=int, default=4)
-    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--tensor-model-parallel-size", dest="tp", type=int, default=4)
+    parser.add_argument("--context-parallel-size", dest="cp", type=int, default=2)
     parser.add_argument("-o", "--output", default=str(REPO / "bench" / "results"))
     opts = parser.parse_args(argv)
     start = time.perf_counter()

@@ -75,11 +75,15 @@ class Setup:
     iterations: int = 3
 
 
-FULL = Setup(trace_argv=("--model", "7b", "--tp", "4", "--cp", "2", "--bf16", *RECOMPUTE_ARGV),
+FULL = Setup(trace_argv=("--model", "7b", "--tensor-model-parallel-size", "4",
+                         "--context-parallel-size", "2", "--bf16", "--use-distributed-optimizer",
+                         *RECOMPUTE_ARGV),
              seqs=(262144, 1048576), capacity_bytes=80 * GiB, search_step=65536,
              search_max=2097152)
 QUICK = Setup(trace_argv=("--num-layers", "4", "--hidden-size", "256", "--num-attention-heads",
-                          "4", "--ffn-hidden-size", "1024", "--vocab-size", "2048", "--tp", "2",
+                          "4", "--ffn-hidden-size", "1024", "--vocab-size", "2048",
+                          "--untie-embeddings-and-output-weights",
+                          "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
                           "--cuda-context-mib", "4", "--nccl-mib-per-communicator", "2",
                           *RECOMPUTE_ARGV),
               seqs=(2048, 8192), capacity_bytes=160 * MiB, search_step=2048, search_max=16384)
@@ -220,12 +224,14 @@ CUDA_REQUESTS_JSON = "planning_cuda_requests.json"
 #: megatron/memo_tools/gpu_check/plan.py's ModelSettings as tools/trace.py flags (micro-batch 1;
 #: the trace holds one micro-batch, the replay repeats it).
 GPU_CHECK_MODEL = ("--num-layers", "4", "--hidden-size", "512", "--ffn-hidden-size", "2048",
-                   "--num-attention-heads", "8", "--vocab-size", "4096", "--micro-batch-size",
-                   "1")
+                   "--num-attention-heads", "8", "--vocab-size", "4096",
+                   "--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+                   "--micro-batch-size", "1")
 CUDA_REQUEST_SETUPS = {
     "gpu-check model": GPU_CHECK_MODEL,
     "+ full recompute": (*GPU_CHECK_MODEL, *RECOMPUTE_ARGV),
-    "+ GQA (2 groups), CP=2": (*GPU_CHECK_MODEL, "--num-query-groups", "2", "--cp", "2"),
+    "+ GQA (2 groups), CP=2": (*GPU_CHECK_MODEL, "--num-query-groups", "2",
+                               "--context-parallel-size", "2"),
 }
 CUDA_REQUESTS_SEQ = 4096
 CUDA_REQUESTS_ITERATIONS = 4  # the check's 4 micro-batches per iteration

@@ -106,7 +106,8 @@ def measure_cpu_profile(model: dict, layout: dict, *, ranks: int,
     heads = int(model["num_attention_heads"])
     groups = int(model.get("num_query_groups") or heads)
     if heads % tp or groups % tp:
-        raise CpuProfileError(f"--tp {tp}: {heads} heads ({groups} groups) do not divide by it")
+        raise CpuProfileError(f"--tensor-model-parallel-size {tp}: {heads} heads ({groups} "
+                              "groups) do not divide by it")
     if model["seq_length"] % (2 * cp if cp > 1 else 1):
         raise CpuProfileError(f"--seq-length {model['seq_length']}: context parallelism {cp} "
                               f"needs a multiple of {2 * cp}")

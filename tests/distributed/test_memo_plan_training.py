@@ -59,7 +59,8 @@ def test_a_plan_for_another_run_is_refused_before_training(tmp_path):
     for command in (
         [str(REPO_ROOT / "tools" / "trace.py"), "--num-layers", "4", "--hidden-size", "64",
          "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "512",
-         "--tp", "2", "--quiet", "-o", str(trace)],
+         "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2",
+         "--use-distributed-optimizer", "--quiet", "-o", str(trace)],
         [str(REPO_ROOT / "tools" / "memo_plan.py"), "--trace", str(trace), "-o", str(plan)],
     ):
         done = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, env=subprocess_env(),

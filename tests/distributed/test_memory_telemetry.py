@@ -110,13 +110,13 @@ DEMO_ARGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads
              "--hidden-dropout", "0", "--tensor-model-parallel-size", "2", "--sequence-parallel",
              "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3",
              "--mock-data", "--vocab-size", "4096", "--eval-iters", "0"]
-#: The same for tools/trace.py, as a CPU run allocates it: tied embeddings, fp32, no CUDA
-#: allocation rules (hence no cuBLAS workspace), no CUDA context or NCCL constants, no flash
-#: workspaces.
+#: The same for tools/trace.py, as a CPU run allocates it: tied embeddings and replicated
+#: optimizer state (the trainer's defaults, the tracer's too), fp32, no CUDA allocation rules
+#: (hence no cuBLAS workspace), no CUDA context or NCCL constants, no flash workspaces.
 DEMO_TRACE_ARGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
-                   "--vocab-size", "4096", "--micro-batch-size", "4", "--tp", "2",
-                   "--tie-embeddings", "--no-distributed-optimizer",
-                   "--no-cuda-semantics", "--no-flash-workspace", "--cuda-context-mib", "0",
+                   "--vocab-size", "4096", "--micro-batch-size", "4",
+                   "--tensor-model-parallel-size", "2", "--no-cuda-semantics",
+                   "--no-flash-workspace", "--cuda-context-mib", "0",
                    "--nccl-mib-per-communicator", "0"]
 # MEMO at a fixed alpha: the demo's 'auto' solves it from measured layer times, which a trace
 # cannot know.

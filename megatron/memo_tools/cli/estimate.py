@@ -1,9 +1,11 @@
 """Predict a training job's device memory, step time and MFU before launching it, on any machine.
 
-    python tools/estimate.py --model 7b --gpu a800 --tp 4 --cp 2 --seq-length 524288
-    python tools/estimate.py --model 7b --gpu a800 --tp 4 --cp 2 --max-seq-length
+    python tools/estimate.py --model 7b --gpu a800 --tensor-model-parallel-size 4 \\
+        --context-parallel-size 2 --seq-length 524288
+    python tools/estimate.py --model 7b --gpu a800 --tensor-model-parallel-size 4 \\
+        --context-parallel-size 2 --max-seq-length
     python tools/estimate.py --model 7b --gpus 8 --gpu a800 --policy memo --memo-alpha 0 \\
-        --tp 4 --cp 2 --max-seq-length
+        --tensor-model-parallel-size 4 --context-parallel-size 2 --max-seq-length
     python tools/estimate.py --model 7b --gpus 8 --gpu a800 --recommend --max-seq-length
 
 One rank per traced pipeline stage (the first, with 1F1B's micro-batches in flight, and the
@@ -51,7 +53,9 @@ hide_library_warnings()  # before the first import of megatron.core (cli/quiet.p
 from megatron.memo_tools.cli.trace import (  # noqa: E402
     TRACED_OFFLOAD_FLAGS,
     TRACED_OFFLOAD_VARIANTS,
+    add_layout_arguments,
     add_tiling_arguments,
+    data_parallel_size,
     traced_offload_config,
 )
 from memo_ext.config import (  # noqa: E402
@@ -89,7 +93,8 @@ DEFAULT_GLOBAL_BATCH = 16
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--model", required=True,
                         help="7b, 13b, 30b, 65b (examples/configs), a JSON file with "
                              + ", ".join(SHAPE_FLAGS) + " (and swiglu, disable_bias_linear, "
@@ -103,15 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "asked (memo_ext/estimate/cpu_profile.py; traced whole)")
     parser.add_argument("--hardware-file", type=Path, default=None,
                         help="extra GPU profiles (JSON, the keys of hardware.json)")
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="GPUs of the job (default TP x CP x PP); DP = GPUs / (TP x CP x PP)")
-    parser.add_argument("--tp", type=int, default=None,
-                        help="tensor-parallel size; with --gpus and no --tp/--cp/--pp, the "
-                             "layout is searched for --policy")
-    parser.add_argument("--cp", type=int, default=None)
-    parser.add_argument("--pp", type=int, default=None)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH,
+    layout = parser.add_argument_group("layout")
+    # The trainer's parallel-size flags and --gpus, as tools/trace.py takes them.
+    add_layout_arguments(layout, default_size=None,
+                         tp_note="; with --gpus and none of the three parallel sizes, the "
+                                 "layout is searched for --policy")
+    layout.add_argument("--micro-batch-size", type=int, default=1)
+    layout.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH,
                         help="sequences per iteration (default 16, as the MEMO paper's calibration runs; docs/memo.md)")
     parser.add_argument("--policy", choices=POLICIES, default="megatron",
                         help="megatron (full recompute), megatron-none (no recompute), "
@@ -188,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-cache", action="store_true", help="trace afresh, keep nothing")
     add_verbose_argument(parser)
     return parser
+
+
+def _sizes(opts: argparse.Namespace) -> tuple:
+    """(TP, CP, PP) as given (None: not given)."""
+    return (opts.tensor_model_parallel_size, opts.context_parallel_size,
+            opts.pipeline_model_parallel_size)
 
 
 class UsageError(ValueError):
@@ -368,7 +377,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         if opts.recompute_num_layers is not None and opts.policy != "megatron-block":
             raise UsageError("--recompute-num-layers applies to --policy megatron-block only "
                              "(megatron full recompute is 1 layer per block, uniform)")
-        fixed_layout = any(v is not None for v in (opts.tp, opts.cp, opts.pp))
+        fixed_layout = any(v is not None for v in _sizes(opts))
         if opts.recommend or (opts.gpus and not fixed_layout):
             if not opts.gpus:
                 raise UsageError("--recommend needs --gpus N")
@@ -468,18 +477,21 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                     f"{best.mfu * 100:.1f}%")
             return 0
 
-        opts.tp, opts.cp, opts.pp = opts.tp or 1, opts.cp or 1, opts.pp or 1
-        model_parallel = opts.tp * opts.cp * opts.pp
+        tp, cp, pp = (size or 1 for size in _sizes(opts))
+        opts.tensor_model_parallel_size, opts.context_parallel_size = tp, cp
+        opts.pipeline_model_parallel_size = pp
+        model_parallel = tp * cp * pp
         gpus = opts.gpus or model_parallel
-        if gpus % model_parallel:
-            raise UsageError(f"--gpus {gpus} is not a multiple of TP x CP x PP = "
-                             f"{model_parallel}")
+        try:
+            dp = data_parallel_size(gpus, model_parallel)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         alpha = traced_offload_config(opts).fixed_alpha if opts.policy == "memo" else None
         if opts.policy == "sppo":
             return _fixed_sppo_layout(opts, shape, hardware, gpus, started)
         recompute_layers = None
         if opts.policy == "megatron-block":
-            stage_layers = shape["num_layers"] // opts.pp
+            stage_layers = shape["num_layers"] // pp
             if opts.recompute_num_layers is None or not \
                     1 <= opts.recompute_num_layers <= stage_layers:
                 raise UsageError(f"--policy megatron-block needs --recompute-num-layers K, 1 <= K"
@@ -495,12 +507,12 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         attention = config_from_args(AttentionConfig, opts)  # the trainer's rules
         attention.validate()
         attention.validate_with(
-            (shape.get("num_query_groups") or shape["num_attention_heads"]) // opts.tp)
+            (shape.get("num_query_groups") or shape["num_attention_heads"]) // tp)
         if (opts.memo_checkpoint_layers or opts.memo_offload_fp8
                 or opts.memo_offload_buffers != 2) and opts.policy != "memo":
             raise UsageError("--memo-checkpoint-layers, --memo-offload-fp8 and "
                              "--memo-offload-buffers apply to --policy memo only")
-        layout = Layout(opts.tp, opts.cp, opts.pp, gpus // model_parallel, opts.policy, alpha,
+        layout = Layout(tp, cp, pp, dp, opts.policy, alpha,
                         opts.micro_batch_size, recompute_layers,
                         checkpoint_layers=opts.memo_checkpoint_layers,
                         offload_fp8=opts.memo_offload_fp8, mlp_tiles=opts.memo_mlp_tiles,
@@ -564,9 +576,10 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
 def check_cpu_question(opts: argparse.Namespace, shape: dict) -> None:
     """--gpu cpu answers one fixed layout at one length (its kernels are measured there);
     anything else is refused in one line."""
-    if opts.recommend or (opts.gpus and all(v is None for v in (opts.tp, opts.cp, opts.pp))):
-        raise UsageError("--gpu cpu measures this machine for one layout: give --tp/--cp/--pp "
-                         "instead of a layout search")
+    if opts.recommend or (opts.gpus and all(v is None for v in _sizes(opts))):
+        raise UsageError("--gpu cpu measures this machine for one layout: give "
+                         "--tensor-model-parallel-size/--context-parallel-size/"
+                         "--pipeline-model-parallel-size instead of a layout search")
     if opts.seq_length is None:
         raise UsageError("--gpu cpu predicts one --seq-length (its kernels are measured at "
                          "that length); give --seq-length instead of --max-seq-length")
@@ -597,19 +610,22 @@ def cpu_hardware(layout, shape: dict, seq: int, say) -> dict:
 
 
 def _fixed_sppo_layout(opts, shape: dict, hardware: dict, gpus: int, started: float) -> int:
-    """--policy sppo with --tp/--pp: the solver's best N (and MSP) for that layout."""
+    """--policy sppo with --tensor-model-parallel-size/--pipeline-model-parallel-size: the
+    solver's best N (and MSP) for that layout."""
     from memo_ext.sppo.solver import SolverError
 
-    if opts.cp != 1:
-        raise UsageError(f"--policy sppo --cp {opts.cp}: SPPO splits the sequence over the "
-                         "pipeline, not over context-parallel ranks; give --cp 1")
+    tp, cp, pp = _sizes(opts)
+    if cp != 1:
+        raise UsageError(f"--policy sppo --context-parallel-size {cp}: SPPO splits the sequence "
+                         "over the pipeline, not over context-parallel ranks; give "
+                         "--context-parallel-size 1")
     if opts.micro_batch_size != 1:
         raise UsageError("--policy sppo plans micro-batch 1; drop --micro-batch-size")
-    model = SPPOLayoutModel(shape, gpus, hardware, opts.tp, opts.pp, opts.global_batch_size,
+    model = SPPOLayoutModel(shape, gpus, hardware, tp, pp, opts.global_batch_size,
                             None if opts.host_memory_gb is None else opts.host_memory_gb * 1e9)
     device = int(hardware["device_memory_bytes"])
     print(f"estimate: {opts.model} on {opts.gpu} ({device / GiB:.2f} GiB per GPU), {gpus} "
-          f"GPUs: TP={opts.tp} PP={opts.pp} DP={model.dp} SPPO (analytic model, "
+          f"GPUs: TP={tp} PP={pp} DP={model.dp} SPPO (analytic model, "
           "memo_ext/sppo/solver.py; predicted)")
     print(f"  {kernel_rows_line(hardware)}")
     try:

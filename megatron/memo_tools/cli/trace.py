@@ -1,7 +1,12 @@
 """Record the device-memory allocation trace of one training iteration of one rank.
 
-    python tools/trace.py --model 7b --seq-length 1048576 --tp 4 --cp 2 --pp 1 --rank 0 \\
-        --bf16 -o trace.jsonl.gz
+    python tools/trace.py --model 7b --seq-length 1048576 --tensor-model-parallel-size 4 \\
+        --context-parallel-size 2 --gpus 8 --rank 0 --bf16 --use-distributed-optimizer \\
+        -o trace.jsonl.gz
+
+The flags the trainer has are spelled and mean as pretrain_gpt.py's (the parallel sizes,
+--use-distributed-optimizer, --untie-embeddings-and-output-weights); --gpus is the job's GPU
+count, as tools/estimate.py's.
 
 The command line becomes a typed request (memo_ext.trace.request.TraceRequest) that
 the tracer engine, megatron.training.tracing, builds and records: the trainer's own model, built
@@ -90,20 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--position-embedding-type", default="rope",
                        choices=("rope", "learned_absolute"))
     model.add_argument("--disable-bias-linear", action="store_true")
-    model.add_argument("--tie-embeddings", action="store_true",
-                       help="Share the input embedding and output layer weights (megatron's "
-                            "default; the trainer without --untie-embeddings-and-output-weights). "
-                            "Default: untied, as examples/configs.")
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="The trainer's flag: separate input embedding and output layer "
+                            "weights (tied without it, as the trainer). --model's presets untie "
+                            "them, as examples/configs.")
     model.add_argument("--attention-dropout", type=float, default=0.0)
     model.add_argument("--hidden-dropout", type=float, default=0.0)
 
     layout = parser.add_argument_group("layout")
     layout.add_argument("--seq-length", type=int, required=True, help="Tokens per sequence.")
     layout.add_argument("--micro-batch-size", type=int, default=1)
-    layout.add_argument("--tp", type=int, default=1, help="Tensor-parallel size.")
-    layout.add_argument("--cp", type=int, default=1, help="Context-parallel size.")
-    layout.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size.")
-    layout.add_argument("--dp", type=int, default=1, help="Data-parallel size.")
+    add_layout_arguments(layout, default_size=1)
     layout.add_argument("--rank", type=int, default=0,
                         help="Global rank whose trace is recorded (megatron's rank order).")
     layout.add_argument("--no-sequence-parallel", action="store_true",
@@ -126,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                      variants=TRACED_OFFLOAD_VARIANTS)
     add_config_flags(training, TiledMLPConfig)
     add_tiling_arguments(training)
-    training.add_argument("--no-distributed-optimizer", action="store_true",
-                          help="Replicate optimizer state on every DP rank.")
+    training.add_argument("--use-distributed-optimizer", action="store_true",
+                          help="The trainer's flag: shard optimizer state over data-parallel "
+                               "ranks (without it, replicated on every DP rank, as the trainer).")
     training.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     training.add_argument("--param-dtype-grad-buffer", action="store_true",
                           help="Gradient buffer in the parameter dtype instead of fp32 "
@@ -184,6 +187,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: --gpus, the same words in tools/trace.py and tools/estimate.py.
+GPUS_HELP = ("GPUs of the job, its world size (default TP x CP x PP, DP 1); "
+             "DP = GPUs / (TP x CP x PP)")
+#: The parallel sizes' flags, the trainer's (pretrain_gpt.py), by the TraceRequest field each sets.
+PARALLEL_SIZE_FLAGS = {"tp": "--tensor-model-parallel-size", "cp": "--context-parallel-size",
+                       "pp": "--pipeline-model-parallel-size"}
+
+
+def add_layout_arguments(group, default_size: int | None, tp_note: str = "") -> None:
+    """--gpus and the trainer's parallel-size flags (dest as the trainer's), shared with
+    tools/estimate.py; ``default_size`` is each size's default, ``tp_note`` more words on TP."""
+    group.add_argument("--gpus", type=int, default=None, metavar="N", help=GPUS_HELP)
+    for name, words in (("tp", "Tensor-parallel size"), ("cp", "Context-parallel size"),
+                        ("pp", "Pipeline-parallel size")):
+        note = tp_note if name == "tp" else ""
+        group.add_argument(PARALLEL_SIZE_FLAGS[name], type=int, default=default_size,
+                           metavar=name.upper(), help=f"{words} (the trainer's flag){note}.")
+
+
+def data_parallel_size(gpus: int | None, model_parallel: int) -> int:
+    """DP of --gpus ``gpus`` (None: ``model_parallel``, DP 1) over TP x CP x PP =
+    ``model_parallel``; ValueError (one line naming --gpus and the fix) when it does not divide."""
+    if model_parallel < 1:
+        raise ValueError(f"TP x CP x PP = {model_parallel}: give each parallel size >= 1")
+    gpus = model_parallel if gpus is None else gpus
+    if gpus < 1 or gpus % model_parallel:
+        raise ValueError(f"--gpus {gpus} is not a multiple of TP x CP x PP = {model_parallel}; "
+                         f"give a multiple of {model_parallel} (DP = GPUs / (TP x CP x PP))")
+    return gpus // model_parallel
+
+
+def model_parallel_size(opts: argparse.Namespace) -> int:
+    return (opts.tensor_model_parallel_size * opts.context_parallel_size
+            * opts.pipeline_model_parallel_size)
+
+
 def traced_model(opts: argparse.Namespace) -> TracedModel:
     """The network of --model, overridden by explicit shape flags."""
     given = {"num_layers": opts.num_layers, "hidden_size": opts.hidden_size,
@@ -201,7 +240,9 @@ def traced_model(opts: argparse.Namespace) -> TracedModel:
                            position_embedding_type=opts.position_embedding_type,
                            normalization=opts.normalization, swiglu=opts.swiglu,
                            disable_bias_linear=opts.disable_bias_linear,
-                           tie_embeddings=opts.tie_embeddings,
+                           # The trainer's rule (tied unless untied); a preset unties.
+                           tie_embeddings=(opts.model is None
+                                           and not opts.untie_embeddings_and_output_weights),
                            attention_dropout=opts.attention_dropout,
                            hidden_dropout=opts.hidden_dropout)
 
@@ -214,9 +255,14 @@ def request_from_opts(opts: argparse.Namespace) -> TraceRequest:
             traced_offload_config(opts)
         except MemoConfigError as exc:
             raise SystemExit(f"error: {exc}") from None
+    try:
+        dp = data_parallel_size(opts.gpus, model_parallel_size(opts))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     return TraceRequest(
         model=traced_model(opts), seq_length=opts.seq_length,
-        micro_batch_size=opts.micro_batch_size, tp=opts.tp, cp=opts.cp, pp=opts.pp, dp=opts.dp,
+        micro_batch_size=opts.micro_batch_size, tp=opts.tensor_model_parallel_size,
+        cp=opts.context_parallel_size, pp=opts.pipeline_model_parallel_size, dp=dp,
         rank=opts.rank, sequence_parallel=not opts.no_sequence_parallel,
         microbatches_in_flight=opts.microbatches_in_flight, bf16=opts.bf16, fp16=opts.fp16,
         recompute_granularity=opts.recompute_granularity,
@@ -227,7 +273,7 @@ def request_from_opts(opts: argparse.Namespace) -> TraceRequest:
         mlp_tiles=opts.memo_mlp_tiles, mlp_tile_size=opts.memo_mlp_tile_size,
         projection_tiles=opts.memo_attention_projection_tiles,
         head_chunks=opts.memo_attention_head_chunks,
-        distributed_optimizer=not opts.no_distributed_optimizer, optimizer=opts.optimizer,
+        distributed_optimizer=opts.use_distributed_optimizer, optimizer=opts.optimizer,
         grad_buffer_fp32=not opts.param_dtype_grad_buffer,
         extra_trainer_argv=tuple(shlex.split(opts.trainer_args)), gpu=opts.gpu,
         hardware_file=opts.hardware_file, cuda_semantics=not opts.no_cuda_semantics,
@@ -237,9 +283,21 @@ def request_from_opts(opts: argparse.Namespace) -> TraceRequest:
         warmup=opts.warmup, persistent_only=opts.persistent_only)
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """A tools/trace.py command line, parsed; a --gpus that TP x CP x PP does not divide is
+    the parser's error (usage and one line)."""
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    try:
+        data_parallel_size(opts.gpus, model_parallel_size(opts))
+    except ValueError as exc:
+        parser.error(str(exc))
+    return opts
+
+
 def request_from_argv(argv: list[str]) -> TraceRequest:
     """The typed request of a tools/trace.py command line."""
-    return request_from_opts(build_parser().parse_args(argv))
+    return request_from_opts(parse_args(argv))
 
 
 def add_tiling_arguments(parser) -> None:
@@ -358,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         hide_gpus_by_restarting()
     argv = sys.argv[1:] if argv is None else argv
-    opts = build_parser().parse_args(argv)
+    opts = parse_args(argv)
     explain_hidden(opts.verbose)
     from memo_ext.trace import summarize, write_snapshot, write_trace
 

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.slow
 EDITABLE_INSTALL = re.compile(r"^(__editable__.*|megatron_memo-.*|.*\.pth)$")
 #: tests/unit/memo_ext/planner/test_planner.py's small traced model (seconds on fake tensors).
 TRACE_ARGS = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
-              "--seq-length", "256", "--vocab-size", "512", "--tp", "2"]
+              "--seq-length", "256", "--vocab-size", "512",
+              "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2",
+              "--use-distributed-optimizer"]
 
 
 @dataclass

@@ -17,16 +17,17 @@ from megatron.training.tokenizer import build_tokenizer
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "128", "--vocab-size", "600"]  # 600: padded to 640 at TP 1, 768 at TP 2
-# (extra trainer flags, the tracer's flags for the same model); the tracer defaults to rope and
-# untied embeddings, the trainer to learned positions and tied ones.
+# (extra trainer flags, the tracer's flags for the same model); the tracer defaults to rope, the
+# trainer to learned positions; both tie the embeddings unless
+# --untie-embeddings-and-output-weights.
 CASES = {
     "swiglu_gqa_untied": (
         ["--swiglu", "--group-query-attention", "--num-query-groups", "2", "--normalization",
          "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope",
          "--untie-embeddings-and-output-weights"],
         ["--swiglu", "--num-query-groups", "2", "--normalization", "RMSNorm",
-         "--disable-bias-linear"]),
-    "default_gpt": ([], ["--tie-embeddings", "--position-embedding-type", "learned_absolute"]),
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights"]),
+    "default_gpt": ([], ["--position-embedding-type", "learned_absolute"]),
 }
 
 
@@ -45,7 +46,9 @@ def test_the_trainers_count_equals_the_estimators_from_a_trace_header(case, tmp_
 
     trainer_flags, tracer_flags = CASES[case]
     output = tmp_path / "trace.jsonl.gz"
-    assert trace.main(SHAPE + tracer_flags + ["--tp", "2", "--quiet", "-o", str(output)]) == 0
+    assert trace.main(SHAPE + tracer_flags + ["--tensor-model-parallel-size", "2",
+                                              "--use-distributed-optimizer", "--quiet", "-o",
+                                              str(output)]) == 0
     header = read_trace(output).header["model"]
     assert header["padded_vocab_size"] == 768  # TP 2's padding, which P does not see
 

@@ -28,8 +28,9 @@ from tests.conftest import run_estimate_cli, trace_request
 LAYERS, HIDDEN, FFN, HEADS, VOCAB = 2, 64, 256, 4, 512
 SMALL = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--ffn-hidden-size",
          str(FFN), "--num-attention-heads", str(HEADS), "--vocab-size", str(VOCAB),
-         "--tp", "2", "--cp", "2", "--bf16", "--cuda-context-mib", "1",
-         "--nccl-mib-per-communicator", "1"]
+         "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2",
+         "--context-parallel-size", "2", "--bf16", "--use-distributed-optimizer",
+         "--cuda-context-mib", "1", "--nccl-mib-per-communicator", "1"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
 
@@ -197,8 +198,8 @@ def test_block_recompute_layouts():
     assert (request.recompute_granularity, request.recompute_method,
             request.recompute_num_layers) == ("full", "block", 16)
     assert layout.describe().endswith("Megatron block recompute 16 layers per stage")
-    base = ["--model", "7b", "--gpu", "a800", "--tp", "8", "--seq-length", "131072",
-            "--policy", "megatron-block"]
+    base = ["--model", "7b", "--gpu", "a800", "--tensor-model-parallel-size", "8",
+            "--seq-length", "131072", "--policy", "megatron-block"]
     assert run_estimate_cli(base)[0] == 2  # no --recompute-num-layers
     assert run_estimate_cli([*base, "--recompute-num-layers", "33"])[0] == 2
     assert run_estimate_cli([*base[:-1], "megatron", "--recompute-num-layers", "8"])[0] == 2

@@ -93,12 +93,15 @@ def test_the_cost_model_reads_the_measured_copy_overlap_and_collectives():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--recommend", "--gpus", "2", "--seq-length", "256"], "give --tp/--cp/--pp"),
+    (["--recommend", "--gpus", "2", "--seq-length", "256"],
+     "give --tensor-model-parallel-size/--context-parallel-size/--pipeline-model-parallel-size"),
     (["--max-seq-length"], "give --seq-length instead of --max-seq-length"),
     (["--seq-length", "256", "--policy", "sppo"], "--policy sppo"),
     (["--seq-length", "256", "--hardware-file", "x.json"], "--hardware-file does not apply"),
-    (["--seq-length", "256", "--tp", "3"], "--tp 3: 4 heads (4 groups) do not divide by it"),
-    (["--seq-length", "250", "--cp", "2"], "--seq-length 250: context parallelism 2 needs"),
+    (["--seq-length", "256", "--tensor-model-parallel-size", "3"],
+     "--tensor-model-parallel-size 3: 4 heads (4 groups) do not divide by it"),
+    (["--seq-length", "250", "--context-parallel-size", "2"],
+     "--seq-length 250: context parallelism 2 needs"),
 ])
 def test_the_cpu_flag_refuses_in_one_line(tmp_path, capsys, flags, message):
     model = tmp_path / "tiny.json"

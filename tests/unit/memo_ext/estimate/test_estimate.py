@@ -21,8 +21,10 @@ from memo_ext.trace.request import TracedModel
 from tests.conftest import REPO_ROOT, run_estimate_cli, trace_request
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--vocab-size", "512", "--tp", "2", "--cp", "2", "--bf16",
-         "--cuda-context-mib", "1", "--nccl-mib-per-communicator", "1"]
+         "--vocab-size", "512", "--untie-embeddings-and-output-weights",
+         "--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--bf16",
+         "--use-distributed-optimizer", "--cuda-context-mib", "1",
+         "--nccl-mib-per-communicator", "1"]
 MiB = 1 << 20
 
 
@@ -82,8 +84,8 @@ def test_estimate_fits_and_the_search_finds_the_boundary(small_traces):
 
 
 def test_cli_refuses_bad_input():
-    assert run_estimate_cli(["--model", "7b", "--gpu", "a800", "--tp", "4", "--gpus", "6",
-                      "--seq-length", "1024"])[0] == 2
+    assert run_estimate_cli(["--model", "7b", "--gpu", "a800", "--tensor-model-parallel-size",
+                             "4", "--gpus", "6", "--seq-length", "1024"])[0] == 2
     assert run_estimate_cli(["--model", "7b", "--gpu", "a800", "--policy", "memo", "--memo-alpha",
                       "2", "--seq-length", "1024"])[0] == 2
 
@@ -145,7 +147,8 @@ def test_pipeline_estimate_names_the_stage_that_runs_out(tmp_path):
     model = tmp_path / "model.json"
     model.write_text(json.dumps({"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256,
                                  "num_attention_heads": 4, "vocab_size": 16384}))
-    argv = ["--model", str(model), "--tp", "1", "--pp", "2", "--global-batch-size", "4",
+    argv = ["--model", str(model), "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
             "--seq-length", "16384", "--cache-dir", str(tmp_path / "cache")]
     code, out = run_estimate_cli([*argv, "--gpu", "a100-40gb"])
     assert code == 0, out
@@ -187,8 +190,8 @@ def test_sppo_policy_longest_sequence_and_refusals():
     from memo_ext.estimate.models import model_shape
     from memo_ext.sppo.layout_model import SPPOLayoutModel
 
-    argv = ["--model", "7b", "--gpu", "a800", "--gpus", "8", "--tp", "4", "--pp", "2",
-            "--policy", "sppo", "--max-seq-length"]
+    argv = ["--model", "7b", "--gpu", "a800", "--gpus", "8", "--tensor-model-parallel-size", "4",
+            "--pipeline-model-parallel-size", "2", "--policy", "sppo", "--max-seq-length"]
     code, out = run_estimate_cli(argv)
     assert code == 0, out
     longest = _max_seq(out)
@@ -196,7 +199,8 @@ def test_sppo_policy_longest_sequence_and_refusals():
     assert longest >= 131072 and model.predict(longest).fits
     assert not model.predict(longest + 131072).fits
     assert "SPPO plan" in out
-    code, _ = run_estimate_cli([*argv[:-1], "--cp", "2", "--seq-length", "131072"])
+    code, _ = run_estimate_cli([*argv[:-1], "--context-parallel-size", "2", "--seq-length",
+                                "131072"])
     assert code == 2
     assert run_estimate_cli([*argv[:-1], "--seq-length", "100"])[0] == 2  # < 256 tokens
 
@@ -210,16 +214,19 @@ def _max_seq(out: str) -> int:
 @pytest.mark.slow
 def test_7b_megatron_full_recompute_longest_sequence_is_the_papers_640k():
     """MEMO paper, 7B on 8 A800-80GB: Megatron-LM trains 640K and fails at 768K."""
-    code, out = run_estimate_cli(["--model", "7b", "--gpu", "a800", "--tp", "4", "--cp", "2",
-                           "--max-seq-length"])
+    code, out = run_estimate_cli(["--model", "7b", "--gpu", "a800",
+                                  "--tensor-model-parallel-size", "4",
+                                  "--context-parallel-size", "2", "--max-seq-length"])
     assert code == 0
     assert abs(_max_seq(out) - 640 * 1024) <= 128 * 1024
 
 
 @pytest.mark.slow
 def test_7b_memo_longest_sequence_reaches_the_papers_1024k():
-    code, out = run_estimate_cli(["--model", "7b", "--gpu", "a800", "--tp", "4", "--cp", "2",
-                           "--policy", "memo", "--memo-alpha", "0", "--max-seq-length"])
+    code, out = run_estimate_cli(["--model", "7b", "--gpu", "a800",
+                                  "--tensor-model-parallel-size", "4",
+                                  "--context-parallel-size", "2", "--policy", "memo",
+                                  "--memo-alpha", "0", "--max-seq-length"])
     assert code == 0
     assert _max_seq(out) >= 1024 * 1024
     assert "host memory for offloaded activations" in out

@@ -75,8 +75,10 @@ def _toy_evidence(gpu: str = "NVIDIA H200", tile_kernel: str = "cuda_cudnn") -> 
 def test_tools_estimate_prints_which_rows_priced_the_job():
     """SPPO's analytic path (no tracing) prints the line the traced paths print too
     (tests/unit/memo_ext/estimate/test_symbolic.py checks a traced layout's, published, and --json's)."""
-    code, out = run_estimate_cli(["--model", "7b", "--gpu", "h200", "--gpus", "8", "--tp", "8",
-                                  "--pp", "1", "--policy", "sppo", "--seq-length", "65536"])
+    code, out = run_estimate_cli(["--model", "7b", "--gpu", "h200", "--gpus", "8",
+                                  "--tensor-model-parallel-size", "8",
+                                  "--pipeline-model-parallel-size", "1", "--policy", "sppo",
+                                  "--seq-length", "65536"])
     assert code == 0, out
     assert out.splitlines()[1] == f"  {H200_LINE}", out
 

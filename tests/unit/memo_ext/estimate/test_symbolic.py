@@ -47,7 +47,7 @@ GiB = 1 << 30
 # The shape flags (the network of memo-estimate's --model JSON below, so that the CLI test
 # finds the layout tests' traces in their cache).
 SHAPE = ["--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-heads", "8",
-         "--vocab-size", "1024"]
+         "--vocab-size", "1024", "--untie-embeddings-and-output-weights"]
 #: The two lengths the symbolic traces are fitted at (multiples of TP x CP x 2).
 FIT = (2048, 4096)
 #: (length, layers per stage) of the real traces the symbolic ones are compared with: longer
@@ -57,12 +57,14 @@ CHUNKED_LOSS = "--trainer-args=--cross-entropy-loss-fusion --cross-entropy-fusio
 MEMO = ["--memo-offload", CHUNKED_LOSS]
 #: name -> (tracer flags, PP). With PP the tracer's --num-layers is the whole model's.
 LAYOUTS = {
-    "tp2": (["--tp", "2"], 1),
-    "cp2": (["--cp", "2"], 1),
+    "tp2": (["--tensor-model-parallel-size", "2"], 1),
+    "cp2": (["--context-parallel-size", "2"], 1),
     # the first stage with 1F1B's micro-batches in flight; the last stage's first rank is
     # (PP - 1) x TP x CP x DP = 2
-    "pp2-first": (["--tp", "2", "--pp", "2", "--rank", "0", "--microbatches-in-flight", "2"], 2),
-    "pp2-last": (["--tp", "2", "--pp", "2", "--rank", "2"], 2),
+    "pp2-first": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                   "--rank", "0", "--microbatches-in-flight", "2"], 2),
+    "pp2-last": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                  "--rank", "2"], 2),
     "memo-alpha0": ([*MEMO, "--memo-alpha", "0"], 1),
     "memo-alpha1": ([*MEMO, "--memo-alpha", "1"], 1),
 }
@@ -88,7 +90,8 @@ def tool():
 
 def _opts(tool, flags: list[str], layers: int, seq: int, *more: str):
     return tool.request_from_argv(
-        [*SHAPE, "--bf16", *flags, "--num-layers", str(layers), "--seq-length", str(seq), *more])
+        [*SHAPE, "--bf16", "--use-distributed-optimizer", *flags, "--num-layers", str(layers),
+         "--seq-length", str(seq), *more])
 
 
 @dataclasses.dataclass
@@ -582,8 +585,8 @@ def test_estimate_cli_json(tmp_path, cache, layout_models):
     model_file.write_text(json.dumps(shape))
     done = subprocess.run(
         [sys.executable, "-m", "megatron.memo_tools.cli.estimate", "--model", str(model_file),
-         "--gpu", "a800", "--tp", "2", "--policy", "megatron-none", "--max-seq-length",
-         "--json", "--jobs", "1", "--cache-dir", str(cache.directory)],
+         "--gpu", "a800", "--tensor-model-parallel-size", "2", "--policy", "megatron-none",
+         "--max-seq-length", "--json", "--jobs", "1", "--cache-dir", str(cache.directory)],
         cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(done.stdout.strip().splitlines()) == 1, done.stdout

@@ -46,7 +46,8 @@ def logits_bytes(args):
 
 def test_7b_one_million_tokens_head_and_loss_under_2_gib(tool):
     trace, args = record(tool, ["--model", "7b", "--num-layers", "1", "--seq-length", "1048576",
-                                "--tp", "4", "--cp", "2", "--bf16", *CHUNKED])
+                                "--tensor-model-parallel-size", "4", "--context-parallel-size",
+                                "2", "--bf16", "--use-distributed-optimizer", *CHUNKED])
     peak, largest = head_allocations(trace)
     # A [s/CP, V/TP] tensor of any dtype of 1 byte or more is at least half the bf16 logits.
     assert largest < logits_bytes(args) // 2, largest
@@ -59,7 +60,9 @@ def test_tracer_sees_unfused_logits_and_a_length_independent_chunked_structure(t
     and the chunked trace at 8 and 16 chunks has the same allocation sequence with the same
     chunk buffers, so the estimator's LinearTrace fits it. ~30 s: three traces."""
     small = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
-             "--vocab-size", "4096", "--tp", "2", "--cp", "2", "--bf16"]
+             "--vocab-size", "4096", "--untie-embeddings-and-output-weights",
+             "--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--bf16",
+             "--use-distributed-optimizer"]
     unfused, args = record(tool, small + ["--seq-length", "4096"])
     assert head_allocations(unfused)[1] >= logits_bytes(args)
     chunked = small + ["--trainer-args=--cross-entropy-loss-fusion --cross-entropy-fusion-impl "

@@ -18,7 +18,9 @@ from memo_ext import trace as T
 from tests.conftest import REPO_ROOT, subprocess_env
 
 TRACE_ARGS = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
-              "--seq-length", "256", "--vocab-size", "512", "--tp", "2"]
+              "--seq-length", "256", "--vocab-size", "512",
+              "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2",
+              "--use-distributed-optimizer"]
 KiB = 1024
 
 

@@ -136,8 +136,10 @@ def test_sppo_rows_hold_what_a_trace_of_the_same_layout_records(tmp_path):
 
     output = tmp_path / "trace.jsonl.gz"
     assert trace.main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                       "--seq-length", "256", "--vocab-size", "600", "--tp", "2", "--dp", "2",
-                       "--bf16", "--gpu", "a100-80gb", "--quiet", "-o", str(output)]) == 0
+                       "--seq-length", "256", "--vocab-size", "600",
+                       "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size",
+                       "2", "--gpus", "4", "--bf16", "--use-distributed-optimizer", "--gpu",
+                       "a100-80gb", "--quiet", "-o", str(output)]) == 0
     traced = read_trace(output)
     persistent = persistent_bytes(traced)
     params = persistent["parameter"] / 2  # the rank's bf16 weights

@@ -16,8 +16,9 @@ def _largest_mlp_allocation(tile_tokens: int) -> tuple[int, int]:
 
     opts = tool.request_from_argv([
         "--num-layers", "2", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4",
-        "--seq-length", str(SEQ), "--vocab-size", "512", "--tp", str(TP), "--cp", str(CP),
-        "--bf16", "--memo-mlp-tile-size", str(tile_tokens)])
+        "--seq-length", str(SEQ), "--vocab-size", "512", "--untie-embeddings-and-output-weights",
+        "--tensor-model-parallel-size", str(TP), "--context-parallel-size", str(CP),
+        "--bf16", "--use-distributed-optimizer", "--memo-mlp-tile-size", str(tile_tokens)])
     with tracing.traced_rank(opts) as rank:
         tiled_modules = sum(isinstance(m, TiledMLP) for m in rank.model.modules())
         trace = rank.record()

@@ -28,9 +28,12 @@ from memo_ext import trace as T
 REPO_ROOT = Path(__file__).resolve().parents[4]
 TOOL_PATH = REPO_ROOT / "tools" / "trace.py"
 
-# A small GPT: 2 layers, h 64, 4 heads (head dim 16), bf16, TP=2 + SP, CP=2.
+# A small GPT: 2 layers, h 64, 4 heads (head dim 16), untied embeddings, bf16, TP=2 + SP, CP=2,
+# the distributed optimizer.
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "128", "--vocab-size", "512", "--tp", "2", "--cp", "2", "--bf16"]
+         "--seq-length", "128", "--vocab-size", "512", "--untie-embeddings-and-output-weights",
+         "--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--bf16",
+         "--use-distributed-optimizer"]
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +187,11 @@ def test_context_parallel_trace_allocations_grow_linearly(tool):
 
 @pytest.mark.parametrize("extra", [
     [],                                                    # TP2 + SP, CP2
-    ["--pp", "2", "--rank", "4"],                          # last pipeline stage
+    ["--pipeline-model-parallel-size", "2", "--rank", "4"],  # last pipeline stage
     ["--recompute-granularity", "full"],                   # megatron full recompute
     ["--num-layers", "3", "--memo-offload", "--memo-alpha", "0.5"],  # MEMO swap + recompute
-    ["--cp", "1", "--dp", "2", "--num-query-groups", "2", "--microbatches-in-flight", "2"],
+    ["--context-parallel-size", "1", "--gpus", "4", "--num-query-groups", "2",  # DP 2
+     "--microbatches-in-flight", "2"],
     ["--normalization", "RMSNorm"],                        # the fused rms_norm kernel path
 ], ids=["tp2-cp2", "pp-last-stage", "full-recompute", "memo", "gqa-dp2-2mb", "rmsnorm"])
 def test_live_and_fake_traces_are_identical(tool, extra):
@@ -205,7 +209,8 @@ def test_layer_forward_skeletal_bytes_match_formula_with_documented_differences(
     b, s, h, heads, tp, cp = 2, 256, 64, 4, 2, 2
     argv = ["--num-layers", "3", "--hidden-size", str(h), "--num-attention-heads", str(heads),
             "--seq-length", str(s), "--micro-batch-size", str(b), "--vocab-size", "512",
-            "--tp", str(tp), "--cp", str(cp), "--bf16"]
+            "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", str(tp),
+            "--context-parallel-size", str(cp), "--bf16", "--use-distributed-optimizer"]
     trace, _ = record(tool, argv + ([] if cuda_semantics else ["--no-cuda-semantics"]))
     summary = T.summarize(trace)
     expected = expected_layer_skeletal_bytes(b, s, h, heads, tp, cp,
@@ -444,7 +449,9 @@ def test_7b_one_million_tokens_tp4_cp2_under_a_minute(tmp_path):
     time too unless other jobs already overload this machine's cores (then it measures them)."""
     out = tmp_path / "7b.jsonl.gz"
     command = [sys.executable, str(TOOL_PATH), "--model", "7b", "--seq-length", "1048576",
-               "--tp", "4", "--cp", "2", "--pp", "1", "--rank", "0", "--bf16", "-o", str(out)]
+               "--tensor-model-parallel-size", "4", "--context-parallel-size", "2",
+               "--pipeline-model-parallel-size", "1", "--rank", "0", "--bf16",
+               "--use-distributed-optimizer", "-o", str(out)]
     overloaded = os.getloadavg()[0] > (os.cpu_count() or 1)
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()

@@ -164,9 +164,10 @@ def test_run_flags_match_what_the_estimator_traces(tmp_path):
              "--ffn-hidden-size", str(shape["ffn_hidden_size"]),
              "--num-attention-heads", str(shape["num_attention_heads"]),
              "--vocab-size", str(shape["vocab_size"]), "--seq-length",
-             str(run.model.seq_length), "--tp", str(run.tp), "--cp", str(run.cp),
-             "--pp", str(run.pp), "--dp",
-             str(run.dp), "--bf16"])
+             str(run.model.seq_length), "--tensor-model-parallel-size", str(run.tp),
+             "--context-parallel-size", str(run.cp), "--pipeline-model-parallel-size",
+             str(run.pp), "--gpus", str(run.tp * run.cp * run.pp * run.dp), "--bf16",
+             "--untie-embeddings-and-output-weights", "--use-distributed-optimizer"])
         traced = tracing.trainer_argv(opts)
         ours = run.argv(tmp_path / "m.jsonl")
         for flag in ("--bf16", "--use-distributed-optimizer", "--sequence-parallel",
