@@ -330,9 +330,13 @@ def _allocate_distributed_optimizer_state(optimizer) -> None:
     megatron-core's own remedy, used before its FSDP loads, is
     ``_init_optimizer_states_with_dummy_values``: one step on zero gradients. That step may
     move this rank's shard of the weights (decoupled weight decay); the load then overwrites
-    weights, main parameters, moments and step alike."""
+    weights, main parameters, moments and step alike. With Transformer Engine's or apex's
+    FusedAdam, whose state_dict() accepts empty states, nothing is done."""
+    from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
             inner._init_optimizer_states_with_dummy_values()
