@@ -595,11 +595,6 @@ def _validate_precision(args: argparse.Namespace, cuda_available: bool) -> None:
             f"--{'bf16' if args.bf16 else 'fp16'} needs CUDA: megatron-core's mixed-precision "
             "optimizer only wraps CUDA tensors; on CPU drop the flag and train in fp32",
         )
-        _require(
-            not args.use_distributed_optimizer,
-            "--use-distributed-optimizer needs CUDA: megatron-core's distributed optimizer "
-            "only wraps CUDA tensors; on CPU drop the flag",
-        )
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
@@ -661,6 +656,11 @@ def _validate_optimization(args: argparse.Namespace) -> None:
         f"{args.lr_decay_iters}]",
     )
     _require(args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}")
+    _require(
+        not (args.use_distributed_optimizer and args.optimizer != "adam"),
+        "--use-distributed-optimizer takes --optimizer adam only (megatron-core's "
+        "DistributedOptimizer checkpoints Adam's states); drop one of them",
+    )
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:

@@ -10,7 +10,9 @@ rename it to ``iter_XXXXXXX`` and then replace the tracker file (write + fsync +
 A crash mid-save leaves the previous checkpoint and tracker untouched, so --load never sees a
 half-written checkpoint.
 
-What is saved: model and optimizer (sharded, so TP/PP layouts can be resharded on load), the
+What is saved: model and optimizer (sharded, so TP/PP layouts can be resharded on load; the
+distributed optimizer's state in megatron-core's ``dp_reshardable`` format, Megatron-LM's
+default, which reshards across data-parallel sizes only), the
 LR scheduler and the counters of :class:`TrainState` (common state), and each rank's RNG
 states (CPU generator plus the model-parallel tracker, and the CUDA generator on GPUs) so a
 resumed run draws the same dropout masks as an uninterrupted one. RNG states are restored only
@@ -59,6 +61,11 @@ POSITION_ARGS = (
     "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
 )
 MODEL_ARGS = ARCHITECTURE_ARGS + POSITION_ARGS + ("padded_vocab_size",)
+# How DistributedOptimizer.sharded_state_dict lays out its state, as Megatron-LM's default: each
+# rank writes its own shard of every bucket (no gather); the checkpoint can be loaded at another
+# data-parallel size but not at another TP/PP layout. megatron-core's own default,
+# 'fully_sharded_model_space', fails to save in 0.16.1 (ShardedTensor.flattened_range).
+DISTRIB_OPTIM_SHARDING_TYPE = "dp_reshardable"
 
 
 def checkpoint_dir(root: str | Path, iteration: int) -> Path:
@@ -152,6 +159,11 @@ def check_model_args(recorded: Optional[dict], args: argparse.Namespace, where: 
         print(f"> positions differ from the checkpoint's: {'; '.join(changed)}", flush=True)
 
 
+def _model_parallel(args: argparse.Namespace) -> list[int]:
+    """[TP, PP]: what shapes the gradient buckets a distributed optimizer's state follows."""
+    return [args.tensor_model_parallel_size, args.pipeline_model_parallel_size]
+
+
 def _train_state_record(args: argparse.Namespace, iteration: int, consumed_train_samples: int,
                         consumed_valid_samples: int, weights_only: bool) -> dict:
     return {
@@ -159,17 +171,29 @@ def _train_state_record(args: argparse.Namespace, iteration: int, consumed_train
         "consumed_train_samples": consumed_train_samples,
         "consumed_valid_samples": consumed_valid_samples,
         "world_size": dist.get_world_size(),
+        "model_parallel": _model_parallel(args),
         "format_version": CHECKPOINT_FORMAT_VERSION,
         "weights_only": weights_only,
         "model_args": model_args_record(args),
     }
 
 
+def content_metadata(args: argparse.Namespace) -> Optional[dict]:
+    """What megatron.core's ``sharded_state_dict`` methods are told about the format (saved in
+    the checkpoint as dist_checkpointing's content metadata); None for the plain optimizer."""
+    if args.use_distributed_optimizer:
+        return {"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING_TYPE}
+    return None
+
+
 def _sharded_state_dict(args: argparse.Namespace, model: list, optimizer, include_optimizer: bool,
-                        include_rng: bool, is_loading: bool) -> dict:
+                        include_rng: bool, is_loading: bool,
+                        metadata: Optional[dict] = None) -> dict:
     state = {"model": model[0].module.sharded_state_dict()}
     if include_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading)
+        extra = {} if metadata is None else {"metadata": metadata}
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
+                                                          **extra)
     if include_rng:
         world_size, rank = dist.get_world_size(), dist.get_rank()
         state["rng_state"] = ShardedObject(
@@ -187,9 +211,10 @@ def _write_tracker(root: Path, iteration: int) -> None:
     os.replace(temporary, root / TRACKER_FILENAME)
 
 
-def _write_checkpoint(root: Path, iteration: int, sharded: dict) -> Path:
-    """dist_checkpointing.save into ``iter_XXXXXXX.partial``, then rename it and replace the
-    tracker file (collective)."""
+def _write_checkpoint(root: Path, iteration: int, sharded: dict,
+                      metadata: Optional[dict] = None) -> Path:
+    """dist_checkpointing.save (with ``metadata`` as its content metadata) into
+    ``iter_XXXXXXX.partial``, then rename it and replace the tracker file (collective)."""
     final = checkpoint_dir(root, iteration)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     if dist.get_rank() == 0:
@@ -197,7 +222,7 @@ def _write_checkpoint(root: Path, iteration: int, sharded: dict) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     dist.barrier()
-    dist_checkpointing.save(sharded, str(partial))
+    dist_checkpointing.save(sharded, str(partial), content_metadata=metadata)
     dist.barrier()
     if dist.get_rank() == 0:
         if final.exists():
@@ -211,15 +236,16 @@ def _write_checkpoint(root: Path, iteration: int, sharded: dict) -> Path:
 
 def save_checkpoint(args: argparse.Namespace, state, model: list, optimizer, scheduler) -> Path:
     """Save everything needed to resume at ``state.iteration`` under --save (collective)."""
+    metadata = content_metadata(args)
     sharded = _sharded_state_dict(args, model, optimizer, include_optimizer=True,
-                                  include_rng=True, is_loading=False)
+                                  include_rng=True, is_loading=False, metadata=metadata)
     sharded["opt_param_scheduler"] = scheduler.state_dict()
     sharded["train_state"] = _train_state_record(
         args, state.iteration, state.consumed_train_samples, state.consumed_valid_samples,
         weights_only=False)
     if getattr(args, "hf_config", None) is not None:
         sharded["hf_config"] = args.hf_config
-    return _write_checkpoint(Path(args.save), state.iteration, sharded)
+    return _write_checkpoint(Path(args.save), state.iteration, sharded, metadata)
 
 
 def save_weights_checkpoint(args: argparse.Namespace, module: torch.nn.Module, root: str | Path,
@@ -273,6 +299,73 @@ def _check_vocabulary(args: argparse.Namespace, common: dict, where: Path) -> No
             "NullTokenizer or HuggingFaceTokenizer)")
 
 
+def _check_optimizer_state_loads(args: argparse.Namespace, metadata: Optional[dict],
+                                 saved: dict, where: Path) -> None:
+    """The optimizer state of a checkpoint loads only into the kind of optimizer that saved it
+    (the distributed optimizer's is laid out by gradient buckets, the plain one's by
+    parameter), and the distributed optimizer's only at the TP and PP sizes that saved it
+    (its buckets reshard across data-parallel sizes alone)."""
+    saved_distributed = "distrib_optim_sharding_type" in (metadata or {})
+    if saved_distributed != bool(args.use_distributed_optimizer):
+        kind = "with" if saved_distributed else "without"
+        raise ArgumentValidationError(
+            f"--load {where}: its optimizer state was saved {kind} --use-distributed-optimizer; "
+            f"train {kind} it too, or pass --no-load-optim to start a fresh optimizer")
+    layout = saved.get("model_parallel")
+    if saved_distributed and layout is not None and layout != _model_parallel(args):
+        raise ArgumentValidationError(
+            f"--load {where}: its distributed optimizer state was saved at "
+            f"--tensor-model-parallel-size {layout[0]} --pipeline-model-parallel-size "
+            f"{layout[1]} and reshards across data-parallel sizes only; train at those sizes, "
+            "or pass --no-load-optim to start a fresh optimizer")
+
+
+def _allocate_distributed_optimizer_state(optimizer) -> None:
+    """Give a distributed optimizer that has not stepped yet its Adam states, so that its load
+    template can be built.
+
+    With torch's Adam (no Transformer Engine or apex, on CPU and GPU alike) megatron-core
+    0.16.1's DistributedOptimizer.state_dict() -- which sharded_state_dict(is_loading=True)
+    calls -- asserts that its states hold exactly one step, and a fresh optimizer has none.
+    megatron-core's own remedy, used before its FSDP loads, is
+    ``_init_optimizer_states_with_dummy_values``: one step on zero gradients. That step may
+    move this rank's shard of the weights (decoupled weight decay); the load then overwrites
+    weights, main parameters, moments and step alike. With Transformer Engine's or apex's
+    FusedAdam, whose state_dict() accepts empty states, nothing is done."""
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Set each parameter's Adam ``step`` to the checkpoint's, in a tensor of its own.
+
+    With torch's Adam, megatron-core 0.16.1's DistributedOptimizer.load_state_dict goes wrong
+    twice: it gives every parameter's state one shared ``step`` tensor (torch's Adam increments
+    each parameter's step in place, so a shared one would advance once per parameter per
+    iteration), and its dp_reshardable loader then copies into that tensor the step of the load
+    template (the states before the load: one dummy step), not the checkpoint's. The
+    checkpoint's step is in each parameter group (DistributedOptimizer.state_dict records it
+    there for torch's Adam), which load_state_dict restored."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(inner, DistributedOptimizer):
+            continue
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                state = inner.optimizer.state.get(param, {})
+                step = state.get("step")
+                if isinstance(step, torch.Tensor) and "step" in group:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=step.dtype,
+                                                 device=step.device)
+
+
 def load_checkpoint(args: argparse.Namespace, model: list, optimizer, scheduler):
     """Restore the latest checkpoint under --load; returns its TrainState, or None if none.
     A weights-only checkpoint loads as --finetune does (``optimizer`` may then be None)."""
@@ -289,12 +382,21 @@ def load_checkpoint(args: argparse.Namespace, model: list, optimizer, scheduler)
     fresh = args.finetune or saved.get("weights_only", False)
     load_optimizer = not (args.no_load_optim or fresh)
     load_rng = not (args.no_load_rng or fresh) and saved["world_size"] == dist.get_world_size()
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+    if load_optimizer:
+        _check_optimizer_state_loads(args, metadata, saved, directory)
+        _allocate_distributed_optimizer_state(optimizer)
     template = _sharded_state_dict(args, model, optimizer, include_optimizer=load_optimizer,
-                                   include_rng=load_rng, is_loading=True)
+                                   include_rng=load_rng, is_loading=True, metadata=metadata)
     loaded = dist_checkpointing.load(template, str(directory))
     model[0].module.load_state_dict(loaded["model"])
     if load_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
+        # No autograd: with fp32 parameters the distributed optimizer's main parameters are views
+        # of the model's (leaves that require grad), which its dp_reshardable loader copies into
+        # in place without torch.no_grad (megatron-core 0.16.1; its other loaders have it).
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer)
         scheduler.load_state_dict(common["opt_param_scheduler"])
     if load_rng:
         _set_rng_state(loaded["rng_state"])

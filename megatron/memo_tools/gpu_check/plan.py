@@ -21,7 +21,9 @@ from typing import Optional
 
 from memo_ext.flags import render_flags
 
-#: Flags only a CUDA run accepts (the CPU trainer refuses them; see arguments.py).
+#: Flags the CPU runs drop: --bf16, which the CPU trainer refuses (arguments.py), and
+#: --use-distributed-optimizer, which trains on CPU too (docs/training.md) but which the CPU
+#: double's runs leave out as the estimator's CPU traces do (memo_ext.estimate CPU_TRACE_FIELDS).
 CUDA_ONLY_FLAGS = ("--bf16", "--use-distributed-optimizer")
 #: Most GPUs a check uses (one node of 8).
 MAX_GPUS = 8

@@ -7,6 +7,8 @@ megatron.core symbol it replaces:
   ``torch.cuda.current_device()``, streams, synchronize) -> CPU; ``Tensor.cuda()`` -> identity.
 - rng.py: tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state -> CPU generator.
 - clip_grads.py: optimizer.optimizer.clip_grad_by_total_norm_fp32 (asserts CUDA grads).
+- distrib_optimizer.py: optimizer.distrib_optimizer.DistributedOptimizer.__init__ (sorts
+  parameters by their ``type()``, whose names it expects to be CUDA's).
 - norm.py: transformer.torch_norm.WrappedTorchNorm in the layer spec (refuses sequence parallel).
 - attention.py: transformer.dot_product_attention.DotProductAttention in the layer spec
   (refuses context parallel; materialises s x s scores).
@@ -47,6 +49,7 @@ _TRAINING_PATH_MODULES = (
     "megatron.core.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer_param_scheduler",
     "megatron.core.dist_checkpointing",
     "megatron.core.rerun_state_machine",
@@ -79,10 +82,12 @@ def apply_cpu_shims() -> None:
         keep_tensors_on_cpu,
         redirect_megatron_core_devices,
     )
+    from megatron.training.compat.distrib_optimizer import sort_cpu_parameters_as_cuda
     from megatron.training.compat.rng import use_cpu_generator_in_rng_tracker
 
     redirect_megatron_core_devices()
     keep_tensors_on_cpu()
     use_cpu_generator_in_rng_tracker()
     use_cpu_grad_clipping()
+    sort_cpu_parameters_as_cuda()
     _applied = True
