@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--vocab-size", type=int, default=None, help="Vocabulary size (NullTokenizer only)."
     )
+    parser.add_argument("--vocab-file", default=None,
+                        help="GPT2BPETokenizer: GPT-2's vocab.json.")
+    parser.add_argument("--merge-file", default=None,
+                        help="GPT2BPETokenizer: GPT-2's merges.txt.")
     parser.add_argument(
         "--append-eod", action="store_true", help="Append the EOD token to every document."
     )
@@ -108,7 +112,8 @@ class _DocumentEncoder:
         self.input_path = args.input
         self.json_keys = args.json_keys
         self.append_eod = args.append_eod
-        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                                         args.vocab_file, args.merge_file)
 
     def encode(self, numbered_line: tuple[int, bytes]) -> dict[str, list[int]] | None:
         """Return {key: ids} for one line (ids empty for an empty document), None for a blank line.

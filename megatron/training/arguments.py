@@ -17,12 +17,21 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from megatron.training.profiling import add_profile_args
 from megatron.training.rope_scaling import (
     RopeScalingError,
     add_rope_scaling_args,
     validate_rope_scaling,
     yarn_config_attributes,
 )
+from megatron.training.run_controls import add_run_control_args
+from megatron.training.timing import add_timing_args
+from megatron.training.upstream_flags import (
+    UpstreamFlagRefused,
+    add_upstream_args,
+    validate_upstream_flags,
+)
+from megatron.training.wandb_logging import add_wandb_args
 from memo_ext.config import (
     CONFIG_GROUPS,
     AttentionConfig,
@@ -39,12 +48,14 @@ from memo_ext.config import (
 from memo_ext.loss.chunked import DEFAULT_CHUNK_BYTES as DEFAULT_CROSS_ENTROPY_CHUNK_BYTES
 from memo_ext.telemetry.monitor import MEMORY_EXIT_STATUS, MemoryBudgetExceeded
 
-TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("BytesTokenizer", "BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer",
+                   "GPT2BPETokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ATTN_MASK_TYPES = ("causal", "no_mask")
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "chunked")
+CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")  # Megatron-LM's choices
 
 
 #: The model-shape flags tools/trace.py takes as the trainer does (one definition each): its
@@ -112,11 +123,20 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDING_TYPES
     )
+    group.add_argument(
+        "--use-rotary-position-embeddings", action="store_true",
+        help="Megatron-LM's legacy spelling of --position-embedding-type rope.",
+    )
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--rotary-percent", type=float, default=1.0)
     add_rope_scaling_args(group)  # docs/rope_scaling.md
     add_model_shape_args(group, ("--normalization",))
     group.add_argument("--norm-epsilon", type=float, default=1e-5)
+    group.add_argument(
+        "--apply-layernorm-1p", action="store_true",
+        help="Zero-centred gamma: every norm scales by 1 + weight, the weight starting at 0 "
+        "(TransformerConfig.layernorm_zero_centered_gamma).",
+    )
     add_model_shape_args(group, ("--swiglu",))
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     group.add_argument(
@@ -158,6 +178,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--global-batch-size", type=int, default=None)
     group.add_argument("--train-iters", type=int, default=None)
     group.add_argument(
+        "--train-samples", type=int, default=None,
+        help="Sample-based training (instead of --train-iters): train-samples // "
+        "global-batch-size iterations; the LR schedule then counts samples.",
+    )
+    group.add_argument(
         "--exit-interval", type=int, default=None, help="Exit (after saving) at this iteration."
     )
     group.add_argument(
@@ -184,6 +209,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Modules recomputed with --recompute-granularity selective (default core_attn).",
     )
+    add_run_control_args(group)  # --manual-gc, --exit-duration-in-mins, ...
     group.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
     group.add_argument(
         "--use-distributed-optimizer",
@@ -209,6 +235,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "docs/loss.md). Default native.",
     )
     group.add_argument(
+        "--calculate-per-token-loss", action="store_true",
+        help="Each micro-batch's loss is its token sum; gradients are divided by the global "
+        "batch's token count (over data- and context-parallel ranks), as Megatron-LM.",
+    )
+    group.add_argument(
         "--cross-entropy-chunk-size", type=int, default=None, metavar="TOKENS",
         help="With --cross-entropy-fusion-impl chunked: tokens whose logits exist at once. "
         f"Default: as many as fit {DEFAULT_CROSS_ENTROPY_CHUNK_BYTES >> 20} MiB of logits "
@@ -231,6 +262,15 @@ def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lr-warmup-iters", type=int, default=0)
     group.add_argument("--lr-warmup-fraction", type=float, default=None)
     group.add_argument("--lr-warmup-init", type=float, default=0.0)
+    group.add_argument("--lr-decay-samples", type=int, default=None,
+                       help="With --train-samples: decay over this many samples (default all).")
+    group.add_argument("--lr-warmup-samples", type=int, default=0,
+                       help="With --train-samples: warm up over this many samples.")
+    group.add_argument("--decoupled-lr", type=float, default=None,
+                       help="Max LR of the input embedding and output layer.")
+    group.add_argument("--decoupled-min-lr", type=float, default=None,
+                       help="Min LR of the input embedding and output layer (with "
+                       "--decoupled-lr).")
     group.add_argument("--lr-wsd-decay-iters", type=int, default=None)
     group.add_argument("--lr-wsd-decay-style", default="exponential")
     group.add_argument("--start-weight-decay", type=float, default=None)
@@ -248,6 +288,11 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-load-optim", action="store_true")
     group.add_argument("--no-load-rng", action="store_true")
     group.add_argument("--finetune", action="store_true", help="Load weights only, iteration 0.")
+    group.add_argument(
+        "--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,
+        help="torch_dist (megatron-core dist_checkpointing), the only format written and read "
+        "here; the others are refused.",
+    )
 
 
 def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -257,6 +302,11 @@ def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--loss-scale", type=float, default=None)
     group.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     group.add_argument("--attention-softmax-in-fp32", action="store_true")
+    group.add_argument(
+        "--grad-reduce-in-bf16", action="store_true",
+        help="With --bf16: accumulate and reduce gradients in bf16 (default fp32, as "
+        "Megatron-LM).",
+    )
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -273,6 +323,11 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--distributed-timeout-minutes", type=int, default=10)
     group.add_argument("--overlap-grad-reduce", action="store_true")
+    group.add_argument(
+        "--overlap-param-gather", action="store_true",
+        help="With --use-distributed-optimizer: all-gather updated parameters behind the next "
+        "forward (forward pre-hooks) instead of at the end of the optimizer step.",
+    )
     group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
 
 
@@ -295,10 +350,18 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--mock-data", action="store_true", help="Synthetic tokens, no files.")
     group.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
     group.add_argument("--data-cache-path", default=None)
+    group.add_argument(
+        "--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+        help="Read the .bin files with file reads instead of memory maps.",
+    )
     group.add_argument("--tokenizer-type", default=None, help=f"One of {', '.join(TOKENIZER_TYPES)}.")
     group.add_argument("--tokenizer-model", default=None,
                        help="BPETokenizer: its JSON file. HuggingFaceTokenizer: a Hugging Face "
                        "tokenizer folder or its tokenizer.json.")
+    group.add_argument("--vocab-file", default=None,
+                       help="GPT2BPETokenizer: its vocab.json (with --merge-file).")
+    group.add_argument("--merge-file", default=None,
+                       help="GPT2BPETokenizer: its merges.txt (with --vocab-file).")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="NullTokenizer: its ids. HuggingFaceTokenizer: the model's "
                        "vocabulary when it has more rows than the tokenizer has ids.")
@@ -311,6 +374,13 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="logging")
     group.add_argument("--log-interval", type=int, default=100)
     group.add_argument("--tensorboard-dir", default=None)
+    group.add_argument(
+        "--logging-level", type=int, default=None,
+        help="Level of the 'megatron' and 'memo_ext' Python loggers (20: INFO, 30: WARNING).",
+    )
+    add_timing_args(group)  # --timing-log-level, --timing-log-option, --log-timers-to-tensorboard
+    add_wandb_args(group)  # --wandb-project, ...
+    add_profile_args(group)  # --profile, --profile-step-start, ...
     group.add_argument(
         "--log-metrics-jsonl",
         default=None,
@@ -353,6 +423,7 @@ def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.
         _add_validation_args,
         _add_data_args,
         _add_logging_args,
+        add_upstream_args,  # Megatron-LM's flags refused, or always so here
         _add_memo_args,
         *extra_args_providers,
     ):
@@ -424,7 +495,6 @@ def _validate_required(args: argparse.Namespace) -> None:
         "num_attention_heads",
         "seq_length",
         "micro_batch_size",
-        "train_iters",
         "lr",
     ):
         _require(
@@ -432,9 +502,20 @@ def _validate_required(args: argparse.Namespace) -> None:
             f"--{flag.replace('_', '-')} is required; add it to the command line",
         )
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters"):
+                 "micro_batch_size"):
         value = getattr(args, flag)
         _require(value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
+    _require(args.train_iters is not None or args.train_samples is not None,
+             "--train-iters is required (or Megatron-LM's --train-samples); add it to the "
+             "command line")
+    _require(args.train_iters is None or args.train_samples is None,
+             "--train-iters and --train-samples are exclusive; keep one")
+    for flag in ("train_iters", "train_samples"):
+        value = getattr(args, flag)
+        _require(value is None or value > 0,
+                 f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.use_rotary_position_embeddings:  # Megatron-LM's legacy spelling
+        args.position_embedding_type = "rope"
 
 
 def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:
@@ -549,6 +630,33 @@ def _validate_batch(args: argparse.Namespace) -> None:
     args.num_microbatches = args.global_batch_size // per_step
 
 
+def _validate_sample_based_training(args: argparse.Namespace) -> None:
+    """--train-samples, --lr-decay-samples, --lr-warmup-samples (Megatron-LM's rules): the
+    iterations are train-samples // global-batch-size; the schedule's own steps (samples) are
+    kept for build_optimizer."""
+    if args.train_samples is None:
+        for flag in ("lr_decay_samples", "lr_warmup_samples"):
+            _require(not getattr(args, flag), f"--{flag.replace('_', '-')} counts samples, which "
+                     "needs --train-samples; with --train-iters use --lr-decay-iters/"
+                     "--lr-warmup-iters")
+        return
+    _require(args.lr_decay_iters is None and not args.lr_warmup_iters,
+             "--lr-decay-iters/--lr-warmup-iters count iterations; with --train-samples use "
+             "--lr-decay-samples/--lr-warmup-samples")
+    _require(not (args.lr_warmup_fraction is not None and args.lr_warmup_samples),
+             "--lr-warmup-fraction and --lr-warmup-samples are exclusive; keep one")
+    args.train_iters = args.train_samples // args.global_batch_size
+    _require(args.train_iters > 0, f"--train-samples {args.train_samples} is less than one "
+             f"--global-batch-size {args.global_batch_size}; raise it")
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
+    _require(args.lr_decay_samples > 0,
+             f"--lr-decay-samples must be positive, got {args.lr_decay_samples}")
+    _require(0 <= args.lr_warmup_samples <= args.lr_decay_samples,
+             f"--lr-warmup-samples {args.lr_warmup_samples} must be in [0, --lr-decay-samples "
+             f"{args.lr_decay_samples}]")
+
+
 def _validate_recompute(args: argparse.Namespace) -> None:
     if args.recompute_granularity == "full":
         _require(
@@ -596,6 +704,52 @@ def _validate_precision(args: argparse.Namespace, cuda_available: bool) -> None:
             "optimizer only wraps CUDA tensors; on CPU drop the flag and train in fp32",
         )
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _validate_gradients(args: argparse.Namespace) -> None:
+    """Gradient dtype under --bf16 (Megatron-LM: fp32 unless --grad-reduce-in-bf16), the
+    parameter all-gather overlap, and --calculate-per-token-loss's schedules."""
+    _require(not args.grad_reduce_in_bf16 or args.bf16,
+             "--grad-reduce-in-bf16 applies to --bf16 training; add --bf16 or drop the flag")
+    _require(not (args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32),
+             "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are exclusive; "
+             "keep one")
+    if args.bf16 and not args.grad_reduce_in_bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if args.overlap_param_gather:
+        _require(args.use_distributed_optimizer, "--overlap-param-gather overlaps the "
+                 "distributed optimizer's parameter all-gather; add --use-distributed-optimizer "
+                 "or drop the flag")
+        _require(args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce "
+                 "(as in Megatron-LM); add it")
+    _require(not (args.calculate_per_token_loss and getattr(args, "memo_sppo", False)),
+             "--calculate-per-token-loss is not supported with --memo-sppo (its subsequence "
+             "schedule divides each sequence's loss by its own tokens); drop one of them")
+
+
+def _validate_run_controls(args: argparse.Namespace, cuda_available: bool) -> None:
+    """--manual-gc, --exit-duration-in-mins, --ckpt-format, --logging-level, the timers, W&B
+    and --profile."""
+    from megatron.training.profiling import profile_problem
+    from megatron.training.wandb_logging import wandb_problem
+
+    _require(args.manual_gc_interval >= 0,
+             f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    _require(args.manual_gc or (args.manual_gc_interval == 0 and args.manual_gc_eval),
+             "--manual-gc-interval and --no-manual-gc-eval apply to --manual-gc; add it or "
+             "drop them")
+    _require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+             f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
+    _require(args.ckpt_format == "torch_dist",
+             f"--ckpt-format {args.ckpt_format} is not supported: checkpoints here are "
+             "megatron-core dist_checkpointing's torch_dist format; use --ckpt-format "
+             "torch_dist or drop the flag")
+    _require(args.logging_level is None or args.logging_level >= 0,
+             f"--logging-level must be >= 0, got {args.logging_level}")
+    _require(not args.log_timers_to_tensorboard or args.tensorboard_dir or args.wandb_project,
+             "--log-timers-to-tensorboard writes to --tensorboard-dir (or W&B); give one")
+    for problem in (wandb_problem(args), profile_problem(args, cuda_available)):
+        _require(problem is None, problem or "")
 
 
 def _validate_attention_backend(args: argparse.Namespace, cuda_available: bool) -> None:
@@ -686,6 +840,8 @@ def _validate_data(args: argparse.Namespace) -> None:
         not (args.mock_data and args.data_path),
         "--mock-data and --data-path are exclusive; keep one",
     )
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        args.tokenizer_type = "GPT2BPETokenizer"  # the only type those files are for
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else None
     _require(
@@ -702,6 +858,12 @@ def _validate_data(args: argparse.Namespace) -> None:
         _require(Path(args.tokenizer_model).is_file(),
                  f"--tokenizer-model {args.tokenizer_model} does not exist; train one with "
                  "tools/prepare_demo_data.py (or train_bpe_tokenizer) or fix the path")
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        for flag in ("vocab_file", "merge_file"):
+            path = getattr(args, flag)
+            _require(path is not None and Path(path).is_file(),
+                     f"--{flag.replace('_', '-')} {path} does not exist; GPT2BPETokenizer reads "
+                     "a GPT-2 vocab.json and merges.txt (--vocab-file, --merge-file)")
     if args.tokenizer_type == "HuggingFaceTokenizer":
         _require(args.tokenizer_model is not None,
                  "--tokenizer-model DIR is required with --tokenizer-type HuggingFaceTokenizer "
@@ -717,6 +879,9 @@ def _validate_data(args: argparse.Namespace) -> None:
                     f"--data-path {prefix}: {prefix + suffix} does not exist; create it with "
                     "tools/preprocess_data.py or fix the prefix (no .bin/.idx suffix)",
                 )
+    # Megatron-LM reads the numbers out of the value, so quotes a script passes through are
+    # ignored (the Llama scripts' --split "'99,1,0'"); anything else must be numbers.
+    args.split = args.split.strip().strip("'\"")
     split = args.split.replace("/", ",").split(",")
     _require(
         len(split) <= 3 and all(part.strip().replace(".", "", 1).isdigit() for part in split)
@@ -873,19 +1038,21 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
 
     Raises ArgumentValidationError naming the flag at fault and the fix: the one place where
     the rule modules' errors (memo_ext.config's MemoConfigError, rope_scaling's
-    RopeScalingError) become it.
+    RopeScalingError, upstream_flags' UpstreamFlagRefused) become it.
     """
     try:
         _validate_all(args, world_size, cuda_available)
-    except (MemoConfigError, RopeScalingError) as error:
+    except (MemoConfigError, RopeScalingError, UpstreamFlagRefused) as error:
         raise ArgumentValidationError(str(error)) from None
 
 
 def _validate_all(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
+    validate_upstream_flags(args)  # a Megatron-LM flag refused here: its one line, first
     _validate_required(args)
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)
     _validate_batch(args)
+    _validate_sample_based_training(args)
     _validate_recompute(args)
     _validate_precision(args, cuda_available)
     _validate_attention_backend(args, cuda_available)
@@ -895,6 +1062,8 @@ def _validate_all(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_data(args)
     _validate_logging(args)
     _validate_memo(args, cuda_available)
+    _validate_gradients(args)
+    _validate_run_controls(args, cuda_available)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     _require(
@@ -919,6 +1088,7 @@ def core_transformer_config_from_args(args: argparse.Namespace):
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         normalization=args.normalization,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
@@ -949,6 +1119,7 @@ def core_transformer_config_from_args(args: argparse.Namespace):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        calculate_per_token_loss=args.calculate_per_token_loss,
         # "chunked" is not megatron-core's: megatron.training.gpt.model_provider builds
         # memo_ext.loss's GPTModel for it (the dataclass does not check its Literal).
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,

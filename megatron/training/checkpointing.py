@@ -51,7 +51,7 @@ CHECKPOINT_FORMAT_VERSION = 1
 ARCHITECTURE_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "normalization", "norm_epsilon", "swiglu", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings_and_output_weights", "rotary_percent",
+    "untie_embeddings_and_output_weights", "rotary_percent", "apply_layernorm_1p",
 )
 # Flags of positions, which continued pretraining may change (longer context, RoPE scaling).
 POSITION_ARGS = (
@@ -110,7 +110,8 @@ def recorded_model_flags(recorded: dict) -> list[str]:
     if recorded["num_query_groups"] != recorded["num_attention_heads"]:
         flags += ["--group-query-attention", *value("num_query_groups")]
     flags += ["--" + name.replace("_", "-") for name in
-              ("swiglu", "add_qkv_bias", "untie_embeddings_and_output_weights") if recorded[name]]
+              ("swiglu", "add_qkv_bias", "untie_embeddings_and_output_weights",
+               "apply_layernorm_1p") if recorded.get(name)]
     if not recorded["add_bias_linear"]:
         flags.append("--disable-bias-linear")
     if recorded["rotary_seq_len_interpolation_factor"] is not None:

@@ -4,6 +4,7 @@ seeds and determinism. CPU shims (megatron.training.compat) are applied only wit
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 from datetime import timedelta
@@ -60,8 +61,22 @@ def _log_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
+def set_logging_level(args: argparse.Namespace) -> None:
+    """--logging-level, else $MEGATRON_LOGGING_LEVEL (Megatron-LM's precedence): the root
+    logger's level, with a stderr handler when nothing configured one (so that megatron-core's
+    INFO records show at 20). Without either, logging is left as it is."""
+    level = getattr(args, "logging_level", None)
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL"):
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+    if level is None:
+        return
+    logging.basicConfig(level=level)
+    logging.getLogger().setLevel(level)
+
+
 def initialize_megatron(args: argparse.Namespace) -> None:
     """Everything before the model is built. ``args`` must already be validated."""
+    set_logging_level(args)
     if not torch.cuda.is_available():
         from megatron.training.compat import apply_cpu_shims
 

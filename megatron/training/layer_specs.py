@@ -22,17 +22,25 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.compat.norm import SequenceParallelTorchNorm
+from megatron.training.norms import ZeroCenteredTorchNorm
 from memo_ext.attention import CoreAttention
 from memo_ext.config import AttentionConfig, TiledMLPConfig, config_from_args
 from memo_ext.tiled_mlp import with_tiled_mlp, with_tiled_projections
+
+
+def local_norm(args: argparse.Namespace):
+    """The torch norm factory of the local layers: SP-capable, zero-centred with
+    --apply-layernorm-1p (megatron.training.norms)."""
+    return ZeroCenteredTorchNorm if getattr(args, "apply_layernorm_1p", False) \
+        else SequenceParallelTorchNorm
 
 
 def local_layer_spec(args: argparse.Namespace) -> ModuleSpec:
     """megatron.core's local GPT layer spec with SP-capable norms and memo_ext's attention."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=args.normalization))
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType[args.attn_mask_type]
-    spec.submodules.input_layernorm = SequenceParallelTorchNorm
-    spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    spec.submodules.input_layernorm = local_norm(args)
+    spec.submodules.pre_mlp_layernorm = local_norm(args)
     attention = config_from_args(AttentionConfig, args)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=CoreAttention, params={"head_chunks": attention.attention_head_chunks})
@@ -52,7 +60,7 @@ def gpt_block_spec(
             return TransformerBlockSubmodules(
                 layer_specs=[mechanism.layer_spec(local_layer_spec(args))]
                 * get_num_layers_to_build(config),
-                layer_norm=SequenceParallelTorchNorm,
+                layer_norm=local_norm(args),
             )
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -63,5 +71,5 @@ def gpt_block_spec(
             normalization=args.normalization), config_from_args(TiledMLPConfig, args))
     return TransformerBlockSubmodules(
         layer_specs=[local_layer_spec(args)] * get_num_layers_to_build(config),
-        layer_norm=SequenceParallelTorchNorm,
+        layer_norm=local_norm(args),
     )

@@ -1,6 +1,6 @@
 """Offline tokenizers that megatron-core's GPTDataset accepts.
 
-Four tokenizers cover the workflows of this fork without downloading anything:
+Five tokenizers cover the workflows of this fork without downloading anything:
 
 * ``BytesTokenizer``: UTF-8 bytes 0..255 plus one end-of-document id (256).
 * ``BPETokenizer``: a byte-level BPE model stored as a local HF ``tokenizers`` JSON file, which
@@ -9,6 +9,9 @@ Four tokenizers cover the workflows of this fork without downloading anything:
 * ``HuggingFaceTokenizer``: a Hugging Face tokenizer folder (Llama, Mistral, Qwen2 ...) read
   from local disk: its ``tokenizer.json`` through the ``tokenizers`` library, its eos token as
   end of document (no transformers, no remote code, no network).
+* ``GPT2BPETokenizer``: Megatron-LM's GPT-2 tokenizer from a ``vocab.json`` and ``merges.txt``
+  (``--vocab-file``, ``--merge-file``), byte-level BPE read with the ``tokenizers`` library;
+  ``<|endoftext|>`` is the end of document.
 * ``NullTokenizer``: for ``--mock-data`` and pre-tokenized text; its "text" is whitespace-separated
   integer ids.
 
@@ -17,7 +20,7 @@ Each tokenizer exposes ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]``,
 hash naming its cached index files, so two different tokenizers never share a cache entry).
 
 ``build_tokenizer`` maps the command-line flags (--tokenizer-type, --tokenizer-model,
---vocab-size) to a tokenizer, and ``model_vocab_size`` gives the vocabulary the model is built
+--vocab-size, --vocab-file, --merge-file) to a tokenizer, and ``model_vocab_size`` gives the vocabulary the model is built
 with; their errors are one-line ``ValueError`` messages naming the flag.
 """
 
@@ -247,6 +250,43 @@ class HuggingFaceTokenizer(_TokenizersFile):
         return self._tokenizer.encode(text).ids
 
 
+class GPT2BPETokenizer(_TokenizersFile):
+    """Megatron-LM's ``GPT2BPETokenizer``: GPT-2's byte-level BPE from a ``vocab.json`` and a
+    ``merges.txt`` (the files GPT-2 and Megatron-LM's examples ship), its ``<|endoftext|>`` the
+    end of document. Read with the tokenizers library's BPE and ByteLevel pre-tokenizer (GPT-2's
+    split pattern, no prefix space), so ids match GPT-2's encoder; both files' SHA-256 name the
+    dataset cache."""
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if path is None or not Path(path).is_file():
+                raise ValueError(f"{flag} '{path}' does not exist (GPT2BPETokenizer needs "
+                                 "--vocab-file and --merge-file)")
+        try:
+            model = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as error:  # tokenizers raises a plain Exception for unreadable files
+            reason = " ".join(str(error).split())
+            raise ValueError(f"--vocab-file '{vocab_file}' / --merge-file '{merge_file}' are not "
+                             f"a GPT-2 vocab.json and merges.txt ({reason})") from error
+        self._tokenizer = Tokenizer(model)
+        self._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tokenizer.decoder = decoders.ByteLevel()
+        digests = [hashlib.sha256(Path(path).read_bytes()).hexdigest()
+                   for path in (vocab_file, merge_file)]
+        _OfflineTokenizer.__init__(self, [vocab_file, merge_file], sha256=digests)
+        eod = self._tokenizer.token_to_id(EOD_TOKEN)
+        if eod is None:
+            raise ValueError(f"--vocab-file '{vocab_file}' has no token '{EOD_TOKEN}' (GPT-2's "
+                             "end of document); give a GPT-2 vocab.json")
+        self._eod = eod
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode ``text`` (GPT-2's encoder: no special tokens added)."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
 class NullTokenizer(_OfflineTokenizer):
     """Identity tokenizer for --mock-data and pre-tokenized text.
 
@@ -298,17 +338,20 @@ class NullTokenizer(_OfflineTokenizer):
 
 
 def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
-) -> BytesTokenizer | BPETokenizer | HuggingFaceTokenizer | NullTokenizer:
+    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None,
+    vocab_file: str | None = None, merge_file: str | None = None,
+) -> BytesTokenizer | BPETokenizer | HuggingFaceTokenizer | GPT2BPETokenizer | NullTokenizer:
     """Build the tokenizer named by --tokenizer-type.
 
     ``tokenizer_model`` (a tokenizer JSON path, or a Hugging Face tokenizer folder) is required
     by and only used for BPETokenizer and HuggingFaceTokenizer; ``vocab_size`` is required by
-    and only used for NullTokenizer. Raises ValueError with a one-line message naming the
-    offending flag.
+    and only used for NullTokenizer; ``vocab_file`` and ``merge_file`` by GPT2BPETokenizer.
+    Raises ValueError with a one-line message naming the offending flag.
     """
     if tokenizer_type == "BytesTokenizer":
         return BytesTokenizer()
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type in ("BPETokenizer", "HuggingFaceTokenizer"):
         if tokenizer_model is None:
             raise ValueError(

@@ -82,6 +82,8 @@ def trainer_argv(request: TraceRequest) -> list[str]:
         "use_distributed_optimizer": request.distributed_optimizer,
         "bf16": request.bf16, "fp16": request.fp16,
         "accumulate_allreduce_grads_in_fp32": request.grad_buffer_fp32,
+        # --bf16 alone accumulates in fp32, as Megatron-LM; a bf16 grad buffer is asked for.
+        "grad_reduce_in_bf16": request.bf16 and not request.grad_buffer_fp32,
     }
     if request.recompute_granularity:
         flags["recompute_granularity"] = request.recompute_granularity

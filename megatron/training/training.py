@@ -9,6 +9,7 @@ telemetry, planner) reach the loop only through megatron.training.mechanisms' re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -33,7 +34,11 @@ from megatron.training.arguments import ArgumentValidationError, core_transforme
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import initialize_megatron
 from megatron.training.mechanisms import Mechanisms, build_mechanisms, build_planner_mechanism
+from megatron.training.profiling import ProfilerRange
+from megatron.training.run_controls import ManualGC, duration_exceeded, empty_unused_memory
 from megatron.training.signal_handler import DistributedSignalHandler
+from megatron.training.timing import build_timers, log_timers
+from megatron.training.wandb_logging import open_wandb_run
 from megatron.training.tokenizer import build_tokenizer, model_vocab_size, padded_vocab_size
 
 ModelProvider = Callable[..., torch.nn.Module]
@@ -91,6 +96,7 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
@@ -104,6 +110,8 @@ def build_optimizer(args: argparse.Namespace, model: list):
         optimizer=args.optimizer,
         lr=args.lr,
         min_lr=args.min_lr,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
         weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
@@ -124,17 +132,32 @@ def build_optimizer(args: argparse.Namespace, model: list):
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * samples,
-        lr_decay_steps=args.lr_decay_iters * samples,
+        lr_warmup_steps=schedule_steps(args)["warmup"],
+        lr_decay_steps=schedule_steps(args)["decay"],
         lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay,
         end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters * samples,
+        wd_incr_steps=schedule_steps(args)["wd_incr"],
         wd_incr_style=args.weight_decay_incr_style,
         wsd_decay_steps=(args.lr_wsd_decay_iters or 0) * samples,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
     )
     return optimizer, scheduler
+
+
+def schedule_steps(args: argparse.Namespace) -> dict[str, float]:
+    """The LR/WD schedule's warmup, decay and weight-decay increment, in samples (what
+    OptimizerParamScheduler counts), as Megatron-LM derives them: from iterations times the
+    global batch, or with --train-samples from --lr-warmup-samples/--lr-decay-samples (or
+    --lr-warmup-fraction of the decay)."""
+    if args.train_samples is None:
+        samples = args.global_batch_size
+        return {"warmup": args.lr_warmup_iters * samples, "decay": args.lr_decay_iters * samples,
+                "wd_incr": args.train_iters * samples}
+    decay = args.lr_decay_samples
+    warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+              else args.lr_warmup_samples)
+    return {"warmup": warmup, "decay": decay, "wd_incr": args.train_samples}
 
 
 def reduce_losses(loss_dicts: list[dict]) -> dict[str, float]:
@@ -189,8 +212,15 @@ def train_step(forward_step: ForwardStep, data_iterator, model: list, optimizer,
     optimizer.zero_grad()
     loss_dicts = run_schedule(forward_step, data_iterator, model, args, forward_only=False,
                               mechanisms=mechanisms)
+    empty_unused_memory(args, level=1)
+    timers = get_model_config(model[0]).timers  # --timing-log-level
+    if timers is not None:
+        timers("optimizer", log_level=1).start()
     with mechanisms.optimizer_phase():
         update_successful, grad_norm, _ = optimizer.step()
+    if timers is not None:
+        timers("optimizer").stop()
+    empty_unused_memory(args, level=2)
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
     return reduce_losses(loss_dicts), grad_norm if grad_norm is not None else 0.0, not update_successful
@@ -206,6 +236,7 @@ def evaluate(forward_step: ForwardStep, data_iterator, model: list,
         for _ in range(args.eval_iters):
             loss_dicts += run_schedule(forward_step, data_iterator, model, args, forward_only=True,
                                        mechanisms=mechanisms)
+            empty_unused_memory(args, level=1)
     for chunk in model:
         chunk.train()
     return reduce_losses(loss_dicts)
@@ -214,16 +245,19 @@ def evaluate(forward_step: ForwardStep, data_iterator, model: list,
 class TrainingLogger:
     """Formats the per-interval line and writes tensorboard / JSON-lines metrics (last rank)."""
 
-    def __init__(self, args: argparse.Namespace, flops_per_iteration: float, peak_tflops: float):
+    def __init__(self, args: argparse.Namespace, flops_per_iteration: float, peak_tflops: float,
+                 timers=None):
         self.args = args
         self.flops_per_iteration = flops_per_iteration
         self.peak_tflops = peak_tflops
+        self.timers = timers  # --timing-log-level's megatron-core Timers, or None
         self.is_writer = dist.get_rank() == dist.get_world_size() - 1
         self.tensorboard = None
         if self.is_writer and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+        self.wandb = open_wandb_run(args, self.is_writer)  # --wandb-project, else None
         self.interval_start = time.perf_counter()
         self.interval_iterations = 0
         if not torch.cuda.is_available():
@@ -237,7 +271,8 @@ class TrainingLogger:
         # Memory is gathered from every rank, so all ranks take part in logging. Peaks are
         # since the previous log line (CPU: peak RSS, mem_peak_rss_mib; CUDA: allocator peak).
         memory = metrics.max_over_ranks(metrics.memory_report())
-        elapsed = (time.perf_counter() - self.interval_start) / self.interval_iterations
+        iterations = self.interval_iterations
+        elapsed = (time.perf_counter() - self.interval_start) / iterations
         self.interval_start = time.perf_counter()
         self.interval_iterations = 0
         tokens_per_s = self.args.global_batch_size * self.args.seq_length / elapsed
@@ -254,8 +289,19 @@ class TrainingLogger:
             **{name.replace(" ", "_"): value for name, value in losses.items()},
             **memory,
         }
-        if not self.is_writer:
-            return
+        if self.args.log_timers_to_tensorboard:
+            record["iteration-time"] = elapsed  # Megatron-LM's scalar name
+        if self.is_writer:
+            self._print_line(iteration, losses, lr, grad_norm, skipped, record, memory)
+            self._write(record)
+        # Collective (the timers are reduced over ranks): after the line, as Megatron-LM.
+        log_timers(self.timers, iterations, iteration, self.args.log_timers_to_tensorboard,
+                   self if self.is_writer else None)
+
+    def _print_line(self, iteration: int, losses: dict[str, float], lr: float, grad_norm: float,
+                    skipped: bool, record: dict, memory: dict) -> None:
+        elapsed, tokens_per_s = record["iteration_time_s"], record["tokens_per_s"]
+        achieved_tflops = record["tflops_per_device"]
         memory_text = " | ".join(f"{k.removeprefix('mem_')}: {v:.1f}" for k, v in memory.items())
         if not any(k.endswith("_since_start_mib") for k in memory):
             memory_text += " (MiB, max over ranks; peaks since the previous log line)"
@@ -270,7 +316,6 @@ class TrainingLogger:
             + (" | skipped (overflow)" if skipped else ""),
             flush=True,
         )
-        self._write(record)
 
     def log_validation(self, iteration: int, losses: dict[str, float]) -> None:
         if not self.is_writer or not losses:
@@ -288,12 +333,30 @@ class TrainingLogger:
         if self.is_writer:
             self._write(record)
 
-    def _write(self, record: dict) -> None:
+    def add_scalar(self, name: str, value: float, iteration: int) -> None:
+        """One scalar to TensorBoard and W&B (what megatron-core's Timers.write calls)."""
         if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, record["iteration"])
+            self.tensorboard.add_scalar(name, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log({name: value}, step=iteration)
+
+    def close(self) -> None:
+        """Flush and close TensorBoard and the W&B run."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+    def _write(self, record: dict) -> None:
+        scalars = {key: value for key, value in record.items()
+                   if key != "iteration" and isinstance(value, (int, float))}
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, record["iteration"])
             self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["iteration"])
         if self.args.log_metrics_jsonl:
             with open(self.args.log_metrics_jsonl, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
@@ -306,7 +369,8 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     if extra_initialization is not None:
         extra_initialization(args)
     try:  # a tokenizer file the flags name but cannot be used: one line, as a bad flag
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                                    args.vocab_file, args.merge_file)
         vocab_size = model_vocab_size(tokenizer, args.tokenizer_type, args.vocab_size)
     except ValueError as error:
         raise ArgumentValidationError(str(error)) from None
@@ -314,6 +378,7 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
         vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     config = core_transformer_config_from_args(args)
+    config.timers = timers = build_timers(args)  # --timing-log-level: megatron-core times phases
     mechanisms = build_mechanisms(args, log=print_rank_0)  # telemetry, MEMO, SPPO, METP
     model = build_model(args, config, model_provider, mechanisms)
     # Once per run: what --attention-dropout > 0 costs (the explicit kernel, not flash).
@@ -321,6 +386,8 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
     if dropout_notice is not None:
         print_rank_0(dropout_notice)
     optimizer, scheduler = build_optimizer(args, model)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner.config.timers = timers  # the optimizer's phases (copy, clip, step, all-gather)
     mechanisms.register(build_planner_mechanism(args, model, log=print_rank_0))
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
@@ -348,7 +415,7 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
         " | micro-batches per step: "
         f"{args.num_microbatches} | MFU peak {peak_tflops:.3f} TFLOP/s per device ({peak_source})"
     )
-    logger = TrainingLogger(args, flops_per_iteration, peak_tflops)
+    logger = TrainingLogger(args, flops_per_iteration, peak_tflops, timers)
     signal_handler = DistributedSignalHandler(args.exit_signal) if args.exit_signal_handler else None
 
     train_forward_step = mechanisms.wrap_forward_step(forward_step)  # evaluation's is not
@@ -362,18 +429,66 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
         # Training is over, or died: --memo-plan's CUDA arena stops serving before the caller
         # (or the interpreter's teardown) frees what is left.
         mechanisms.close()
+        logger.close()
+
+
+def gather_parameters(model: list, args: argparse.Namespace) -> None:
+    """--overlap-param-gather: all-gather now the parameter shards the next forward's pre-hooks
+    would (before a checkpoint, as Megatron-LM)."""
+    if args.overlap_param_gather:
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
+
+
+@contextlib.contextmanager
+def parameters_gathered(model: list, args: argparse.Namespace):
+    """--overlap-param-gather: evaluation runs with the forward pre-hooks off and every
+    parameter gathered (as Megatron-LM); training's hooks come back afterwards."""
+    if not args.overlap_param_gather:
+        yield
+        return
+    for chunk in model:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in model:
+            chunk.enable_forward_pre_hook()
 
 
 def _train(args, state, model, optimizer, scheduler, mechanisms, logger, signal_handler,
            train_forward_step, forward_step, train_iterator, valid_iterator) -> TrainState:
-    """pretrain's loop: train to --train-iters, evaluating and saving on their intervals."""
+    """pretrain's loop: train to --train-iters, evaluating and saving on their intervals; with
+    Megatron-LM's run controls (megatron.training.run_controls: --manual-gc,
+    --exit-duration-in-mins) and --profile's range."""
+    manual_gc, profiler = ManualGC(args), ProfilerRange(args, dist.get_rank())
+    manual_gc.start()
+    try:
+        return _train_loop(args, state, model, optimizer, scheduler, mechanisms, logger,
+                           signal_handler, train_forward_step, forward_step, train_iterator,
+                           valid_iterator, manual_gc, profiler)
+    finally:
+        profiler.close()
+        manual_gc.stop()
+
+
+def _train_loop(args, state, model, optimizer, scheduler, mechanisms, logger, signal_handler,
+                train_forward_step, forward_step, train_iterator, valid_iterator, manual_gc,
+                profiler) -> TrainState:
+    def save() -> None:
+        gather_parameters(model, args)
+        checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
+
     while state.iteration < args.train_iters:
+        profiler.before_step(state.iteration)
         # An out-of-memory error in the step becomes a report and MemoryBudgetExceeded.
         with mechanisms.step(state.iteration + 1):
             losses, grad_norm, skipped = train_step(
                 train_forward_step, train_iterator, model, optimizer, scheduler, args, mechanisms,
             )
         state.iteration += 1
+        profiler.after_step(state.iteration)
+        manual_gc.after_step(state.iteration)
         state.consumed_train_samples += args.global_batch_size
         mechanisms.end_step(state.iteration)
         if "lm loss" in losses:
@@ -383,23 +498,31 @@ def _train(args, state, model, optimizer, scheduler, mechanisms, logger, signal_
         mechanisms.report(state.iteration, logger)  # collective (telemetry's fail-fast)
 
         if args.eval_iters > 0 and valid_iterator is not None and state.iteration % args.eval_interval == 0:
-            logger.log_validation(state.iteration, evaluate(forward_step, valid_iterator, model, args,
-                                                                mechanisms))
+            with manual_gc.evaluation(), parameters_gathered(model, args):
+                losses = evaluate(forward_step, valid_iterator, model, args, mechanisms)
+            logger.log_validation(state.iteration, losses)
             state.consumed_valid_samples += args.eval_iters * args.global_batch_size
 
         if signal_handler is not None and signal_handler.any_rank_signalled():
-            checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
+            save()
             print_rank_0(f"> {args.exit_signal} received: checkpoint saved at iteration "
                          f"{state.iteration}, exiting")
             return state
-        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
+        saved = bool(args.save and args.save_interval and state.iteration % args.save_interval == 0)
+        if saved:
+            save()
         if args.exit_interval and state.iteration % args.exit_interval == 0:
-            if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
-                checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
+            if args.save and not saved:
+                save()
             print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval)")
+            return state
+        if duration_exceeded(args):  # collective: every rank takes the same decision
+            if args.save and not saved:
+                save()
+            print_rank_0(f"> exiting at iteration {state.iteration}: the run passed "
+                         f"--exit-duration-in-mins {args.exit_duration_in_mins:g}")
             return state
 
     if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
-        checkpointing.save_checkpoint(args, state, model, optimizer, scheduler)
+        save()
     return state

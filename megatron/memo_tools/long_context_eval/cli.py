@@ -152,7 +152,8 @@ def evaluate(args: argparse.Namespace) -> Optional[dict]:
     start = time.perf_counter()
     initialize_megatron(args)
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                                    args.vocab_file, args.merge_file)
     except ValueError as error:
         raise ArgumentValidationError(str(error)) from None
     args.padded_vocab_size = padded_vocab_size(
