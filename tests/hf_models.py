@@ -122,3 +122,19 @@ def our_logits(checkpoint: Path, ids: torch.Tensor, extra: list[str] = (),
     with torch.no_grad():
         positions = torch.arange(ids.shape[1]).expand_as(ids)
         return model(ids, positions, attention_mask=None)
+
+
+def save_gpt2_files(directory: Path, texts=TOKENIZER_TEXTS) -> tuple[Path, Path]:
+    """A GPT-2-format vocab.json and merges.txt (--vocab-file, --merge-file): a byte-level BPE
+    of about 300 ids learned from ``texts``, with GPT-2's ``<|endoftext|>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab, merges = tokenizer.model.save(str(directory))
+    return Path(vocab), Path(merges)

@@ -67,7 +67,13 @@ def build_datasets(args: argparse.Namespace, tokenizer,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),  # --no-mmap-bin-files
     )
+    # A split the run draws nothing from is not built: megatron-core's GPTDataset, asked for 0
+    # samples of a split without documents (a small corpus, a test weight of 1 in 1000), loops
+    # forever. The other splits keep their bookends.
+    config.split_matrix = [None if count == 0 else bookends
+                           for count, bookends in zip(samples, config.split_matrix)]
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
     datasets = BlendedMegatronDatasetBuilder(
         dataset_class, samples, lambda: True, config

@@ -46,6 +46,8 @@ class UpstreamFlag:
     here: str
     refuses: str = ""
     requires: str = ""  # the flag it only applies with (refused without it)
+    refused_values: tuple[str, ...] = ()  # values refused in one line
+    cuda_only: bool = False  # refused in one line on a machine without CUDA
     argparse: Optional[dict] = field(default=None, compare=False)
 
 
@@ -57,8 +59,9 @@ def _always(flag: str, here: str, **argparse_kwargs) -> UpstreamFlag:
     return UpstreamFlag(flag, ALWAYS, here, argparse=argparse_kwargs or {"action": "store_true"})
 
 
-def _honoured(flag: str, here: str, refuses: str = "", requires: str = "") -> UpstreamFlag:
-    return UpstreamFlag(flag, HONOURED, here, refuses, requires)
+def _honoured(flag: str, here: str, refuses: str = "", requires: str = "",
+              refused_values: tuple[str, ...] = (), cuda_only: bool = False) -> UpstreamFlag:
+    return UpstreamFlag(flag, HONOURED, here, refuses, requires, refused_values, cuda_only)
 
 
 _CPU_16BIT = "on CPU (megatron-core's mixed-precision optimizer wraps CUDA tensors only)"
@@ -84,7 +87,7 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
               "(docs/attention.md; on CPU its one CPU kernel); with --transformer-impl "
               "transformer_engine megatron-core's AttnBackend",
               "local (megatron-core's own DotProductAttention, which memo_ext's core attention "
-              "replaces)"),
+              "replaces)", refused_values=("local",)),
     _honoured("--micro-batch-size", "samples per micro-batch and data-parallel rank"),
     _honoured("--global-batch-size",
               "samples per optimizer step (micro-batches = global / (micro x data-parallel))"),
@@ -98,7 +101,7 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
     _honoured("--init-method-std", "TransformerConfig.init_method_std"),
     _honoured("--clip-grad", "OptimizerConfig.clip_grad (global gradient norm)"),
     _honoured("--fp16", "fp16 parameters (Float16Module) and megatron-core's fp16 optimizer with "
-              "dynamic loss scaling", _CPU_16BIT),
+              "dynamic loss scaling", _CPU_16BIT, cuda_only=True),
     _honoured("--lr", "OptimizerParamScheduler's max_lr"),
     _honoured("--lr-decay-style", "OptimizerParamScheduler's lr_decay_style"),
     _honoured("--min-lr", "OptimizerParamScheduler's min_lr"),
@@ -156,7 +159,7 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
     _honoured("--decoupled-min-lr", "OptimizerConfig.decoupled_min_lr (with --decoupled-lr)"),
     _honoured("--bf16", "bf16 parameters (Float16Module), fp32 main parameters in the "
               "optimizer; gradients accumulated and reduced in fp32 unless "
-              "--grad-reduce-in-bf16, as Megatron-LM", _CPU_16BIT),
+              "--grad-reduce-in-bf16, as Megatron-LM", _CPU_16BIT, cuda_only=True),
     _honoured("--grad-reduce-in-bf16", "with --bf16: gradients accumulated and reduced in bf16 "
               "(DistributedDataParallelConfig.grad_reduce_in_fp32 False)",
               "without --bf16, or with --accumulate-allreduce-grads-in-fp32", requires="--bf16"),
@@ -214,13 +217,14 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
               "on CUDA, iterations [--profile-step-start, --profile-step-end) inside "
               "cudaProfilerStart/Stop on the --profile-ranks, for nsys --capture-range="
               "cudaProfilerApi (Megatron-LM's default profiler)",
-              "on CPU (there is no CUDA profiler range to open)"),
+              "on CPU (there is no CUDA profiler range to open)", cuda_only=True),
     _honoured("--profile-step-start", "first profiled iteration (default 10)",
               "without --profile", requires="--profile"),
     _honoured("--profile-step-end", "iteration at which profiling stops (default 12)",
               "without --profile", requires="--profile"),
     _honoured("--ckpt-format", "torch_dist: megatron-core dist_checkpointing, what --save writes",
-              "torch, torch_dcp and fsdp_dtensor"),
+              "torch, torch_dcp and fsdp_dtensor",
+              refused_values=("torch", "torch_dcp", "fsdp_dtensor")),
     _honoured("--distributed-timeout-minutes", "torch.distributed process-group timeout"),
     _honoured("--tokenizer-model", "HuggingFaceTokenizer's folder (or tokenizer.json); "
               "BPETokenizer's JSON file"),
