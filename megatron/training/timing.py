@@ -57,15 +57,21 @@ def build_timers(args: argparse.Namespace):
 def log_timers(timers, iterations: int, iteration: int, write: bool, scalars=None) -> None:
     """Print on the last rank, per iteration over the last ``iterations``, the timers that ran,
     then reset them. With ``write`` (--log-timers-to-tensorboard) first write each one's
-    maximum over ranks as ``<name>-time`` to ``scalars`` (TensorBoard's ``add_scalar``; None on
-    ranks that do not write). Collective: every rank calls it."""
+    maximum over ranks as ``<name>-time`` (seconds per iteration, as Megatron-LM) to
+    ``scalars`` (an object with ``add_scalar``; None on ranks that do not write). Collective:
+    every rank calls it."""
     if timers is None:
         return
     import torch.distributed as dist
 
     names = list(TIMER_NAMES)  # the same on every rank (the all-gather's shape); unused: left out
-    if write:
-        timers.write(names, scalars, iteration, normalizer=iterations, reset=False)
+    if write:  # Timers.write's values (max over ranks, s per iteration); it takes only a
+        # SummaryWriter or the wandb module, ``scalars`` writes to both
+        maxima = timers._get_global_min_max_time(names, reset=False, barrier=False,
+                                                 normalizer=iterations)
+        if scalars is not None:
+            for name, (_, longest) in maxima.items():
+                scalars.add_scalar(f"{name}-time", longest, iteration)
     text = timers.get_all_timers_string(names, normalizer=iterations, reset=True)
     if text is not None and dist.get_rank() == dist.get_world_size() - 1:
         print(text, flush=True)

@@ -160,6 +160,14 @@ def schedule_steps(args: argparse.Namespace) -> dict[str, float]:
     return {"warmup": warmup, "decay": decay, "wd_incr": args.train_samples}
 
 
+def logged_lr(optimizer, scheduler) -> float:
+    """The LR of the log line: that of the parameters on the default schedule (not
+    --decoupled-lr's embedding and output layer), as Megatron-LM logs it."""
+    groups = optimizer.param_groups
+    group = next((g for g in groups if g.get("default_config", True)), groups[0])
+    return scheduler.get_lr(group)
+
+
 def reduce_losses(loss_dicts: list[dict]) -> dict[str, float]:
     """Token-weighted mean of each reported loss over micro-batches and data-parallel ranks.
 
@@ -493,8 +501,7 @@ def _train_loop(args, state, model, optimizer, scheduler, mechanisms, logger, si
         mechanisms.end_step(state.iteration)
         if "lm loss" in losses:
             state.losses.append(losses["lm loss"])
-        logger.log(state.iteration, losses, scheduler.get_lr(optimizer.param_groups[0]),
-                   grad_norm, skipped)
+        logger.log(state.iteration, losses, logged_lr(optimizer, scheduler), grad_norm, skipped)
         mechanisms.report(state.iteration, logger)  # collective (telemetry's fail-fast)
 
         if args.eval_iters > 0 and valid_iterator is not None and state.iteration % args.eval_interval == 0:
