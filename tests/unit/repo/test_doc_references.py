@@ -88,6 +88,10 @@ def heading_citations(text: str):
 #: Paths named on purpose although they do not exist.
 ABSENT_ON_PURPOSE = {
     "megatron/__init__.py",  # README and docs say there is none (namespace package)
+    # Megatron-LM's launch scripts (megatron/training/upstream_scripts.py): upstream's paths.
+    "examples/gpt3/train_gpt3_175b_distributed.sh",
+    "examples/llama/train_llama3_8b_h100_fp8.sh",
+    "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh",
 }
 
 #: (file, path prefix) pairs where the path is test data, not a reference, and why.
