@@ -17,25 +17,24 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
-    """LayerNorm applying ``1 + weight``; the weight starts at 0."""
+class _ZeroCentered:
+    """The weight starts at 0 (the scale 1 + weight at 1)."""
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if self.weight is not None:
             torch.nn.init.zeros_(self.weight)
+
+
+class ZeroCenteredLayerNorm(_ZeroCentered, torch.nn.LayerNorm):
+    """LayerNorm applying ``1 + weight``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(input, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
-    """RMSNorm applying ``1 + weight``; the weight starts at 0."""
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.weight is not None:
-            torch.nn.init.zeros_(self.weight)
+class ZeroCenteredRMSNorm(_ZeroCentered, torch.nn.RMSNorm):
+    """RMSNorm applying ``1 + weight``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(input, self.normalized_shape, self.weight + 1, self.eps)
