@@ -697,25 +697,25 @@ def _validate_optimization(args: argparse.Namespace) -> None:
         "--use-distributed-optimizer takes --optimizer adam only (megatron-core's "
         "DistributedOptimizer checkpoints Adam's states); drop one of them",
     )
-    _validate_optimizer_cpu_offload(args)
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
 
 
-def _validate_optimizer_cpu_offload(args: argparse.Namespace) -> None:
-    """Megatron-LM's rules for --optimizer-cpu-offload (megatron/training/arguments.py) and
-    megatron-core's OptimizerConfig asserts, each as one line."""
+def _validate_optimizer_cpu_offload(args: argparse.Namespace, cuda_available: bool) -> None:
+    """Megatron-LM's rules for --optimizer-cpu-offload (megatron/training/arguments.py),
+    megatron-core 0.16.1's OptimizerConfig asserts, and what its offload path needs, each as
+    one line (docs/training.md, "Optimizer CPU offload")."""
     offload = args.optimizer_cpu_offload
     fraction = args.optimizer_offload_fraction
     _require(0.0 <= fraction <= 1.0, f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
     unused = [flag for flag, given in (
+        ("--optimizer-offload-fraction", fraction != 1.0),
         ("--use-torch-optimizer-for-cpu-offload", args.use_torch_optimizer_for_cpu_offload),
         ("--overlap-cpu-optimizer-d2h-h2d", args.overlap_cpu_optimizer_d2h_h2d),
         ("--no-pin-cpu-grads", not args.pin_cpu_grads),
-        ("--no-pin-cpu-params", not args.pin_cpu_params),
-        ("--optimizer-offload-fraction", fraction != 1.0)) if given]
+        ("--no-pin-cpu-params", not args.pin_cpu_params)) if given]
     _require(offload or not unused,
              f"{unused[0] if unused else ''} has no effect without --optimizer-cpu-offload; add "
              "it or drop the flag")
@@ -728,9 +728,17 @@ def _validate_optimizer_cpu_offload(args: argparse.Namespace) -> None:
              "--use-precision-aware-optimizer needs --use-distributed-optimizer; add it")
     _require(args.optimizer == "adam",
              f"--use-precision-aware-optimizer takes --optimizer adam only, got {args.optimizer}")
-    _require(offload or importlib.util.find_spec("transformer_engine") is not None,
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    _require(offload or have_te,
              "--use-precision-aware-optimizer without --optimizer-cpu-offload needs Transformer "
              "Engine's FusedAdam (not installed); add --optimizer-cpu-offload or drop the flag")
+    if cuda_available:  # megatron.training.compat's fixes for these apply on CPU only
+        _require(have_te,
+                 "--use-precision-aware-optimizer on CUDA needs Transformer Engine installed "
+                 "(megatron-core 0.16.1's OptimizerConfig reads its version); install it")
+        _require(not offload or args.bf16 or args.fp16,
+                 "--optimizer-cpu-offload on CUDA takes 16-bit parameters (megatron-core 0.16.1 "
+                 "refuses fp32 shards); add --bf16")
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:
@@ -957,6 +965,7 @@ def _validate_all(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_attention_backend(args, cuda_available)
     _validate_cross_entropy(args, cuda_available)
     _validate_optimization(args)
+    _validate_optimizer_cpu_offload(args, cuda_available)
     _validate_checkpointing(args)
     _validate_data(args)
     _validate_logging(args)
