@@ -218,7 +218,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--no-pin-cpu-params", action="store_false", dest="pin_cpu_params",
-        help="With --optimizer-cpu-offload: host parameter copies in pageable memory.",
+        help="With --optimizer-cpu-offload: host parameter copies in pageable memory "
+        "(megatron-core 0.16.1 pins them regardless).",
     )
     group.add_argument(
         "--use-precision-aware-optimizer", action="store_true",
@@ -709,7 +710,8 @@ def _validate_optimizer_cpu_offload(args: argparse.Namespace, cuda_available: bo
     one line (docs/training.md, "Optimizer CPU offload")."""
     offload = args.optimizer_cpu_offload
     fraction = args.optimizer_offload_fraction
-    _require(0.0 <= fraction <= 1.0, f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+    _require(0.0 <= fraction <= 1.0,
+             f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
     unused = [flag for flag, given in (
         ("--optimizer-offload-fraction", fraction != 1.0),
         ("--use-torch-optimizer-for-cpu-offload", args.use_torch_optimizer_for_cpu_offload),

@@ -231,9 +231,15 @@ def train(args, model, optimizer, scheduler, iterations: int) -> None:
         train_step(gpt.forward_step, data, model, optimizer, scheduler, args)
 
 
-def test_fp32_parameters_on_both_sides_are_updated(megatron_world, tmp_path):
-    """The distributed optimizer's fp32 shards are leaves sharing the model's memory, and the
-    device part gets its gradients (megatron-core 0.16.1 would leave it untrained)."""
+def test_fp32_training_and_checkpoint_round_trip(megatron_world, tmp_path):
+    """At fraction 0.5: the distributed optimizer's fp32 shards are leaves sharing the model's
+    memory, and two steps update every parameter, the device part's too (megatron-core 0.16.1
+    would leave it untrained). Then save, and a fresh model and optimizer load: Adam's moments
+    bitwise and step 2 in a tensor of each parameter's own, for the host and the device part
+    alike; the host copies hold the restored weights."""
+    from megatron.training import checkpointing
+    from megatron.training.training import TrainState
+
     args, model, optimizer, scheduler = half_offloaded_trainer(tmp_path)
     (inner,) = optimizer.chained_optimizers
     hybrid = inner.optimizer
@@ -243,22 +249,9 @@ def test_fp32_parameters_on_both_sides_are_updated(megatron_world, tmp_path):
     buffer = inner.buffers[0].param_data
     start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
     assert all(start <= shard.data_ptr() < end for shard in shards)  # views of the weights
-
-    before = {name: p.detach().clone() for name, p in model[0].named_parameters()}
-    train(args, model, optimizer, scheduler, 1)
-    unchanged = [name for name, p in model[0].named_parameters() if torch.equal(p, before[name])]
-    assert not unchanged
-
-
-def test_checkpoint_round_trip_restores_every_adam_state(megatron_world, tmp_path):
-    """Two steps at fraction 0.5, save, then a fresh model and optimizer load: Adam's moments
-    bitwise and step 2 in a tensor of each parameter's own, for the host and the device part
-    alike; the host copies hold the restored weights."""
-    from megatron.training import checkpointing
-    from megatron.training.training import TrainState
-
-    args, model, optimizer, scheduler = half_offloaded_trainer(tmp_path)
+    initial = {name: p.detach().clone() for name, p in model[0].named_parameters()}
     train(args, model, optimizer, scheduler, 2)
+    assert not [name for name, p in model[0].named_parameters() if torch.equal(p, initial[name])]
     checkpointing.save_checkpoint(args, TrainState(iteration=2, consumed_train_samples=16),
                                   model, optimizer, scheduler)
 
