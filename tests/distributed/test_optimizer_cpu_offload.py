@@ -36,6 +36,7 @@ from tests.distributed.test_distributed_optimizer import (
     LAYOUTS,
     SAVE_INTERVAL,
     _optimizer_shard_writers,
+    assert_losses_agree,
     resume_from_iteration_5,
 )
 
@@ -48,13 +49,6 @@ def offload(fraction: float) -> list[str]:
     """The flags of --optimizer-cpu-offload at ``fraction`` (Megatron-LM's requirements)."""
     return DISTRIBUTED + ["--use-precision-aware-optimizer", "--optimizer-cpu-offload",
                           "--optimizer-offload-fraction", str(fraction)]
-
-
-def assert_losses_agree(offloaded: dict[int, float], reference: dict[int, float]) -> None:
-    assert sorted(offloaded) == sorted(reference) == list(range(1, 21))
-    assert offloaded[1] == reference[1]  # same initial weights, same first forward
-    for iteration, loss in reference.items():
-        assert offloaded[iteration] == pytest.approx(loss, rel=1e-5, abs=0), iteration
 
 
 @pytest.fixture(scope="module")

@@ -96,17 +96,9 @@ def split_as_on_the_gpu_build() -> None:
     device and its copies on the host, and produces the groups and maps the GPU build does."""
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
-    split = HybridDeviceOptimizer._get_sub_optimizer_param_groups
-    if getattr(split, "_cpu_shim", False):
-        return
+    from megatron.training.compat.distrib_optimizer import run_within
 
-    @functools.wraps(split)
-    def split_with_host_and_device(self, *args, **kwargs):
-        with HostAndDevice():
-            return split(self, *args, **kwargs)
-
-    split_with_host_and_device._cpu_shim = True
-    HybridDeviceOptimizer._get_sub_optimizer_param_groups = split_with_host_and_device
+    run_within(HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", HostAndDevice)
 
 
 def answer_te_version_without_te() -> None:

@@ -15,9 +15,10 @@ from megatron.training.arguments import ArgumentValidationError, parse_args
 from megatron.training.compat.hybrid_optimizer import HostAndDevice
 from tests.conftest import TINY_GPT_ARGS
 from tests.unit.megatron.training.test_distributed_optimizer_cpu import (
-    adam_states,
     build_args,
     build_trainer,
+    save_and_reload,
+    train,
 )
 
 OFFLOAD = ["--use-distributed-optimizer", "--use-precision-aware-optimizer",
@@ -219,27 +220,12 @@ def half_offloaded_trainer(tmp_path):
     return args, *build_trainer(args)
 
 
-def train(args, model, optimizer, scheduler, iterations: int) -> None:
-    from megatron.training import gpt
-    from megatron.training.data import build_data_iterator, build_datasets
-    from megatron.training.tokenizer import build_tokenizer
-    from megatron.training.training import train_step
-
-    dataset = build_datasets(args, build_tokenizer("NullTokenizer", None, args.vocab_size))[0]
-    data = build_data_iterator(dataset, 0, args)
-    for _ in range(iterations):
-        train_step(gpt.forward_step, data, model, optimizer, scheduler, args)
-
-
 def test_fp32_training_and_checkpoint_round_trip(megatron_world, tmp_path):
     """At fraction 0.5: the distributed optimizer's fp32 shards are leaves sharing the model's
     memory, and two steps update every parameter, the device part's too (megatron-core 0.16.1
     would leave it untrained). Then save, and a fresh model and optimizer load: Adam's moments
     bitwise and step 2 in a tensor of each parameter's own, for the host and the device part
     alike; the host copies hold the restored weights."""
-    from megatron.training import checkpointing
-    from megatron.training.training import TrainState
-
     args, model, optimizer, scheduler = half_offloaded_trainer(tmp_path)
     (inner,) = optimizer.chained_optimizers
     hybrid = inner.optimizer
@@ -252,21 +238,7 @@ def test_fp32_training_and_checkpoint_round_trip(megatron_world, tmp_path):
     initial = {name: p.detach().clone() for name, p in model[0].named_parameters()}
     train(args, model, optimizer, scheduler, 2)
     assert not [name for name, p in model[0].named_parameters() if torch.equal(p, initial[name])]
-    checkpointing.save_checkpoint(args, TrainState(iteration=2, consumed_train_samples=16),
-                                  model, optimizer, scheduler)
-
-    _, fresh_model, fresh_optimizer, fresh_scheduler = half_offloaded_trainer(tmp_path)
-    state = checkpointing.load_checkpoint(args, fresh_model, fresh_optimizer, fresh_scheduler)
-    assert state.iteration == 2
-    saved, loaded = adam_states(optimizer), adam_states(fresh_optimizer)
-    assert len(saved) == len(loaded) > 1
-    for before, after in zip(saved, loaded):
-        assert torch.equal(before["exp_avg"], after["exp_avg"])
-        assert torch.equal(before["exp_avg_sq"], after["exp_avg_sq"])
-        assert after["step"].item() == 2
-    assert len({id(after["step"]) for after in loaded}) == len(loaded)
-    for old, new in zip(model[0].parameters(), fresh_model[0].parameters()):
-        assert torch.equal(old, new)
+    _, fresh_optimizer = save_and_reload(args, model, optimizer, scheduler)
     (inner,) = fresh_optimizer.chained_optimizers
     hybrid = inner.optimizer
     assert hybrid.gpu_params_map_cpu_copy
