@@ -191,7 +191,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         help="Shard optimizer state over data-parallel ranks (CUDA only).",
     )
     # Optimizer CPU offload: Megatron-LM's flags (core_v0.16.1 arguments.py), megatron-core's
-    # HybridDeviceOptimizer (docs/training.md, "Optimizer CPU offload").
+    # HybridDeviceOptimizer (docs/training.md, "On CPU").
     group.add_argument(
         "--optimizer-cpu-offload", action="store_true",
         help="Keep (a fraction of) the optimizer's states and step on the host: megatron-core's "
@@ -707,7 +707,7 @@ def _validate_optimization(args: argparse.Namespace) -> None:
 def _validate_optimizer_cpu_offload(args: argparse.Namespace, cuda_available: bool) -> None:
     """Megatron-LM's rules for --optimizer-cpu-offload (megatron/training/arguments.py),
     megatron-core 0.16.1's OptimizerConfig asserts, and what its offload path needs, each as
-    one line (docs/training.md, "Optimizer CPU offload")."""
+    one line (docs/training.md, "On CPU")."""
     offload = args.optimizer_cpu_offload
     fraction = args.optimizer_offload_fraction
     _require(0.0 <= fraction <= 1.0,
