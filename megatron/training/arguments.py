@@ -216,6 +216,43 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Shard optimizer state over data-parallel ranks (CUDA only).",
     )
+    # Optimizer CPU offload: Megatron-LM's flags (core_v0.16.1 arguments.py), megatron-core's
+    # HybridDeviceOptimizer (docs/training.md, "On CPU").
+    group.add_argument(
+        "--optimizer-cpu-offload", action="store_true",
+        help="Keep (a fraction of) the optimizer's states and step on the host: megatron-core's "
+        "HybridDeviceOptimizer. Needs --use-precision-aware-optimizer.",
+    )
+    group.add_argument(
+        "--optimizer-offload-fraction", type=float, default=1.0,
+        help="With --optimizer-cpu-offload: the fraction of the optimizer's parameters (by "
+        "elements, in parameter order) whose states and update live on the host.",
+    )
+    group.add_argument(
+        "--use-torch-optimizer-for-cpu-offload", action="store_true",
+        help="With --optimizer-cpu-offload: torch.optim for the device part too (megatron-core "
+        "0.16.1 uses torch's AdamW on both sides with --optimizer adam regardless).",
+    )
+    group.add_argument(
+        "--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+        help="With --optimizer-cpu-offload: one host optimizer per parameter, gradients copied "
+        "to the host and parameters back on side streams, overlapping the host step.",
+    )
+    group.add_argument(
+        "--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads",
+        help="With --optimizer-cpu-offload: host gradient copies in pageable memory.",
+    )
+    group.add_argument(
+        "--no-pin-cpu-params", action="store_false", dest="pin_cpu_params",
+        help="With --optimizer-cpu-offload: host parameter copies in pageable memory "
+        "(megatron-core 0.16.1 pins them regardless).",
+    )
+    group.add_argument(
+        "--use-precision-aware-optimizer", action="store_true",
+        help="Main parameters and gradients held by the optimizer (decoupled gradients): "
+        "Transformer Engine's FusedAdam, or the HybridDeviceOptimizer of "
+        "--optimizer-cpu-offload. Needs --use-distributed-optimizer.",
+    )
     group.add_argument(
         "--deterministic-mode",
         action="store_true",
@@ -821,6 +858,45 @@ def _validate_optimization(args: argparse.Namespace) -> None:
         args.end_weight_decay = args.weight_decay
 
 
+def _validate_optimizer_cpu_offload(args: argparse.Namespace, cuda_available: bool) -> None:
+    """Megatron-LM's rules for --optimizer-cpu-offload (megatron/training/arguments.py),
+    megatron-core 0.16.1's OptimizerConfig asserts, and what its offload path needs, each as
+    one line (docs/training.md, "On CPU")."""
+    offload = args.optimizer_cpu_offload
+    fraction = args.optimizer_offload_fraction
+    _require(0.0 <= fraction <= 1.0,
+             f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+    unused = [flag for flag, given in (
+        ("--optimizer-offload-fraction", fraction != 1.0),
+        ("--use-torch-optimizer-for-cpu-offload", args.use_torch_optimizer_for_cpu_offload),
+        ("--overlap-cpu-optimizer-d2h-h2d", args.overlap_cpu_optimizer_d2h_h2d),
+        ("--no-pin-cpu-grads", not args.pin_cpu_grads),
+        ("--no-pin-cpu-params", not args.pin_cpu_params)) if given]
+    _require(offload or not unused,
+             f"{unused[0] if unused else ''} has no effect without --optimizer-cpu-offload; add "
+             "it or drop the flag")
+    _require(not offload or args.use_precision_aware_optimizer,
+             "--optimizer-cpu-offload needs --use-precision-aware-optimizer (Megatron-LM: the "
+             "hybrid device optimizer reuses its code path); add it")
+    if not args.use_precision_aware_optimizer:
+        return
+    _require(args.use_distributed_optimizer,
+             "--use-precision-aware-optimizer needs --use-distributed-optimizer; add it")
+    _require(args.optimizer == "adam",
+             f"--use-precision-aware-optimizer takes --optimizer adam only, got {args.optimizer}")
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    _require(offload or have_te,
+             "--use-precision-aware-optimizer without --optimizer-cpu-offload needs Transformer "
+             "Engine's FusedAdam (not installed); add --optimizer-cpu-offload or drop the flag")
+    if cuda_available:  # megatron.training.compat's fixes for these apply on CPU only
+        _require(have_te,
+                 "--use-precision-aware-optimizer on CUDA needs Transformer Engine installed "
+                 "(megatron-core 0.16.1's OptimizerConfig reads its version); install it")
+        _require(not offload or args.bf16 or args.fp16,
+                 "--optimizer-cpu-offload on CUDA takes 16-bit parameters (megatron-core 0.16.1 "
+                 "refuses fp32 shards); add --bf16")
+
+
 def _validate_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval needs --save DIR")
@@ -1058,6 +1134,7 @@ def _validate_all(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_attention_backend(args, cuda_available)
     _validate_cross_entropy(args, cuda_available)
     _validate_optimization(args)
+    _validate_optimizer_cpu_offload(args, cuda_available)
     _validate_checkpointing(args)
     _validate_data(args)
     _validate_logging(args)

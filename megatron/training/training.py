@@ -105,7 +105,8 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
 
 
 def build_optimizer(args: argparse.Namespace, model: list):
-    """megatron.core optimizer (torch AdamW/SGD without apex/TE) and its LR/WD scheduler."""
+    """megatron.core optimizer (torch AdamW/SGD without apex/TE; with --optimizer-cpu-offload its
+    HybridDeviceOptimizer inside the distributed optimizer) and its LR/WD scheduler."""
     optimizer_config = OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
@@ -124,6 +125,13 @@ def build_optimizer(args: argparse.Namespace, model: list):
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
+        use_torch_optimizer_for_cpu_offload=args.use_torch_optimizer_for_cpu_offload,
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
+        pin_cpu_grads=args.pin_cpu_grads,
+        pin_cpu_params=args.pin_cpu_params,
     )
     optimizer = get_megatron_optimizer(optimizer_config, model)
     samples = args.global_batch_size

@@ -105,9 +105,11 @@ def _optimizer_shard_writers(checkpoint: Path) -> dict[str, set[int]]:
     return writers
 
 
-def resume_from_iteration_5(checkpoints: Path, nproc: int, tmp_path: Path) -> dict[int, float]:
+def resume_from_iteration_5(checkpoints: Path, nproc: int, tmp_path: Path,
+                            flags: list[str] = DISTRIBUTED) -> dict[int, float]:
     """Copy the checkpoint of iteration 5 under ``checkpoints`` alone into a fresh --load root
-    and train from it to iteration 10 on ``nproc`` ranks: iteration -> lm loss."""
+    and train from it to iteration 10 on ``nproc`` ranks with the optimizer ``flags``:
+    iteration -> lm loss."""
     from megatron.training import checkpointing
 
     load = tmp_path / "checkpoints"
@@ -115,7 +117,7 @@ def resume_from_iteration_5(checkpoints: Path, nproc: int, tmp_path: Path) -> di
                     checkpointing.checkpoint_dir(load, SAVE_INTERVAL))
     (load / checkpointing.TRACKER_FILENAME).write_text(str(SAVE_INTERVAL))
     metrics = tmp_path / "resumed.jsonl"
-    result = run_torchrun(nproc, TINY_GPT_ARGS + DISTRIBUTED + [
+    result = run_torchrun(nproc, TINY_GPT_ARGS + flags + [
         "--load", str(load), "--exit-interval", str(RESUME_UNTIL),
         "--log-metrics-jsonl", str(metrics)])
     assert f"(iteration {SAVE_INTERVAL})" in result.stdout

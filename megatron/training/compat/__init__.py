@@ -4,11 +4,16 @@ Applied by megatron.training.initialize only when CUDA is absent. Each shim name
 megatron.core symbol it replaces:
 
 - devices.py: the ``torch`` global of every megatron.core module (``device="cuda"``,
-  ``torch.cuda.current_device()``, streams, synchronize) -> CPU; ``Tensor.cuda()`` -> identity.
+  ``torch.cuda.current_device()``, streams, events, synchronize) -> CPU; ``Tensor.cuda()`` ->
+  identity.
 - rng.py: tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state -> CPU generator.
 - clip_grads.py: optimizer.optimizer.clip_grad_by_total_norm_fp32 (asserts CUDA grads).
 - distrib_optimizer.py: optimizer.distrib_optimizer.DistributedOptimizer.__init__ (sorts
   parameters by their ``type()``, whose names it expects to be CUDA's).
+- hybrid_optimizer.py: optimizer.cpu_offloading.HybridDeviceOptimizer (--optimizer-cpu-offload:
+  its device/host split asks ``is_cuda`` and pins its host copies), optimizer_config's
+  ``is_te_min_version`` (raises without Transformer Engine), and the three places where the
+  offload path assumes 16-bit parameters.
 - norm.py: transformer.torch_norm.WrappedTorchNorm in the layer spec (refuses sequence parallel).
 - attention.py: transformer.dot_product_attention.DotProductAttention in the layer spec
   (refuses context parallel; materialises s x s scores).
@@ -50,6 +55,8 @@ _TRAINING_PATH_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
+    "megatron.core.optimizer.optimizer_config",
     "megatron.core.optimizer_param_scheduler",
     "megatron.core.dist_checkpointing",
     "megatron.core.rerun_state_machine",
@@ -82,6 +89,7 @@ def apply_cpu_shims() -> None:
         keep_tensors_on_cpu,
         redirect_megatron_core_devices,
     )
+    from megatron.training.compat import hybrid_optimizer
     from megatron.training.compat.distrib_optimizer import sort_cpu_parameters_as_cuda
     from megatron.training.compat.rng import use_cpu_generator_in_rng_tracker
 
@@ -90,4 +98,5 @@ def apply_cpu_shims() -> None:
     use_cpu_generator_in_rng_tracker()
     use_cpu_grad_clipping()
     sort_cpu_parameters_as_cuda()
+    hybrid_optimizer.apply()
     _applied = True

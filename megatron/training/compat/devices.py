@@ -60,6 +60,26 @@ def _redirect_device(factory):
     return wrapper
 
 
+class _NullEvent:
+    """Stands in for torch.cuda.Event: CPU ops are synchronous, so by the time an event is
+    recorded the work before it is done; waits return at once and ``query()`` is True."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
 class _NullStream:
     """Stands in for torch.cuda.Stream: CPU ops are synchronous, so waits are no-ops."""
 
@@ -73,7 +93,9 @@ class _NullStream:
         pass
 
     def record_event(self, event=None):
-        return event
+        """As torch.cuda.Stream.record_event: records ``event``, or a new one, and returns it
+        (HybridDeviceOptimizer waits on the event its copy stream returns)."""
+        return _NullEvent() if event is None else event
 
     def synchronize(self):
         pass
@@ -92,6 +114,7 @@ CPU_CUDA = _CpuCudaNamespace(
     synchronize=lambda *args, **kwargs: None,
     empty_cache=lambda: None,
     Stream=_NullStream,
+    Event=_NullEvent,
     stream=lambda stream=None: nullcontext(),
     default_stream=lambda *args, **kwargs: _NullStream(),
     current_stream=lambda *args, **kwargs: _NullStream(),

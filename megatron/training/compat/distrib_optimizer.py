@@ -50,16 +50,22 @@ def cuda_type_names():
         torch.Tensor.type = original
 
 
-def sort_cpu_parameters_as_cuda() -> None:
-    """Run DistributedOptimizer's constructor within :func:`cuda_type_names` (once)."""
-    init = DistributedOptimizer.__init__
-    if getattr(init, "_cpu_shim", False):
+def run_within(owner: type, name: str, context) -> None:
+    """Make the method ``owner.name`` run within a fresh ``context()`` each call (once: a
+    method already wrapped is left alone)."""
+    method = getattr(owner, name)
+    if getattr(method, "_cpu_shim", False):
         return
 
-    @functools.wraps(init)
-    def init_with_cuda_type_names(self, *args, **kwargs):
-        with cuda_type_names():
-            init(self, *args, **kwargs)
+    @functools.wraps(method)
+    def method_within_context(self, *args, **kwargs):
+        with context():
+            return method(self, *args, **kwargs)
 
-    init_with_cuda_type_names._cpu_shim = True
-    DistributedOptimizer.__init__ = init_with_cuda_type_names
+    method_within_context._cpu_shim = True
+    setattr(owner, name, method_within_context)
+
+
+def sort_cpu_parameters_as_cuda() -> None:
+    """Run DistributedOptimizer's constructor within :func:`cuda_type_names` (once)."""
+    run_within(DistributedOptimizer, "__init__", cuda_type_names)

@@ -67,25 +67,29 @@ def adam_states(optimizer) -> list[dict]:
             for param in group["params"]]
 
 
-def test_checkpoint_round_trip_restores_every_adam_state(megatron_world, tmp_path):
-    """Two steps, save, then a fresh model and optimizer load: Adam's moments bitwise, and its
-    step 2 in a tensor of each parameter's own (megatron-core 0.16.1 would leave one tensor
-    shared by all, holding the load template's step)."""
-    from megatron.training import checkpointing
+def train(args, model, optimizer, scheduler, iterations: int) -> None:
+    """``iterations`` steps of the trainer's train_step on mock data, from sample 0."""
+    from megatron.training import gpt
     from megatron.training.data import build_data_iterator, build_datasets
     from megatron.training.tokenizer import build_tokenizer
-    from megatron.training.training import TrainState, train_step
-    from megatron.training import gpt
+    from megatron.training.training import train_step
 
-    args = build_args(["--use-distributed-optimizer"], tmp_path)
-    model, optimizer, scheduler = build_trainer(args)
     dataset = build_datasets(args, build_tokenizer("NullTokenizer", None, args.vocab_size))[0]
     data = build_data_iterator(dataset, 0, args)
-    for _ in range(2):
+    for _ in range(iterations):
         train_step(gpt.forward_step, data, model, optimizer, scheduler, args)
+
+
+def save_and_reload(args, model, optimizer, scheduler) -> tuple:
+    """Save the trainer after its two steps, then load the checkpoint into a fresh model and
+    optimizer built from ``args``; assert that Adam's moments are bitwise the saved ones, its
+    step 2 in a tensor of each parameter's own, and the weights the saved ones. Returns the
+    fresh (model, optimizer)."""
+    from megatron.training import checkpointing
+    from megatron.training.training import TrainState
+
     checkpointing.save_checkpoint(args, TrainState(iteration=2, consumed_train_samples=16),
                                   model, optimizer, scheduler)
-
     fresh_model, fresh_optimizer, fresh_scheduler = build_trainer(args)
     state = checkpointing.load_checkpoint(args, fresh_model, fresh_optimizer, fresh_scheduler)
     assert state.iteration == 2
@@ -98,6 +102,17 @@ def test_checkpoint_round_trip_restores_every_adam_state(megatron_world, tmp_pat
     assert len({id(after["step"]) for after in loaded}) == len(loaded)
     for old, new in zip(model[0].parameters(), fresh_model[0].parameters()):
         assert torch.equal(old, new)
+    return fresh_model, fresh_optimizer
+
+
+def test_checkpoint_round_trip_restores_every_adam_state(megatron_world, tmp_path):
+    """Two steps, save, then a fresh model and optimizer load: Adam's moments bitwise, and its
+    step 2 in a tensor of each parameter's own (megatron-core 0.16.1 would leave one tensor
+    shared by all, holding the load template's step)."""
+    args = build_args(["--use-distributed-optimizer"], tmp_path)
+    model, optimizer, scheduler = build_trainer(args)
+    train(args, model, optimizer, scheduler, 2)
+    save_and_reload(args, model, optimizer, scheduler)
 
 
 @pytest.mark.parametrize("saved_distributed", [True, False])
