@@ -413,7 +413,8 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensorboard-dir", default=None)
     group.add_argument(
         "--logging-level", type=int, default=None,
-        help="Level of the 'megatron' and 'memo_ext' Python loggers (20: INFO, 30: WARNING).",
+        help="The root Python logger's level (20: INFO, 30: WARNING), as Megatron-LM; default "
+        "$MEGATRON_LOGGING_LEVEL, else logging is left as it is.",
     )
     add_timing_args(group)  # --timing-log-level, --timing-log-option, --log-timers-to-tensorboard
     add_wandb_args(group)  # --wandb-project, ...

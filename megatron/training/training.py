@@ -38,8 +38,8 @@ from megatron.training.profiling import ProfilerRange
 from megatron.training.run_controls import ManualGC, duration_exceeded, empty_unused_memory
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.timing import build_timers, log_timers
-from megatron.training.wandb_logging import open_wandb_run
 from megatron.training.tokenizer import build_tokenizer, model_vocab_size, padded_vocab_size
+from megatron.training.wandb_logging import open_wandb_run
 
 ModelProvider = Callable[..., torch.nn.Module]
 ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
@@ -350,7 +350,7 @@ class TrainingLogger:
             self._write(record)
 
     def add_scalar(self, name: str, value: float, iteration: int) -> None:
-        """One scalar to TensorBoard and W&B (what megatron-core's Timers.write calls)."""
+        """One scalar to TensorBoard and W&B (the timers, megatron.training.timing)."""
         if self.tensorboard is not None:
             self.tensorboard.add_scalar(name, value, iteration)
         if self.wandb is not None:

@@ -246,8 +246,8 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
              "Megatron-FSDP here); drop the flag"),
     _refused("--fsdp-double-buffer", _FSDP),
     _refused("--fsdp-manual-registration", _FSDP),
-    _honoured("--logging-level", "level of the 'megatron' and 'memo_ext' Python loggers "
-              "(logging's numbers: 20 is INFO)"),
+    _honoured("--logging-level", "the root Python logger's level (20 is INFO; default "
+              "$MEGATRON_LOGGING_LEVEL), with a stderr handler when none is configured"),
     _honoured("--profile-ranks", "global ranks that profile (default all)", "without --profile",
               requires="--profile"),
     _refused("--record-memory-history",
