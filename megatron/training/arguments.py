@@ -547,7 +547,7 @@ def _validate_required(args: argparse.Namespace) -> None:
              "--train-iters is required (or Megatron-LM's --train-samples); add it to the "
              "command line")
     _require(args.train_iters is None or args.train_samples is None,
-             "--train-iters and --train-samples are exclusive; keep one")
+             "--train-samples and --train-iters are exclusive; keep one")
     for flag in ("train_iters", "train_samples"):
         value = getattr(args, flag)
         _require(value is None or value > 0,
@@ -668,10 +668,12 @@ def _validate_batch(args: argparse.Namespace) -> None:
     args.num_microbatches = args.global_batch_size // per_step
 
 
-def _validate_sample_based_training(args: argparse.Namespace) -> None:
+def _validate_schedule(args: argparse.Namespace) -> None:
     """--train-samples, --lr-decay-samples, --lr-warmup-samples (Megatron-LM's rules): the
     iterations are train-samples // global-batch-size; the schedule's own steps (samples) are
-    kept for build_optimizer."""
+    kept for build_optimizer. --decoupled-min-lr applies to --decoupled-lr only."""
+    _require(args.decoupled_min_lr is None or args.decoupled_lr is not None,
+             "--decoupled-min-lr applies to --decoupled-lr; add it or drop the flag")
     if args.train_samples is None:
         for flag in ("lr_decay_samples", "lr_warmup_samples"):
             _require(not getattr(args, flag), f"--{flag.replace('_', '-')} counts samples, which "
@@ -773,9 +775,10 @@ def _validate_run_controls(args: argparse.Namespace, cuda_available: bool) -> No
 
     _require(args.manual_gc_interval >= 0,
              f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
-    _require(args.manual_gc or (args.manual_gc_interval == 0 and args.manual_gc_eval),
-             "--manual-gc-interval and --no-manual-gc-eval apply to --manual-gc; add it or "
-             "drop them")
+    _require(args.manual_gc or args.manual_gc_interval == 0,
+             "--manual-gc-interval applies to --manual-gc; add it or drop the flag")
+    _require(args.manual_gc or args.manual_gc_eval,
+             "--no-manual-gc-eval applies to --manual-gc; add it or drop the flag")
     _require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
              f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
     _require(args.ckpt_format == "torch_dist",
@@ -786,6 +789,9 @@ def _validate_run_controls(args: argparse.Namespace, cuda_available: bool) -> No
              f"--logging-level must be >= 0, got {args.logging_level}")
     _require(not args.log_timers_to_tensorboard or args.tensorboard_dir or args.wandb_project,
              "--log-timers-to-tensorboard writes to --tensorboard-dir (or W&B); give one")
+    _require(args.timing_log_option is None or args.timing_log_level > 0,
+             "--timing-log-option applies to --timing-log-level 1 or 2; add one or drop it")
+    args.timing_log_option = args.timing_log_option or "minmax"
     for problem in (wandb_problem(args), profile_problem(args, cuda_available)):
         _require(problem is None, problem or "")
 
@@ -1129,7 +1135,7 @@ def _validate_all(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)
     _validate_batch(args)
-    _validate_sample_based_training(args)
+    _validate_schedule(args)
     _validate_recompute(args)
     _validate_precision(args, cuda_available)
     _validate_attention_backend(args, cuda_available)

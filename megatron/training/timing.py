@@ -36,8 +36,8 @@ def add_timing_args(group) -> None:
         "pipeline send/receive (more synchronisation, slower iterations).",
     )
     group.add_argument(
-        "--timing-log-option", default="minmax", choices=("max", "minmax", "all"),
-        help="How timers are reduced over ranks.",
+        "--timing-log-option", default=None, choices=("max", "minmax", "all"),
+        help="With --timing-log-level > 0: how timers are reduced over ranks (default minmax).",
     )
     group.add_argument(
         "--log-timers-to-tensorboard", action="store_true",

@@ -150,13 +150,17 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
     _honoured("--untie-embeddings-and-output-weights", "separate output layer weights"),
     _honoured("--disable-bias-linear", "no biases in the linear layers"),
     _honoured("--train-samples", "sample-based training: --train-iters = train-samples // "
-              "global-batch-size, as Megatron-LM; the LR schedule counts samples"),
+              "global-batch-size, as Megatron-LM; the LR schedule counts samples",
+              "with --train-iters, --lr-decay-iters or --lr-warmup-iters (as Megatron-LM)"),
     _honoured("--lr-decay-samples", "OptimizerParamScheduler's lr_decay_steps, in samples "
-              "(default --train-samples)"),
-    _honoured("--lr-warmup-samples", "OptimizerParamScheduler's lr_warmup_steps, in samples"),
+              "(default --train-samples)", "without --train-samples",
+              requires="--train-samples"),
+    _honoured("--lr-warmup-samples", "OptimizerParamScheduler's lr_warmup_steps, in samples",
+              "without --train-samples", requires="--train-samples"),
     _honoured("--decoupled-lr", "OptimizerConfig.decoupled_lr: the input embedding and output "
               "layer train at this max LR"),
-    _honoured("--decoupled-min-lr", "OptimizerConfig.decoupled_min_lr (with --decoupled-lr)"),
+    _honoured("--decoupled-min-lr", "OptimizerConfig.decoupled_min_lr: their min LR",
+              "without --decoupled-lr", requires="--decoupled-lr"),
     _honoured("--bf16", "bf16 parameters (Float16Module), fp32 main parameters in the "
               "optimizer; gradients accumulated and reduced in fp32 unless "
               "--grad-reduce-in-bf16, as Megatron-LM", _CPU_16BIT, cuda_only=True),
@@ -209,7 +213,7 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
             "the data loader never builds attention masks (causal attention needs none)",
             action="store_false", dest="create_attention_mask_in_dataloader"),
     _honoured("--no-mmap-bin-files", "GPTDatasetConfig.mmap_bin_files False: .bin files read "
-              "with file reads instead of memory maps"),
+              "with file reads instead of memory maps (--mock-data reads none, as upstream)"),
     _honoured("--num-workers", "DataLoader worker processes"),
     _always("--log-throughput", "every log line reports TFLOP/s per device, tokens/s and MFU "
             "(and writes them to TensorBoard, JSON lines and W&B)"),
@@ -266,19 +270,26 @@ EXTRA_FLAGS: tuple[UpstreamFlag, ...] = (
               "megatron-core Timers: 0 iteration time only; 1 adds forward-backward and the "
               "optimizer's phases; 2 adds forward/backward compute and pipeline send/receive; "
               "printed each log interval"),
-    _honoured("--timing-log-option", "max, minmax or all: how timers are reduced over ranks"),
+    _honoured("--timing-log-option", "max, minmax (default) or all: how timers are reduced "
+              "over ranks", "with --timing-log-level 0", requires="--timing-log-level"),
     _honoured("--log-timers-to-tensorboard",
-              "iteration time and the timers of --timing-log-level to TensorBoard (and W&B)"),
+              "iteration time and the timers of --timing-log-level to TensorBoard (and W&B)",
+              "without --tensorboard-dir or --wandb-project"),
     _honoured("--manual-gc-interval",
-              "with --manual-gc: a full collection every this many iterations (0: none)"),
-    _honoured("--no-manual-gc-eval",
-              "with --manual-gc: no collections around evaluations"),
+              "with --manual-gc: a full collection every this many iterations (0: none)",
+              "without --manual-gc", requires="--manual-gc"),
+    _honoured("--no-manual-gc-eval", "with --manual-gc: no collections around evaluations",
+              "without --manual-gc", requires="--manual-gc"),
     _honoured("--wandb-project",
               "Weights & Biases logging from the last rank (the optional 'wandb' extra): "
-              "loss, lr, grad norm, throughput, memory, validation loss"),
-    _honoured("--wandb-exp-name", "the W&B run's name"),
-    _honoured("--wandb-save-dir", "W&B's local directory (default: --save/wandb)"),
-    _honoured("--wandb-entity", "the W&B entity"),
+              "loss, lr, grad norm, throughput, memory, validation loss",
+              "without the wandb package, or without --wandb-save-dir or --save"),
+    _honoured("--wandb-exp-name", "the W&B run's name", "without --wandb-project",
+              requires="--wandb-project"),
+    _honoured("--wandb-save-dir", "W&B's local directory (default: --save/wandb)",
+              "without --wandb-project", requires="--wandb-project"),
+    _honoured("--wandb-entity", "the W&B entity", "without --wandb-project",
+              requires="--wandb-project"),
 )
 
 UPSTREAM_FLAGS: tuple[UpstreamFlag, ...] = SCRIPT_FLAGS + EXTRA_FLAGS

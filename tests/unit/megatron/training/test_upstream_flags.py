@@ -82,6 +82,18 @@ STILL_REFUSED = {
     "--profile-step-end": (["--profile-step-end", "3"], False),
     "--profile-ranks": (["--profile-ranks", "0"], False),
     "--ckpt-format": (["--ckpt-format", "fsdp_dtensor"], False),
+    "--train-samples": (["--train-samples", "40"], False),  # with BASE's --train-iters
+    "--lr-decay-samples": (["--lr-decay-samples", "5"], False),
+    "--lr-warmup-samples": (["--lr-warmup-samples", "5"], False),
+    "--decoupled-min-lr": (["--decoupled-min-lr", "1e-5"], False),
+    "--timing-log-option": (["--timing-log-option", "max"], False),
+    "--log-timers-to-tensorboard": (["--log-timers-to-tensorboard"], False),
+    "--manual-gc-interval": (["--manual-gc-interval", "5"], False),
+    "--no-manual-gc-eval": (["--no-manual-gc-eval"], False),
+    "--wandb-project": (["--wandb-project", "p"], False),  # neither --save nor a save dir
+    "--wandb-exp-name": (["--wandb-exp-name", "run"], False),
+    "--wandb-save-dir": (["--wandb-save-dir", "wb"], False),
+    "--wandb-entity": (["--wandb-entity", "team"], False),
 }
 
 
@@ -157,7 +169,8 @@ def test_sample_based_training_is_iteration_based_training_in_samples():
     fraction = parse_args(base + batch + ["--train-samples", "40", "--lr-warmup-fraction",
                                           "0.25"], world_size=1, cuda_available=False)
     assert schedule_steps(fraction)["decay"] == 40 and schedule_steps(fraction)["warmup"] == 10
-    assert "exclusive" in _refusal_of(BASE + ["--train-samples", "40"])
+    assert _refusal_of(BASE + ["--train-samples", "40"]).startswith(
+        "--train-samples and --train-iters are exclusive")
     assert "--lr-decay-iters" in _refusal_of(base + ["--train-samples", "40",
                                                      "--lr-decay-iters", "5"])
     assert "--lr-decay-samples" in _refusal_of(BASE + ["--lr-decay-samples", "5"])
@@ -180,13 +193,11 @@ def test_gpt2_files_imply_gpt2bpe_and_must_exist(tmp_path):
     assert args.tokenizer_type == "GPT2BPETokenizer"
 
 
-def test_companion_flags_without_their_feature_are_refused():
-    for extra, named in ((["--manual-gc-interval", "5"], "--manual-gc-interval"),
-                         (["--no-manual-gc-eval"], "--no-manual-gc-eval"),
-                         (["--wandb-exp-name", "run"], "--wandb-exp-name"),
-                         (["--log-timers-to-tensorboard"], "--log-timers-to-tensorboard"),
-                         (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins")):
-        assert named in _refusal_of(BASE + extra)
+def test_values_out_of_range_are_refused():
+    for extra, named in ((["--exit-duration-in-mins", "0"], "--exit-duration-in-mins"),
+                         (["--manual-gc", "--manual-gc-interval", "-1"], "--manual-gc-interval"),
+                         (["--logging-level", "-5"], "--logging-level")):
+        assert _refusal_of(BASE + extra).startswith(named)
 
 
 def test_the_flag_table_is_generated_from_the_registry():
