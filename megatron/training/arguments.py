@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from megatron.training.profiling import add_profile_args
+from megatron.training.profiling import add_profile_args, profile_problem
 from megatron.training.rope_scaling import (
     RopeScalingError,
     add_rope_scaling_args,
@@ -31,7 +31,7 @@ from megatron.training.upstream_flags import (
     add_upstream_args,
     validate_upstream_flags,
 )
-from megatron.training.wandb_logging import add_wandb_args
+from megatron.training.wandb_logging import add_wandb_args, wandb_problem
 from memo_ext.config import (
     CONFIG_GROUPS,
     AttentionConfig,
@@ -770,9 +770,6 @@ def _validate_gradients(args: argparse.Namespace) -> None:
 def _validate_run_controls(args: argparse.Namespace, cuda_available: bool) -> None:
     """--manual-gc, --exit-duration-in-mins, --ckpt-format, --logging-level, the timers, W&B
     and --profile."""
-    from megatron.training.profiling import profile_problem
-    from megatron.training.wandb_logging import wandb_problem
-
     _require(args.manual_gc_interval >= 0,
              f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     _require(args.manual_gc or args.manual_gc_interval == 0,

@@ -7,7 +7,6 @@ offline W&B run (WANDB_MODE=offline; skipped where wandb is not installed),
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -35,8 +34,9 @@ def _argv(tmp_path: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("upstream_logging")
-    os.environ.setdefault("WANDB_MODE", "offline")  # children inherit it; nothing leaves
-    result = run_torchrun(1, _argv(tmp_path), timeout=300)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")  # the run inherits it: nothing leaves the machine
+        result = run_torchrun(1, _argv(tmp_path), timeout=300)
     return tmp_path, result
 
 
