@@ -214,7 +214,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--use-distributed-optimizer",
         action="store_true",
-        help="Shard optimizer state over data-parallel ranks (CUDA only).",
+        help="Shard optimizer state (fp32 master weights, Adam moments) over the data-parallel x "
+             "context-parallel ranks (megatron-core DistributedOptimizer; CPU via gloo too).",
     )
     # Optimizer CPU offload: Megatron-LM's flags (core_v0.16.1 arguments.py), megatron-core's
     # HybridDeviceOptimizer (docs/training.md, "On CPU").
