@@ -9,7 +9,6 @@ from pathlib import Path
 from megatron.memo_tools.hf_checkpoint.errors import ConversionError
 from megatron.memo_tools.hf_checkpoint.rope import rope_flags
 from memo_ext.flags import render_flags
-from megatron.memo_tools.hf_checkpoint.safetensors_io import read_json
 
 FAMILIES = ("llama", "mistral", "qwen2")
 DEFAULT_VOCAB_DIVISOR = 128  # --make-vocab-size-divisible-by's default
@@ -37,6 +36,10 @@ class Architecture:
 def read_config(path: Path) -> dict:
     """config.json of a model directory (or the file itself)."""
     path = Path(path)
+    # imported here: safetensors_io imports torch, which convert.py's command line is parsed
+    # (and refused) without
+    from megatron.memo_tools.hf_checkpoint.safetensors_io import read_json
+
     return read_json(path / "config.json" if path.is_dir() else path)
 
 
