@@ -100,12 +100,19 @@ def parse_convert_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def _run(main_body) -> int:
-    from megatron.training.arguments import ArgumentValidationError, silence_expected_cpu_warnings
+    from megatron.training.library_warnings import hide_library_warnings
 
-    silence_expected_cpu_warnings()
+    hide_library_warnings()  # megatron.core's import-time notices of a CPU machine
     try:
         main_body()
-    except (ConversionError, ArgumentValidationError) as error:
+    except ValueError as error:
+        # the trainer's argument errors, when the body got as far as importing the trainer
+        # (torch and megatron.core: seconds, which a bad config.json does not wait for)
+        arguments = sys.modules.get("megatron.training.arguments")
+        trainer_error = arguments is not None and isinstance(error,
+                                                             arguments.ArgumentValidationError)
+        if not (isinstance(error, ConversionError) or trainer_error):
+            raise
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     return 0
