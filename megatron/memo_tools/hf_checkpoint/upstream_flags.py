@@ -109,7 +109,7 @@ _VOCAB = ("must equal config.json's vocab_size: the rows converted and exported 
           "model's, where Megatron-LM cuts or pads the embedding to this size")
 
 FLAGS: tuple[UpstreamFlag, ...] = (
-    # tools/checkpoint/convert.py
+    # Megatron-LM's convert.py
     UpstreamFlag("--model-type", HONOURED, "GPT, the only model type here (Megatron-LM requires "
                  "the flag; here it may be left out)", "BERT", refused_values=("BERT",),
                  argparse={"choices": ("GPT", "BERT"), "default": "GPT"}),
@@ -127,7 +127,7 @@ FLAGS: tuple[UpstreamFlag, ...] = (
                  "checks of its loader-to-saver messages; there are none here, and the "
                  "conversion's own checks (every tensor's name and shape) always run",
                  argparse={"action": "store_false", "dest": "checking"}),
-    # tools/checkpoint/saver_core.py
+    # Megatron-LM's saver_core.py
     UpstreamFlag("--megatron-path", NO_EFFECT, "Megatron-LM's directory put on sys.path to "
                  "import it; this converter is part of the trainer and imports its own code",
                  argparse={"default": None}),
@@ -141,7 +141,7 @@ FLAGS: tuple[UpstreamFlag, ...] = (
                  "models converted here have no experts", f"above 1: {_MOE}",
                  requires="--saver core", argparse={"type": _positive, "default": 1}),
     UpstreamFlag("--saver-transformer-impl", NO_EFFECT, _IMPL, requires="--saver core", argparse={"choices": IMPLS, "default": None}),
-    # tools/checkpoint/loader_core.py
+    # Megatron-LM's loader_core.py
     UpstreamFlag("--true-vocab-size", HONOURED, _VOCAB, "another size",
                  argparse={"type": _positive, "default": None}),
     UpstreamFlag("--vocab-file", HONOURED, "a JSON vocabulary, whose entry count (as Megatron-LM "
@@ -153,7 +153,7 @@ FLAGS: tuple[UpstreamFlag, ...] = (
                  argparse={"choices": ("learned_absolute", "rope"), "default": None}),
     UpstreamFlag("--loader-transformer-impl", NO_EFFECT, _IMPL,
                  argparse={"choices": IMPLS, "default": None}),
-    # tools/checkpoint/loader_llama_mistral.py (at LLAMA_MISTRAL_COMMIT)
+    # Megatron-LM's loader_llama_mistral.py (at LLAMA_MISTRAL_COMMIT)
     UpstreamFlag("--model-size", HONOURED, "checked against config.json's model_type: llama2-*, "
                  "llama3 and yi-34B are llama, mistral is mistral, qwen2.5 is qwen2 (the "
                  "sizes come from config.json)", "a family other than config.json's",
@@ -172,7 +172,7 @@ FLAGS: tuple[UpstreamFlag, ...] = (
                  argparse={"default": None}),
     UpstreamFlag("--make-vocab-size-divisible-by", HONOURED, "pad the vocabulary rows to a "
                  "multiple of this (default 128, as the trainer)"),
-    # tools/checkpoint/loader_llava.py
+    # Megatron-LM's loader_llava.py
     UpstreamFlag("--vit-dummy-head-count", REFUSED, _VISION, argparse={"nargs": 1}),
 )
 
