@@ -8,4 +8,6 @@
 - trainer_model: the trainer's own model in a world of one.
 - convert: import_hf and export_hf, through megatron.training.checkpointing (imports
   megatron.core, so it is not imported here).
+- upstream_flags: Megatron-LM's converter flags and loader/saver names, each honoured, without
+  effect or refused in one line; upstream_flags_doc renders docs/megatron_convert_flags.md.
 """

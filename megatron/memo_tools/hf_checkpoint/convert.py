@@ -42,10 +42,15 @@ from megatron.memo_tools.hf_checkpoint.weight_map import (
 )
 
 # Files of a Hugging Face model directory that are not weights, copied into the checkpoint by
-# an import (the trainer's HuggingFaceTokenizer reads them there) and by an export.
+# an import (the trainer's HuggingFaceTokenizer reads them there) and by an export. An import's
+# tokenizer files may come from another folder (--tokenizer-model).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "chat_template.jinja", "generation_config.json")
+                   "chat_template.jinja")
+MODEL_FILES = ("generation_config.json",)
+# A check of the command line against the model's config.json (the dict, and the name of its
+# source for the message): raises ConversionError.
+ConfigCheck = Callable[[dict, str], None]
 # The flag line, one flag or value a line, beside the checkpoint: pretrain_gpt.py @FILE reads it.
 FLAGS_FILE = "model_flags.txt"
 
@@ -77,13 +82,27 @@ def _checkpoint_dtype(reader: SafetensorsReader, names: list[str]) -> torch.dtyp
 def import_hf(hf_dir: str | Path, save_dir: str | Path,
               make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
               dtype: Optional[torch.dtype] = None, ignore_sliding_window: bool = False,
-              log: Callable[[str], None] = print) -> list[str]:
+              log: Callable[[str], None] = print,
+              tokenizer_dir: Optional[str | Path] = None,
+              check: Optional[ConfigCheck] = None) -> list[str]:
     """Write the model of ``hf_dir`` as a weights-only trainer checkpoint under ``save_dir``
-    (stored in ``dtype``, default the weights' own), with the tokenizer files beside it;
+    (stored in ``dtype``, default the weights' own), with the tokenizer files of
+    ``tokenizer_dir`` (default ``hf_dir``; a tokenizer.json names its folder) beside it;
     returns the trainer's model flags (and its tokenizer flags when the folder has one)."""
     hf_dir, save_dir = Path(hf_dir), Path(save_dir)
+    if tokenizer_dir is None:
+        tokenizer_dir = hf_dir
+    else:  # asked for: a folder the trainer cannot read from is refused, not left out
+        tokenizer_dir = Path(tokenizer_dir)
+        tokenizer_dir = tokenizer_dir.parent if tokenizer_dir.is_file() else tokenizer_dir
+        if not (tokenizer_dir / "tokenizer.json").is_file():
+            raise ConversionError(f"--tokenizer-model {tokenizer_dir}: no tokenizer.json there "
+                                  "(the trainer reads that file only); give a Hugging Face "
+                                  "tokenizer folder or drop the flag")
     config = read_config(hf_dir)
     source = str(hf_dir / "config.json")
+    if check is not None:
+        check(config, source)
     flags = trainer_flags(config, source, make_vocab_size_divisible_by, ignore_sliding_window)
     arch = architecture(config, source, ignore_sliding_window)
     check_output_directory(save_dir, "--save-dir")
@@ -106,10 +125,11 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path,
                 parameter.copy_(tensor)
         if parameters:
             raise AssertionError(f"parameters the mapping does not fill: {sorted(parameters)}")
-        flags += _tokenizer_flags(hf_dir, save_dir, arch.vocab_size, log)
+        flags += _tokenizer_flags(tokenizer_dir, save_dir, arch.vocab_size, log)
         with atomic_directory(save_dir, "--save-dir") as partial:
             checkpointing.save_weights_checkpoint(args, model, partial, hf_config=config)
-            copy_files(hf_dir, partial, TOKENIZER_FILES)
+            copy_files(hf_dir, partial, MODEL_FILES)
+            copy_files(tokenizer_dir, partial, TOKENIZER_FILES)
             (partial / FLAGS_FILE).write_text("\n".join(flags) + "\n")
     log(f"> converted {hf_dir} ({arch.model_type}, {str(dtype).removeprefix('torch.')}) to "
         f"{save_dir}")
@@ -150,7 +170,7 @@ def _exported_config(base: dict, args, positions_changed: bool, dtype: torch.dty
 def export_hf(load_dir: str | Path, save_dir: str | Path, hf_dir: Optional[str | Path] = None,
               dtype: Optional[torch.dtype] = None,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              log: Callable[[str], None] = print) -> Path:
+              log: Callable[[str], None] = print, check: Optional[ConfigCheck] = None) -> Path:
     """Write the latest checkpoint under ``load_dir`` (any TP/PP it was saved at) as a
     Hugging Face model directory ``save_dir``: safetensors in ``dtype`` (default the
     checkpoint's) and config.json (that of ``hf_dir``, else the one the checkpoint carries,
@@ -171,6 +191,8 @@ def export_hf(load_dir: str | Path, save_dir: str | Path, hf_dir: Optional[str |
         raise ConversionError(f"--load-dir {load_dir} carries no Hugging Face config.json (it "
                               "was not converted from one); pass --hf-dir with the model it "
                               "started from")
+    if check is not None:
+        check(base, source)
     arch = architecture(base, source, ignore_sliding_window=True)
     args, positions_changed = _export_args(base, source,
                                            common["train_state"].get("model_args"))
@@ -191,7 +213,7 @@ def export_hf(load_dir: str | Path, save_dir: str | Path, hf_dir: Optional[str |
         files = write_safetensors(tensors, partial, max_shard_bytes)
         write_json(_exported_config(base, args, positions_changed, dtype), partial / "config.json")
         if hf_dir is not None:
-            files += copy_files(Path(hf_dir), partial, TOKENIZER_FILES)
+            files += copy_files(Path(hf_dir), partial, TOKENIZER_FILES + MODEL_FILES)
     log(f"> exported {directory} to {save_dir}: config.json, {', '.join(files)}"
         + ("" if positions_changed else " (positions as in the source config.json)"))
     return save_dir

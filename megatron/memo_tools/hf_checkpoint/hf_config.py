@@ -3,13 +3,13 @@ network (:class:`Architecture`), and the trainer's flag line that builds that ne
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.memo_tools.hf_checkpoint.errors import ConversionError
 from megatron.memo_tools.hf_checkpoint.rope import rope_flags
 from memo_ext.flags import render_flags
-from megatron.memo_tools.hf_checkpoint.safetensors_io import read_json
 
 FAMILIES = ("llama", "mistral", "qwen2")
 DEFAULT_VOCAB_DIVISOR = 128  # --make-vocab-size-divisible-by's default
@@ -32,6 +32,21 @@ class Architecture:
     qkv_bias: bool
     max_position_embeddings: int
     attention_dropout: float
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``; a missing or malformed file is a ConversionError. (Here and
+    not in safetensors_io, which imports torch: a missing config.json is refused at once.)"""
+    if not path.is_file():
+        raise ConversionError(f"{path} does not exist; point the flag at a Hugging Face model "
+                              "directory (config.json and *.safetensors)")
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConversionError(f"{path} is not valid JSON ({error}); re-download it") from None
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def read_config(path: Path) -> dict:

@@ -13,26 +13,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatron.memo_tools.hf_checkpoint.errors import ConversionError
+from megatron.memo_tools.hf_checkpoint.hf_config import read_json
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # transformers' default shard size (save_pretrained's max_shard_size="5GB").
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from ``path``; a missing or malformed file is a ConversionError."""
-    if not path.is_file():
-        raise ConversionError(f"{path} does not exist; point the flag at a Hugging Face model "
-                              "directory (config.json and *.safetensors)")
-    try:
-        value = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConversionError(f"{path} is not valid JSON ({error}); re-download it") from None
-    if not isinstance(value, dict):
-        raise ConversionError(f"{path} holds a JSON {type(value).__name__}, not an object")
-    return value
 
 
 class SafetensorsReader:
