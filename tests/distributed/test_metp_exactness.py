@@ -1,7 +1,7 @@
 """Must-shows 1 (training half) and 3 of the METP issue, with --deterministic-mode on CPU:
 - 20 iterations of pretrain_gpt.py --memo-metp give the losses of TP+SP (--sequence-parallel) at
-  the same TP size to 1e-5 relative: TP=2 with SwiGLU, GQA, rotary and biases; slow: TP=4 with
-  GeLU and learned absolute positions, and TP=2 x PP=2 with evaluation.
+  the same TP size to 1e-5 relative: TP=2 with SwiGLU, GQA, rotary and biases, TP=4 with GeLU
+  and learned absolute positions, and TP=2 x PP=2 with evaluation (all three slow).
 - Checkpoints interchange (slow: two more runs): TP+SP's iteration-10 checkpoint resumed under --memo-metp (and METP's
   under TP+SP) gives iterations 11..20 of the uninterrupted TP+SP run, to 1e-5 relative."""
 
@@ -59,6 +59,10 @@ def tp2_runs(tmp_path_factory):
     return runs
 
 
+# Slow (~45 s on 2 idle cores: two 20-iteration TP=2 runs). METP keeps its default cases: the
+# ring attention and ring MLP against one process at p=4 (tests/unit/memo_ext/metp) and a METP
+# training in test_reference_cycles.py.
+@pytest.mark.slow
 def test_metp_losses_equal_tp_sp_tp2(tp2_runs):
     metp, tp_sp = tp2_runs["metp"]["losses"], tp2_runs["tp_sp"]["losses"]
     assert_losses_equal(metp, tp_sp, range(1, 21))

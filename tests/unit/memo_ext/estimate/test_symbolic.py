@@ -73,11 +73,11 @@ LAYOUTS = {
 #: loss about 70 s). By default MEMO's symbolic trace is still checked event by event against a
 #: real trace two layers deeper (layout_models' MEMO alpha 0 model: build_layout_model refuses
 #: a symbolic trace whose check fails, and the fixture asserts ``model.checked``).
-#: cp2 and pp2-last (about 20 s of tracing each on 2 idle cores) are slow as well, and so are
-#: the two tests below that trace them for themselves: the default suite keeps TP (tp2) and a
-#: pipeline stage with micro-batches in flight (pp2-first).
+#: tp2, cp2 and pp2-last (about 20 s of tracing each on 2 idle cores) are slow as well, and so
+#: are the two tests below that trace them for themselves: the default suite keeps a TP=2
+#: pipeline stage with micro-batches in flight (pp2-first), which covers TP=2 alone too.
 LAYOUT_PARAMS = [pytest.param(name, marks=pytest.mark.slow)
-                 if name.startswith("memo-") or name in ("cp2", "pp2-last") else name
+                 if name.startswith("memo-") or name in ("tp2", "cp2", "pp2-last") else name
                  for name in LAYOUTS]
 
 
@@ -474,6 +474,7 @@ def test_a_mixed_stage_is_symbolic_by_one_period_of_its_pattern(cache, layers, c
         assert ours.mfu == pytest.approx(theirs.mfu, rel=1e-9)
 
 
+@pytest.mark.slow  # ~30 s of tracing an 8-layer stage whole; block recompute is opt-in
 def test_block_recompute_is_traced_whole(cache, layout_models):
     """Block recompute's first K layers recompute and the rest keep their activations: no one
     layer stands for the others, so its stage is traced whole (a copied layer would make it

@@ -185,13 +185,16 @@ def test_context_parallel_trace_allocations_grow_linearly(tool):
 
 # ------------------------------------------------------------------- live vs fake traces
 
+# full-recompute and gqa-dp2-2mb are slow (~8 and ~6 s on 2 idle cores): the default suite keeps
+# TP+SP with CP, a pipeline stage, MEMO's swap and recompute, and the fused RMSNorm path.
 @pytest.mark.parametrize("extra", [
     [],                                                    # TP2 + SP, CP2
     ["--pipeline-model-parallel-size", "2", "--rank", "4"],  # last pipeline stage
-    ["--recompute-granularity", "full"],                   # megatron full recompute
+    pytest.param(["--recompute-granularity", "full"],      # megatron full recompute
+                 marks=pytest.mark.slow),
     ["--num-layers", "3", "--memo-offload", "--memo-alpha", "0.5"],  # MEMO swap + recompute
-    ["--context-parallel-size", "1", "--gpus", "4", "--num-query-groups", "2",  # DP 2
-     "--microbatches-in-flight", "2"],
+    pytest.param(["--context-parallel-size", "1", "--gpus", "4", "--num-query-groups", "2",
+                  "--microbatches-in-flight", "2"], marks=pytest.mark.slow),  # GQA, DP 2
     ["--normalization", "RMSNorm"],                        # the fused rms_norm kernel path
 ], ids=["tp2-cp2", "pp-last-stage", "full-recompute", "memo", "gqa-dp2-2mb", "rmsnorm"])
 def test_live_and_fake_traces_are_identical(tool, extra):
