@@ -58,6 +58,7 @@ _TRAINING_PATH_MODULES = (
     "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
     "megatron.core.optimizer.optimizer_config",
     "megatron.core.optimizer_param_scheduler",
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
     "megatron.core.dist_checkpointing",
     "megatron.core.rerun_state_machine",
     "megatron.core.num_microbatches_calculator",
@@ -99,4 +100,6 @@ def apply_cpu_shims() -> None:
     use_cpu_grad_clipping()
     sort_cpu_parameters_as_cuda()
     hybrid_optimizer.apply()
+    from megatron.training.compat import megatron_fsdp
+    megatron_fsdp.apply()
     _applied = True

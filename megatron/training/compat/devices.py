@@ -131,12 +131,35 @@ CPU_CUDA = _CpuCudaNamespace(
 )
 
 
+class _CudaDeviceIsCpuMeta(type):
+    """``isinstance(x, <the stand-in>)`` answers as ``isinstance(x, torch.device)``."""
+
+    def __instancecheck__(cls, instance):
+        return isinstance(instance, torch.device)
+
+    def __call__(cls, *args, **kwargs):
+        """``torch.device(...)`` naming CUDA in any spelling (``"cuda"``, ``"cuda:0"``,
+        ``("cuda", index)``, and ``f"cuda:{torch.cuda.current_device()}"``, which reads
+        ``"cuda:cpu"`` here because :data:`CPU_CUDA`'s current device is the CPU) -> cpu."""
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return _CPU
+        return torch.device(*args, **kwargs)
+
+
+class _DeviceNamingCudaIsCpu(metaclass=_CudaDeviceIsCpuMeta):
+    """``torch.device`` as seen by a patched module (Megatron-FSDP builds its device as
+    ``torch.device(f"cuda:{torch.cuda.current_device()}")`` and asks gloo's backend with
+    ``torch.device("cuda", torch.cuda.current_device())``): the CPU, where the GPU build
+    would name the current GPU."""
+
+
 class _CpuTorchProxy(types.ModuleType):
     """``torch`` as seen by a patched megatron.core module."""
 
     def __init__(self):
         super().__init__("torch")
         self.cuda = CPU_CUDA
+        self.device = _DeviceNamingCudaIsCpu
         for name in _FACTORY_FUNCTIONS:
             setattr(self, name, _redirect_device(getattr(torch, name)))
 
