@@ -96,11 +96,31 @@ def ddp_config_fields(args: argparse.Namespace) -> dict:
     }
 
 
+class NoTransformerEngineLinear:
+    """What ``TELinear`` is without Transformer Engine: a type no module is an instance of."""
+
+
+def _without_transformer_engine_no_module_is_te_linear() -> None:
+    """At TP > 1, FullyShardedDataParallel._fix_tensor_parallel_attributes asks
+    ``isinstance(module, (TELinear,))`` of every parameter's module (mcore_fsdp_adapter.py:184)
+    to find Transformer Engine linears that duplicate their weight across TP ranks. Without
+    Transformer Engine, megatron-core's ``TELinear`` subclasses a MagicMock stand-in for ``te``
+    (extensions/transformer_engine.py:62-77, 470) and is not a type, so the question raises
+    TypeError; the answer it asks for is False for every module, which a type with no
+    instances gives. On CPU and on a GPU without Transformer Engine alike."""
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if not HAVE_TE:
+        mcore_fsdp_adapter.TELinear = NoTransformerEngineLinear
+
+
 def wrap(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
     """``module`` in megatron-core's FullyShardedDataParallel, on the current CUDA device (its
     default) or, without CUDA, on the CPU."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
+    _without_transformer_engine_no_module_is_te_linear()
     device = None if torch.cuda.is_available() else torch.device("cpu")
     return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                     device=device)

@@ -12,7 +12,7 @@ the further Megatron-LM flags issue 45 names. A flag is
   starts with one line, ``<flag>: <reason>`` (:func:`refusal`).
 
 An honoured flag may still refuse some values or some machines in one line naming it
-(``--ckpt-format fsdp_dtensor``, ``--bf16`` on CPU); its entry says which (``refuses``).
+(``--ckpt-format torch``, ``--bf16`` on CPU); its entry says which (``refuses``).
 """
 
 from __future__ import annotations
@@ -226,9 +226,12 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
               "without --profile", requires="--profile"),
     _honoured("--profile-step-end", "iteration at which profiling stops (default 12)",
               "without --profile", requires="--profile"),
-    _honoured("--ckpt-format", "torch_dist: megatron-core dist_checkpointing, what --save writes",
-              "torch, torch_dcp and fsdp_dtensor",
-              refused_values=("torch", "torch_dcp", "fsdp_dtensor")),
+    _honoured("--ckpt-format",
+              "torch_dist: megatron-core dist_checkpointing, what --save writes; "
+              "fsdp_dtensor: Megatron-FSDP's DTensors through torch.distributed.checkpoint "
+              "(with --use-megatron-fsdp, which needs it)",
+              "torch and torch_dcp; fsdp_dtensor without --use-megatron-fsdp and torch_dist "
+              "with it", refused_values=("torch", "torch_dcp")),
     _honoured("--distributed-timeout-minutes", "torch.distributed process-group timeout"),
     _honoured("--tokenizer-model", "HuggingFaceTokenizer's folder (or tokenizer.json); "
               "BPETokenizer's JSON file"),
@@ -240,7 +243,8 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
     _honoured("--use-megatron-fsdp",
               "megatron-core's Megatron-FSDP (FullyShardedDataParallel) instead of its DDP, "
               "stepped by the distributed optimizer; on CPU through gloo (docs/training.md)",
-              "without --use-distributed-optimizer or --ckpt-format fsdp_dtensor"),
+              "without --use-distributed-optimizer, --ckpt-format fsdp_dtensor or a "
+              "--data-parallel-sharding-strategy other than no_shard (Megatron-LM's default)"),
     _honoured("--data-parallel-sharding-strategy",
               "with --use-megatron-fsdp: optim (optimizer states), optim_grads (and "
               "gradients) or optim_grads_params (and parameters) sharded over the "
@@ -253,8 +257,9 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
             "gradient_accumulation_fusion is False: no APEX/TE fused wgrad kernels)",
             action="store_false", dest="gradient_accumulation_fusion"),
     _refused("--init-model-with-meta-device",
-             "meta-device initialisation is not supported (it belongs to Megatron-FSDP, which "
-             "this trainer does not have); drop the flag"),
+             "meta-device initialisation is not supported yet (this trainer initialises the "
+             "model on its device before wrapping it; Megatron-FSDP's meta-device path is not "
+             "wired or tested here); drop the flag"),
     _refused("--use-nccl-ub", _NCCL_UB),
     _honoured("--fsdp-double-buffer",
               "with --use-megatron-fsdp: the all-gather and reduce-scatter buckets come from "
