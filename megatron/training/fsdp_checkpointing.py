@@ -83,6 +83,29 @@ def _give_empty_shards_states(optimizer) -> None:
     inner.state.update(ordered)
 
 
+class _ParametersByEitherName:
+    """FullyShardedDataParallel as handle_swiglu_in_state_dict asks it for parameters.
+
+    megatron-core 0.16.1's handle_swiglu_in_state_dict looks a model key up as
+    ``model.get_parameter(f"module.{key}")`` (fsdp_dtensor_checkpoint.py:285) and an optimizer
+    key, which names the same parameter with one more ``module.`` (the optimizer names
+    parameters from the wrapper's ``named_parameters``), as ``key[len("module."):]``
+    (fsdp_dtensor_checkpoint.py:311-313): the second name is relative to the wrapper's
+    ``module`` (MegatronFSDP), the first to the wrapper, and no one module resolves both
+    (AttributeError "MegatronFSDP has no attribute `decoder`" at the first SwiGLU save). Here a
+    name resolves from the wrapper, or else from its ``module``: the same parameter."""
+
+    def __init__(self, wrapper):
+        self._wrapper = wrapper
+        self.config = wrapper.config
+
+    def get_parameter(self, name: str):
+        try:
+            return self._wrapper.get_parameter(name)
+        except AttributeError:
+            return self._wrapper.module.get_parameter(name)
+
+
 def _for_dcp(args: argparse.Namespace, model: list, raw: dict,
              rng_state: Optional[dict]) -> dict:
     """``raw`` as DCP saves it: megatron-core's fsdp_dtensor preprocessing (Megatron-LM's
@@ -96,7 +119,7 @@ def _for_dcp(args: argparse.Namespace, model: list, raw: dict,
     state = dict(raw)
     if args.swiglu:
         state["model"], optimizer_state = handle_swiglu_in_state_dict(
-            model[0], state["model"], state.get("optimizer"))
+            _ParametersByEitherName(model[0]), state["model"], state.get("optimizer"))
         if "optimizer" in raw:
             state["optimizer"] = optimizer_state
     if rng_state is not None:
