@@ -7,12 +7,11 @@ What agreement to expect: iteration 1 is bitwise equal everywhere (same weights,
 forward); after it the losses agree to 1e-5 relative, not bitwise: the gradient norm is summed
 over shards in another order (as with the distributed optimizer), and even with --clip-grad 0
 a few iterations' losses differ in their last float32 bit, at isolated iterations followed by
-bitwise-equal ones (measured at DP=2; docs/training.md, "Megatron-FSDP", has the numbers and
+bitwise-equal ones (measured at DP=2; docs/training.md, "On CPU", has the numbers and
 the commands).
 
-The plain runs are conftest.training_losses' (one per command line per session, shared with
-test_distributed_optimizer.py); the DP=2 FSDP run is shared by its agreement test and the
-resume test.
+All runs are conftest.training_losses' (one per command line per session; the plain ones are
+shared with test_distributed_optimizer.py) but the resume tests', which save and resume.
 """
 
 from __future__ import annotations
@@ -44,19 +43,10 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def dp2_fsdp(tmp_path_factory) -> tuple[dict[int, float], Path]:
-    """The DP=2 optim_grads_params run: its losses and its checkpoints (every 5 iterations)."""
-    root = tmp_path_factory.mktemp("megatron_fsdp_dp2")
-    checkpoints, metrics = root / "checkpoints", root / "metrics.jsonl"
-    run_torchrun(2, TINY_GPT_ARGS + fsdp_flags() + [
-        "--save", str(checkpoints), "--save-interval", str(SAVE_INTERVAL),
-        "--log-metrics-jsonl", str(metrics)])
-    return read_losses(metrics), checkpoints
-
-
-def test_dp2_losses_equal_plain_optimizer(dp2_fsdp, tmp_path_factory):
-    assert_losses_agree(dp2_fsdp[0], training_losses(2, TINY_GPT_ARGS, tmp_path_factory))
+def test_dp2_losses_equal_plain_optimizer(tmp_path_factory):
+    plain = training_losses(2, TINY_GPT_ARGS, tmp_path_factory)
+    assert_losses_agree(training_losses(2, TINY_GPT_ARGS + fsdp_flags(), tmp_path_factory),
+                        plain)
 
 
 @pytest.mark.slow  # ~30 s each on 2 cores; the default suite keeps optim_grads_params at DP=2
@@ -76,8 +66,18 @@ def test_losses_equal_plain_optimizer(layout, tmp_path_factory):
     assert_losses_agree(fsdp, plain)
 
 
-@pytest.mark.slow  # one more run (~20 s); the default suite keeps the DP=2 agreement
-def test_resume_reproduces_uninterrupted_losses(dp2_fsdp, tmp_path):
+def train_and_resume(tmp_path: Path, flags: list[str]) -> tuple[dict, dict]:
+    """The DP=2 run of ``flags`` to iteration 10, saving every 5, and the run resumed from its
+    iteration-5 checkpoint: (uninterrupted losses, resumed losses of iterations 6..10)."""
+    checkpoints, metrics = tmp_path / "uninterrupted", tmp_path / "uninterrupted.jsonl"
+    run_torchrun(2, TINY_GPT_ARGS + flags + [
+        "--save", str(checkpoints), "--save-interval", str(SAVE_INTERVAL),
+        "--exit-interval", "10", "--log-metrics-jsonl", str(metrics)])
+    return read_losses(metrics), resume_from_iteration_5(checkpoints, 2, tmp_path, flags=flags)
+
+
+@pytest.mark.slow  # two runs (~40 s); the default suite saves one (test_upstream_scripts.py)
+def test_resume_reproduces_uninterrupted_losses(tmp_path):
     """Resume at iteration 5 from the uninterrupted run's fsdp_dtensor checkpoint (DCP files,
     one per rank, and the common state) and train to 10: iterations 6..10 equal the
     uninterrupted run's bitwise (weights, Adam's moments and step, LR schedule, data
@@ -86,15 +86,14 @@ def test_resume_reproduces_uninterrupted_losses(dp2_fsdp, tmp_path):
 
     from megatron.training import checkpointing, fsdp_checkpointing
 
-    uninterrupted, saved = dp2_fsdp
-    source = checkpointing.checkpoint_dir(saved, SAVE_INTERVAL)
+    uninterrupted, resumed = train_and_resume(tmp_path, fsdp_flags())
+    source = checkpointing.checkpoint_dir(tmp_path / "uninterrupted", SAVE_INTERVAL)
     assert fsdp_checkpointing.is_fsdp_dtensor_checkpoint(source)
     keys = FileSystemReader(str(source)).read_metadata().state_dict_metadata
     assert {key.rsplit(".", 1)[1] for key in keys if key.startswith("optimizer.state.")} == {
         "step", "exp_avg", "exp_avg_sq"}
     assert sorted(path.name for path in source.glob("*.distcp")) == ["__0_0.distcp",
                                                                       "__1_0.distcp"]
-    resumed = resume_from_iteration_5(saved, 2, tmp_path, flags=fsdp_flags())
     for iteration, loss in resumed.items():
         assert loss == uninterrupted[iteration], iteration
 
@@ -102,12 +101,6 @@ def test_resume_reproduces_uninterrupted_losses(dp2_fsdp, tmp_path):
 @pytest.mark.slow  # two runs (~40 s); SwiGLU's fc1 is saved split in two (megatron-core's
 # fsdp_dtensor preprocessing, views of the same shards) and must load back into the shards
 def test_swiglu_resume_reproduces_uninterrupted_losses(tmp_path):
-    swiglu = fsdp_flags() + ["--swiglu"]
-    checkpoints, metrics = tmp_path / "uninterrupted", tmp_path / "uninterrupted.jsonl"
-    run_torchrun(2, TINY_GPT_ARGS + swiglu + [
-        "--save", str(checkpoints), "--save-interval", str(SAVE_INTERVAL),
-        "--exit-interval", "10", "--log-metrics-jsonl", str(metrics)])
-    uninterrupted = read_losses(metrics)
-    resumed = resume_from_iteration_5(checkpoints, 2, tmp_path, flags=swiglu)
+    uninterrupted, resumed = train_and_resume(tmp_path, fsdp_flags() + ["--swiglu"])
     for iteration, loss in resumed.items():
         assert loss == uninterrupted[iteration], iteration

@@ -78,3 +78,24 @@ def test_the_fsdp_mesh_is_built_on_the_cpu(megatron_world):
     assert mesh.device_type == "cpu" and mesh.mesh_dim_names == ("dp_cp",)
     shard = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])
     assert shard.to_local().device.type == "cpu" and shard.shape == (2, 3)
+
+
+def test_a_checkpoint_loads_only_in_its_own_format(tmp_path):
+    import argparse
+
+    from megatron.training.checkpointing import _check_checkpoint_format
+    from megatron.training.fsdp_checkpointing import COMMON_FILE
+
+    fsdp, dist_ckpt = tmp_path / "fsdp", tmp_path / "torch_dist"
+    fsdp.mkdir()
+    dist_ckpt.mkdir()
+    (fsdp / COMMON_FILE).write_bytes(b"")
+    _check_checkpoint_format(argparse.Namespace(ckpt_format="fsdp_dtensor"), fsdp)
+    _check_checkpoint_format(argparse.Namespace(ckpt_format="torch_dist"), dist_ckpt)
+    for directory, saved, run in ((fsdp, "fsdp_dtensor", "torch_dist"),
+                                  (dist_ckpt, "torch_dist", "fsdp_dtensor")):
+        with pytest.raises(ArgumentValidationError) as raised:
+            _check_checkpoint_format(argparse.Namespace(ckpt_format=run), directory)
+        assert str(raised.value).startswith(
+            f"--load {directory}: it was saved with --ckpt-format {saved}, this run has "
+            f"--ckpt-format {run}")
