@@ -75,6 +75,11 @@ def validate_megatron_fsdp(args: argparse.Namespace) -> None:
              "--use-megatron-fsdp needs --use-distributed-optimizer (megatron-core's "
              "Megatron-FSDP is stepped by its DistributedOptimizer; with the plain optimizer "
              "it trains wrongly); add it")
+    _require(args.pipeline_model_parallel_size == 1,
+             "--use-megatron-fsdp does not run with --pipeline-model-parallel-size > 1 in "
+             "megatron-core 0.16.1: its device mesh lays all ranks out as data-parallel x "
+             "expert x tensor-parallel, without pipeline stages (mcore_fsdp_adapter.py:365-372: "
+             "EinopsError); use PP=1")
     _require(args.ckpt_format == "fsdp_dtensor",
              "--use-megatron-fsdp saves only --ckpt-format fsdp_dtensor (as in Megatron-LM; "
              "megatron-core 0.16.1 has no torch_dist layout for its DTensors); add it")

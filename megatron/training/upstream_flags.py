@@ -244,7 +244,9 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
               "megatron-core's Megatron-FSDP (FullyShardedDataParallel) instead of its DDP, "
               "stepped by the distributed optimizer; on CPU through gloo (docs/training.md)",
               "without --use-distributed-optimizer, --ckpt-format fsdp_dtensor or a "
-              "--data-parallel-sharding-strategy other than no_shard (Megatron-LM's default)"),
+              "--data-parallel-sharding-strategy other than no_shard (Megatron-LM's default); "
+              "with --pipeline-model-parallel-size > 1 (megatron-core 0.16.1's mesh has no "
+              "pipeline dimension)"),
     _honoured("--data-parallel-sharding-strategy",
               "with --use-megatron-fsdp: optim (optimizer states), optim_grads (and "
               "gradients) or optim_grads_params (and parameters) sharded over the "

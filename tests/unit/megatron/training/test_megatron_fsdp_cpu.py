@@ -37,6 +37,8 @@ REFUSALS = {
                         "--use-megatron-fsdp needs --use-distributed-optimizer"),
     "torch_dist": (without(FSDP, "--ckpt-format"),
                    "--use-megatron-fsdp saves only --ckpt-format fsdp_dtensor"),
+    "pipeline": (FSDP + ["--pipeline-model-parallel-size", "2"],
+                 "--use-megatron-fsdp does not run with --pipeline-model-parallel-size > 1"),
     "strategy_alone": (["--data-parallel-sharding-strategy", "optim"],
                        "--data-parallel-sharding-strategy applies to --use-megatron-fsdp"),
     "double_buffer_alone": (["--fsdp-double-buffer"],
