@@ -66,6 +66,17 @@ def test_losses_equal_plain_optimizer(layout, tmp_path_factory):
     assert_losses_agree(fsdp, plain)
 
 
+@pytest.mark.slow  # one more DP=2 run each (~30 s); the script test trains with both, 3 iterations
+@pytest.mark.parametrize("flags", [["--fsdp-double-buffer"],
+                                   ["--overlap-grad-reduce", "--overlap-param-gather"]],
+                         ids=["double_buffer", "overlap"])
+def test_buffers_and_overlap_change_no_bit(flags, tmp_path_factory):
+    """Where the buckets live and when the collectives run leave the arithmetic alone."""
+    base = training_losses(2, TINY_GPT_ARGS + fsdp_flags(), tmp_path_factory)
+    assert sorted(base) == list(range(1, 21))
+    assert training_losses(2, TINY_GPT_ARGS + fsdp_flags() + flags, tmp_path_factory) == base
+
+
 def train_and_resume(tmp_path: Path, flags: list[str]) -> tuple[dict, dict]:
     """The DP=2 run of ``flags`` to iteration 10, saving every 5, and the run resumed from its
     iteration-5 checkpoint: (uninterrupted losses, resumed losses of iterations 6..10)."""
