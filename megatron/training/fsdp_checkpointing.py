@@ -48,6 +48,7 @@ def _raw(args: argparse.Namespace, model: list, optimizer, include_optimizer: bo
     state = {"model": model[0].state_dict_for_save_checkpoint()}
     if include_optimizer:
         if is_loading:  # what sharded_state_dict does first, so that the states exist to fill
+            # (it steps on zero gradients once more inside; the load overwrites both steps)
             optimizer._init_optimizer_states_with_dummy_values()
         _give_empty_shards_states(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
