@@ -24,6 +24,7 @@ from megatron.training.rope_scaling import (
     validate_rope_scaling,
     yarn_config_attributes,
 )
+from megatron.training.megatron_fsdp import add_megatron_fsdp_args, validate_megatron_fsdp
 from megatron.training.run_controls import add_run_control_args
 from megatron.training.timing import add_timing_args
 from megatron.training.upstream_flags import (
@@ -367,6 +368,7 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "forward (forward pre-hooks) instead of at the end of the optimizer step.",
     )
     group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    add_megatron_fsdp_args(group)  # --use-megatron-fsdp, --data-parallel-sharding-strategy
 
 
 def _add_validation_args(parser: argparse.ArgumentParser) -> None:
@@ -779,10 +781,10 @@ def _validate_run_controls(args: argparse.Namespace, cuda_available: bool) -> No
              "--no-manual-gc-eval applies to --manual-gc; add it or drop the flag")
     _require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
              f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
-    _require(args.ckpt_format == "torch_dist",
+    _require(args.ckpt_format in ("torch_dist", "fsdp_dtensor"),
              f"--ckpt-format {args.ckpt_format} is not supported: checkpoints here are "
-             "megatron-core dist_checkpointing's torch_dist format; use --ckpt-format "
-             "torch_dist or drop the flag")
+             "megatron-core dist_checkpointing's torch_dist format (fsdp_dtensor with "
+             "--use-megatron-fsdp); use --ckpt-format torch_dist or drop the flag")
     _require(args.logging_level is None or args.logging_level >= 0,
              f"--logging-level must be >= 0, got {args.logging_level}")
     _require(not args.log_timers_to_tensorboard or args.tensorboard_dir or args.wandb_project,
@@ -1146,6 +1148,7 @@ def _validate_all(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_memo(args, cuda_available)
     _validate_gradients(args)
     _validate_run_controls(args, cuda_available)
+    validate_megatron_fsdp(args)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     _require(

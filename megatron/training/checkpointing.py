@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron.training import fsdp_checkpointing
 from megatron.training.arguments import ArgumentValidationError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -213,9 +214,10 @@ def _write_tracker(root: Path, iteration: int) -> None:
 
 
 def _write_checkpoint(root: Path, iteration: int, sharded: dict,
-                      metadata: Optional[dict] = None) -> Path:
-    """dist_checkpointing.save (with ``metadata`` as its content metadata) into
-    ``iter_XXXXXXX.partial``, then rename it and replace the tracker file (collective)."""
+                      metadata: Optional[dict] = None, writer=None) -> Path:
+    """dist_checkpointing.save (with ``metadata`` as its content metadata), or ``writer``
+    (called with the directory), into ``iter_XXXXXXX.partial``, then rename it and replace the
+    tracker file (collective)."""
     final = checkpoint_dir(root, iteration)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     if dist.get_rank() == 0:
@@ -223,7 +225,10 @@ def _write_checkpoint(root: Path, iteration: int, sharded: dict,
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     dist.barrier()
-    dist_checkpointing.save(sharded, str(partial), content_metadata=metadata)
+    if writer is None:
+        dist_checkpointing.save(sharded, str(partial), content_metadata=metadata)
+    else:
+        writer(partial)
     dist.barrier()
     if dist.get_rank() == 0:
         if final.exists():
@@ -237,6 +242,8 @@ def _write_checkpoint(root: Path, iteration: int, sharded: dict,
 
 def save_checkpoint(args: argparse.Namespace, state, model: list, optimizer, scheduler) -> Path:
     """Save everything needed to resume at ``state.iteration`` under --save (collective)."""
+    if args.ckpt_format == "fsdp_dtensor":
+        return _save_fsdp_dtensor(args, state, model, optimizer, scheduler)
     metadata = content_metadata(args)
     sharded = _sharded_state_dict(args, model, optimizer, include_optimizer=True,
                                   include_rng=True, is_loading=False, metadata=metadata)
@@ -247,6 +254,21 @@ def save_checkpoint(args: argparse.Namespace, state, model: list, optimizer, sch
     if getattr(args, "hf_config", None) is not None:
         sharded["hf_config"] = args.hf_config
     return _write_checkpoint(Path(args.save), state.iteration, sharded, metadata)
+
+
+def _save_fsdp_dtensor(args: argparse.Namespace, state, model: list, optimizer,
+                       scheduler) -> Path:
+    """--ckpt-format fsdp_dtensor (megatron.training.fsdp_checkpointing): the same common state
+    as a torch_dist checkpoint, the model and optimizer as Megatron-FSDP's DTensors."""
+    common = {"opt_param_scheduler": scheduler.state_dict(),
+              "train_state": _train_state_record(
+                  args, state.iteration, state.consumed_train_samples,
+                  state.consumed_valid_samples, weights_only=False)}
+    if getattr(args, "hf_config", None) is not None:
+        common["hf_config"] = args.hf_config
+    return _write_checkpoint(
+        Path(args.save), state.iteration, {}, writer=lambda partial: fsdp_checkpointing.write(
+            args, partial, model, optimizer, _rng_state(), common))
 
 
 def save_weights_checkpoint(args: argparse.Namespace, module: torch.nn.Module, root: str | Path,
@@ -280,7 +302,10 @@ def latest_checkpoint(root: str | Path) -> tuple[Optional[Path], dict]:
     if not directory.is_dir():
         raise ValueError(f"--load {root}: tracker names iteration {iteration} but "
                          f"{directory} is missing; fix or delete {TRACKER_FILENAME}")
-    common = dist_checkpointing.load_common_state_dict(str(directory))
+    if fsdp_checkpointing.is_fsdp_dtensor_checkpoint(directory):
+        common = fsdp_checkpointing.read_common(directory)
+    else:
+        common = dist_checkpointing.load_common_state_dict(str(directory))
     saved = common["train_state"]
     if saved.get("format_version") != CHECKPOINT_FORMAT_VERSION:
         raise ValueError(f"--load {directory}: checkpoint format {saved.get('format_version')} "
@@ -370,8 +395,6 @@ def _restore_adam_steps(optimizer) -> None:
 def load_checkpoint(args: argparse.Namespace, model: list, optimizer, scheduler):
     """Restore the latest checkpoint under --load; returns its TrainState, or None if none.
     A weights-only checkpoint loads as --finetune does (``optimizer`` may then be None)."""
-    from megatron.training.training import TrainState
-
     directory, common = latest_checkpoint(args.load)
     if directory is None:
         if dist.get_rank() == 0:
@@ -383,6 +406,11 @@ def load_checkpoint(args: argparse.Namespace, model: list, optimizer, scheduler)
     fresh = args.finetune or saved.get("weights_only", False)
     load_optimizer = not (args.no_load_optim or fresh)
     load_rng = not (args.no_load_rng or fresh) and saved["world_size"] == dist.get_world_size()
+    _check_checkpoint_format(args, directory)
+    if args.ckpt_format == "fsdp_dtensor":
+        rng = fsdp_checkpointing.load(args, directory, model, optimizer, load_optimizer,
+                                      load_rng, _rng_state())
+        return _loaded(args, common, directory, scheduler, load_optimizer, rng, fresh)
     metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
     if load_optimizer:
         _check_optimizer_state_loads(args, metadata, saved, directory)
@@ -398,9 +426,21 @@ def load_checkpoint(args: argparse.Namespace, model: list, optimizer, scheduler)
         with torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer)
+    return _loaded(args, common, directory, scheduler, load_optimizer,
+                   loaded["rng_state"] if load_rng else None, fresh)
+
+
+def _loaded(args: argparse.Namespace, common: dict, directory: Path, scheduler,
+            load_optimizer: bool, rng_state: Optional[dict], fresh: bool):
+    """What load_checkpoint restores after the model and optimizer, in either format: the LR
+    schedule, the RNG states, the Hugging Face config; its TrainState."""
+    from megatron.training.training import TrainState
+
+    saved = common["train_state"]
+    if load_optimizer:
         scheduler.load_state_dict(common["opt_param_scheduler"])
-    if load_rng:
-        _set_rng_state(loaded["rng_state"])
+    if rng_state is not None:
+        _set_rng_state(rng_state)
     if "hf_config" in common:
         args.hf_config = common["hf_config"]  # saved again with every checkpoint of this run
     if dist.get_rank() == 0:
@@ -415,6 +455,18 @@ def load_checkpoint(args: argparse.Namespace, model: list, optimizer, scheduler)
         consumed_train_samples=saved["consumed_train_samples"],
         consumed_valid_samples=saved["consumed_valid_samples"],
     )
+
+
+def _check_checkpoint_format(args: argparse.Namespace, directory: Path) -> None:
+    """A checkpoint loads only in the --ckpt-format that wrote it (Megatron-FSDP's DTensors
+    with fsdp_dtensor, dist_checkpointing's shards with torch_dist)."""
+    saved = "fsdp_dtensor" if fsdp_checkpointing.is_fsdp_dtensor_checkpoint(directory) \
+        else "torch_dist"
+    if saved != args.ckpt_format:
+        raise ArgumentValidationError(
+            f"--load {directory}: it was saved with --ckpt-format {saved}, this run has "
+            f"--ckpt-format {args.ckpt_format}; load it with the format it was saved in "
+            "(fsdp_dtensor goes with --use-megatron-fsdp)")
 
 
 def load_weights(root: str | Path, module: torch.nn.Module,

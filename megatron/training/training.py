@@ -29,7 +29,7 @@ from megatron.core.utils import get_model_config
 from memo_ext.attention import attention_dropout_notice
 from memo_ext.estimate.flops import gpt_shape, model_flops_per_sequence, parameter_count
 
-from megatron.training import checkpointing, metrics
+from megatron.training import checkpointing, megatron_fsdp, metrics
 from megatron.training.arguments import ArgumentValidationError, core_transformer_config_from_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import initialize_megatron
@@ -98,8 +98,12 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        **(megatron_fsdp.ddp_config_fields(args) if args.use_megatron_fsdp else {}),
     )
-    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+    if args.use_megatron_fsdp:
+        model = [megatron_fsdp.wrap(config, ddp_config, model)]
+    else:
+        model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
     mechanisms.attach(model)  # last: moving to CUDA, casting and DDP's buffers replace storages
     return model
 
@@ -450,8 +454,9 @@ def pretrain(args: argparse.Namespace, model_provider: ModelProvider, forward_st
 
 def gather_parameters(model: list, args: argparse.Namespace) -> None:
     """--overlap-param-gather: all-gather now the parameter shards the next forward's pre-hooks
-    would (before a checkpoint, as Megatron-LM)."""
-    if args.overlap_param_gather:
+    would (before a checkpoint, as Megatron-LM). Megatron-FSDP checkpoints its shards, which
+    the step updated: nothing to gather."""
+    if args.overlap_param_gather and not args.use_megatron_fsdp:
         for chunk in model:
             chunk.start_param_sync(force_sync=True)
 
@@ -459,8 +464,10 @@ def gather_parameters(model: list, args: argparse.Namespace) -> None:
 @contextlib.contextmanager
 def parameters_gathered(model: list, args: argparse.Namespace):
     """--overlap-param-gather: evaluation runs with the forward pre-hooks off and every
-    parameter gathered (as Megatron-LM); training's hooks come back afterwards."""
-    if not args.overlap_param_gather:
+    parameter gathered (as Megatron-LM); training's hooks come back afterwards. Megatron-FSDP
+    keeps its hooks: they gather each unit's parameters in evaluation too (Megatron-LM's
+    should_disable_forward_pre_hook is False with it)."""
+    if not args.overlap_param_gather or args.use_megatron_fsdp:
         yield
         return
     for chunk in model:

@@ -12,7 +12,7 @@ the further Megatron-LM flags issue 45 names. A flag is
   starts with one line, ``<flag>: <reason>`` (:func:`refusal`).
 
 An honoured flag may still refuse some values or some machines in one line naming it
-(``--ckpt-format fsdp_dtensor``, ``--bf16`` on CPU); its entry says which (``refuses``).
+(``--ckpt-format torch``, ``--bf16`` on CPU); its entry says which (``refuses``).
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ _CPU_16BIT = "on CPU (megatron-core's mixed-precision optimizer wraps CUDA tenso
 _FP8 = ("FP8 training is not supported yet: it needs Transformer Engine's FP8 layers and "
         "recipes, which this trainer does not wire (its layers train in bf16/fp16/fp32); drop "
         "the --fp8-* flags and train in --bf16")
-_FSDP = ("Megatron-FSDP is not supported (this trainer wraps models in megatron-core's DDP); "
-         "drop the Megatron-FSDP flags and shard the optimizer state with "
-         "--use-distributed-optimizer")
+_NCCL_UB = ("NCCL user-buffer registration is not supported yet: megatron-core 0.16.1 allocates "
+            "Megatron-FSDP's buffers from an NCCL memory pool (ncclMemAlloc, megatron_fsdp/"
+            "param_and_grad_buffer.py:1588-1600), which needs NCCL and CUDA; drop the flag")
 
 #: Every flag of the reference scripts, in the order they first appear there.
 SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
@@ -226,9 +226,12 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
               "without --profile", requires="--profile"),
     _honoured("--profile-step-end", "iteration at which profiling stops (default 12)",
               "without --profile", requires="--profile"),
-    _honoured("--ckpt-format", "torch_dist: megatron-core dist_checkpointing, what --save writes",
-              "torch, torch_dcp and fsdp_dtensor",
-              refused_values=("torch", "torch_dcp", "fsdp_dtensor")),
+    _honoured("--ckpt-format",
+              "torch_dist: megatron-core dist_checkpointing, what --save writes; "
+              "fsdp_dtensor: Megatron-FSDP's DTensors through torch.distributed.checkpoint "
+              "(with --use-megatron-fsdp, which needs it)",
+              "torch and torch_dcp; fsdp_dtensor without --use-megatron-fsdp and torch_dist "
+              "with it", refused_values=("torch", "torch_dcp")),
     _honoured("--distributed-timeout-minutes", "torch.distributed process-group timeout"),
     _honoured("--tokenizer-model", "HuggingFaceTokenizer's folder (or tokenizer.json); "
               "BPETokenizer's JSON file"),
@@ -237,19 +240,34 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
             "this trainer does not run Megatron-LM's NaN check of the loss and gradients (on by "
             "default there), so the flag's 'no check' always holds",
             action="store_false", dest="check_for_nan_in_loss_and_grad"),
-    _refused("--use-megatron-fsdp", _FSDP),
-    _refused("--data-parallel-sharding-strategy", _FSDP, nargs="*"),
+    _honoured("--use-megatron-fsdp",
+              "megatron-core's Megatron-FSDP (FullyShardedDataParallel) instead of its DDP, "
+              "stepped by the distributed optimizer; on CPU through gloo (docs/training.md)",
+              "without --use-distributed-optimizer, --ckpt-format fsdp_dtensor or a "
+              "--data-parallel-sharding-strategy other than no_shard (Megatron-LM's default); "
+              "with --pipeline-model-parallel-size > 1 (megatron-core 0.16.1's mesh has no "
+              "pipeline dimension)"),
+    _honoured("--data-parallel-sharding-strategy",
+              "with --use-megatron-fsdp: optim (optimizer states), optim_grads (and "
+              "gradients) or optim_grads_params (and parameters) sharded over the "
+              "data-parallel ranks",
+              "no_shard (megatron-core 0.16.1's Megatron-FSDP builds no parameter buffer for "
+              "it but all-gathers one at each step); without --use-megatron-fsdp",
+              requires="--use-megatron-fsdp", refused_values=("no_shard",)),
     _always("--no-gradient-accumulation-fusion",
             "gradient accumulation is never fused here (TransformerConfig."
             "gradient_accumulation_fusion is False: no APEX/TE fused wgrad kernels)",
             action="store_false", dest="gradient_accumulation_fusion"),
     _refused("--init-model-with-meta-device",
-             "meta-device initialisation is not supported (it belongs to Megatron-FSDP, which "
-             "this trainer does not have); drop the flag"),
-    _refused("--use-nccl-ub", "NCCL user buffers are not supported (they belong to "
-             "Megatron-FSDP here); drop the flag"),
-    _refused("--fsdp-double-buffer", _FSDP),
-    _refused("--fsdp-manual-registration", _FSDP),
+             "meta-device initialisation is not supported yet (this trainer initialises the "
+             "model on its device before wrapping it; Megatron-FSDP's meta-device path is not "
+             "wired or tested here); drop the flag"),
+    _refused("--use-nccl-ub", _NCCL_UB),
+    _honoured("--fsdp-double-buffer",
+              "with --use-megatron-fsdp: the all-gather and reduce-scatter buckets come from "
+              "two persistent buffers instead of one allocation per communication",
+              "without --use-megatron-fsdp", requires="--use-megatron-fsdp"),
+    _refused("--fsdp-manual-registration", _NCCL_UB),
     _honoured("--logging-level", "the root Python logger's level (20 is INFO; default "
               "$MEGATRON_LOGGING_LEVEL), with a stderr handler when none is configured"),
     _honoured("--profile-ranks", "global ranks that profile (default all)", "without --profile",

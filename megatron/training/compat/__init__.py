@@ -14,6 +14,9 @@ megatron.core symbol it replaces:
   its device/host split asks ``is_cuda`` and pins its host copies), optimizer_config's
   ``is_te_min_version`` (raises without Transformer Engine), and the three places where the
   offload path assumes 16-bit parameters.
+- megatron_fsdp.py: distributed.fsdp.mcore_fsdp_adapter's ``DeviceMesh`` (--use-megatron-fsdp
+  builds its mesh with device type 'cuda'); devices.py's ``torch.device`` answers its
+  ``torch.device(f"cuda:{torch.cuda.current_device()}")`` with the CPU.
 - norm.py: transformer.torch_norm.WrappedTorchNorm in the layer spec (refuses sequence parallel).
 - attention.py: transformer.dot_product_attention.DotProductAttention in the layer spec
   (refuses context parallel; materialises s x s scores).
@@ -58,6 +61,7 @@ _TRAINING_PATH_MODULES = (
     "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
     "megatron.core.optimizer.optimizer_config",
     "megatron.core.optimizer_param_scheduler",
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
     "megatron.core.dist_checkpointing",
     "megatron.core.rerun_state_machine",
     "megatron.core.num_microbatches_calculator",
@@ -91,6 +95,7 @@ def apply_cpu_shims() -> None:
     )
     from megatron.training.compat import hybrid_optimizer
     from megatron.training.compat.distrib_optimizer import sort_cpu_parameters_as_cuda
+    from megatron.training.compat.megatron_fsdp import build_meshes_on_the_cpu
     from megatron.training.compat.rng import use_cpu_generator_in_rng_tracker
 
     redirect_megatron_core_devices()
@@ -99,4 +104,5 @@ def apply_cpu_shims() -> None:
     use_cpu_grad_clipping()
     sort_cpu_parameters_as_cuda()
     hybrid_optimizer.apply()
+    build_meshes_on_the_cpu()
     _applied = True

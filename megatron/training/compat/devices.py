@@ -7,8 +7,10 @@ schedules, optimizer.clip_grads, distributed.param_and_grad_buffer) and calls
 ``torch.cuda.synchronize/Stream/default_stream``. A TorchFunctionMode cannot catch the calls
 made inside autograd backward, so instead each loaded ``megatron.core.*`` module gets its
 ``torch`` global replaced by :data:`CPU_TORCH`, a proxy that forwards everything to ``torch``
-except ``torch.cuda`` (a CPU stand-in) and the factory functions (device arguments naming
-CUDA become ``cpu``). The real ``torch`` module is left alone with one exception:
+except ``torch.cuda`` (a CPU stand-in), the factory functions (device arguments naming
+CUDA become ``cpu``) and ``torch.device`` (naming CUDA, it is the CPU: Megatron-FSDP's
+``torch.device(f"cuda:{torch.cuda.current_device()}")``). The real ``torch`` module is left
+alone with one exception:
 ``Tensor.cuda()`` is a method, reached without any module global (LanguageModule.
 setup_embeddings_and_output_layer with PP>1, the optimizer's state loading,
 tensor_parallel.data.broadcast_data, dist_checkpointing.exchange_utils), so on a build without
@@ -131,12 +133,37 @@ CPU_CUDA = _CpuCudaNamespace(
 )
 
 
+class _CudaDeviceIsCpuMeta(type):
+    """``isinstance(x, <the stand-in>)`` answers as ``isinstance(x, torch.device)``."""
+
+    def __instancecheck__(cls, instance):
+        return isinstance(instance, torch.device)
+
+    def __call__(cls, *args, **kwargs):
+        """``torch.device(...)`` naming CUDA in any spelling (``"cuda"``, ``"cuda:0"``,
+        ``("cuda", index)``, and ``f"cuda:{torch.cuda.current_device()}"``, which reads
+        ``"cuda:cpu"`` here because :data:`CPU_CUDA`'s current device is the CPU) -> cpu."""
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return _CPU
+        return torch.device(*args, **kwargs)
+
+
+class _DeviceNamingCudaIsCpu(metaclass=_CudaDeviceIsCpuMeta):
+    """``torch.device`` as seen by a patched module. Megatron-FSDP names its device
+    ``torch.device(f"cuda:{torch.cuda.current_device()}")`` (megatron_fsdp.py:182-188) and
+    asks a process group for its backend by ``torch.device("cuda", ...)``
+    (param_and_grad_buffer.py:217, 230). On the GPU build that is the device megatron-core's
+    tensors live on; here they live on the CPU (the factories above), so it is the CPU, and the
+    backend asked for is gloo's."""
+
+
 class _CpuTorchProxy(types.ModuleType):
     """``torch`` as seen by a patched megatron.core module."""
 
     def __init__(self):
         super().__init__("torch")
         self.cuda = CPU_CUDA
+        self.device = _DeviceNamingCudaIsCpu
         for name in _FACTORY_FUNCTIONS:
             setattr(self, name, _redirect_device(getattr(torch, name)))
 

@@ -155,9 +155,8 @@ DROPPED = {
         "--bf16", "--grad-reduce-in-bf16", "--profile", "--profile-step-start",
         "--profile-step-end"},
     "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh": _FP8 | {
-        "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-        "--init-model-with-meta-device", "--ckpt-format", "--use-nccl-ub",
-        "--fsdp-double-buffer", "--fsdp-manual-registration", "--bf16"},
+        "--init-model-with-meta-device", "--use-nccl-ub", "--fsdp-manual-registration",
+        "--bf16"},
 }
 
 

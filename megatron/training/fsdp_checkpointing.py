@@ -1,0 +1,160 @@
+"""--ckpt-format fsdp_dtensor: Megatron-FSDP's checkpoints, as Megatron-LM writes them.
+
+With --use-megatron-fsdp the model's parameters and the distributed optimizer's states are
+DTensors sharded over the data-parallel (x context-parallel) ranks, and megatron-core 0.16.1
+checkpoints them only as such (DistributedOptimizer.sharded_state_dict refuses any other
+``distrib_optim_sharding_type``; MegatronFSDP has no ``sharded_state_dict``). Megatron-LM
+(core_v0.16.1 megatron/training/checkpointing.py) saves them with
+torch.distributed.checkpoint (DCP): the model's ``state_dict_for_save_checkpoint()``, the
+optimizer's ``sharded_state_dict`` in the ``fsdp_dtensor`` sharding type, both passed through
+megatron-core's fsdp_dtensor helpers (SwiGLU's fused fc1 split in two, uneven shards described);
+it loads them in place into the same structure built from the model being resumed.
+
+Here the same, inside megatron.training.checkpointing's atomic layout (``iter_XXXXXXX``
+written as ``.partial``, then renamed, then the tracker): the DCP files, plus
+:data:`COMMON_FILE` (rank 0's torch.save of what dist_checkpointing's common state holds
+elsewhere: train state, LR scheduler, Hugging Face config). Each rank's RNG states travel in
+the DCP files under a key of their own (the rank's), restored only at the same world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+#: The common state of an fsdp_dtensor checkpoint (the trainer's counters, scheduler, ...).
+COMMON_FILE = "fsdp_dtensor_common.pt"
+#: What DistributedOptimizer.sharded_state_dict is told (Megatron-LM's metadata for the format).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor"}
+
+
+def is_fsdp_dtensor_checkpoint(directory: Path) -> bool:
+    return (Path(directory) / COMMON_FILE).is_file()
+
+
+def read_common(directory: Path) -> dict:
+    return torch.load(Path(directory) / COMMON_FILE, weights_only=False)
+
+
+def _raw(args: argparse.Namespace, model: list, optimizer, include_optimizer: bool,
+         is_loading: bool) -> dict:
+    """Model (and optimizer) state as megatron-core returns it: DTensors that are the
+    parameters' and states' own shards (a load writes into them)."""
+    state = {"model": model[0].state_dict_for_save_checkpoint()}
+    if include_optimizer:
+        if is_loading:  # what sharded_state_dict does first, so that the states exist to fill
+            # (it steps on zero gradients once more inside; the load overwrites both steps)
+            optimizer._init_optimizer_states_with_dummy_values()
+        _give_empty_shards_states(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
+    return state
+
+
+def _give_empty_shards_states(optimizer) -> None:
+    """Give each parameter whose shard on this rank is empty the (empty) Adam states the
+    other ranks' shards of it have, so that every rank's optimizer state has the same keys.
+
+    megatron-core 0.16.1 hands torch's Adam no gradient for a parameter with no elements on
+    this rank (megatron_fsdp/param_and_grad_buffer.py:2669-2670, update_main_grads), so Adam
+    never creates its states here, while the ranks holding the parameter's elements do. The
+    fsdp_dtensor preprocessing then runs one all_gather_object per DTensor of the state
+    (megatron_fsdp/uneven_dtensor.py:53): ranks with different keys call different numbers
+    of collectives and hang (measured at DP=2 with the tiny model: the position embedding lies
+    wholly in rank 1's shard). The states given are empty DTensors of the parameter's global
+    shape and the step the other parameters have; Adam leaves them alone (no gradient).
+    The states are then put in parameter order, the same on every rank (the collectives pair
+    DTensors by order)."""
+    inner = optimizer.optimizer
+    steps = [state["step"] for state in inner.state.values() if "step" in state]
+    if not steps:
+        return
+    params = [param for group in inner.param_groups for param in group["params"]]
+    for param in params:
+        if param.to_local().numel() == 0 and not inner.state.get(param):
+            inner.state[param] = {"step": steps[0].clone(), "exp_avg": torch.zeros_like(param),
+                                  "exp_avg_sq": torch.zeros_like(param)}
+    ordered = {param: inner.state[param] for param in params if param in inner.state}
+    inner.state.clear()
+    inner.state.update(ordered)
+
+
+class _ParametersByEitherName:
+    """FullyShardedDataParallel as handle_swiglu_in_state_dict asks it for parameters.
+
+    megatron-core 0.16.1's handle_swiglu_in_state_dict looks a model key up as
+    ``model.get_parameter(f"module.{key}")`` (fsdp_dtensor_checkpoint.py:285) and an optimizer
+    key, which names the same parameter with one more ``module.`` (the optimizer names
+    parameters from the wrapper's ``named_parameters``), as ``key[len("module."):]``
+    (fsdp_dtensor_checkpoint.py:311-313): the second name is relative to the wrapper's
+    ``module`` (MegatronFSDP), the first to the wrapper, and no one module resolves both
+    (AttributeError "MegatronFSDP has no attribute `decoder`" at the first SwiGLU save). Here a
+    name resolves from the wrapper, or else from its ``module``: the same parameter."""
+
+    def __init__(self, wrapper):
+        self._wrapper = wrapper
+        self.config = wrapper.config
+
+    def get_parameter(self, name: str):
+        try:
+            return self._wrapper.get_parameter(name)
+        except AttributeError:
+            return self._wrapper.module.get_parameter(name)
+
+
+def _for_dcp(args: argparse.Namespace, model: list, raw: dict,
+             rng_state: Optional[dict]) -> dict:
+    """``raw`` as DCP saves it: megatron-core's fsdp_dtensor preprocessing (Megatron-LM's
+    preprocess_fsdp_dtensor_state_dict: SwiGLU's fc1 split into its two halves, views of the
+    same shards; uneven shards described), and this rank's RNG states under its rank."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
+
+    state = dict(raw)
+    if args.swiglu:
+        state["model"], optimizer_state = handle_swiglu_in_state_dict(
+            _ParametersByEitherName(model[0]), state["model"], state.get("optimizer"))
+        if "optimizer" in raw:
+            state["optimizer"] = optimizer_state
+    if rng_state is not None:
+        state["rng_state"] = {f"rank{dist.get_rank()}": rng_state}
+    preprocess_state_dict_for_uneven_dtensor(state)
+    return state
+
+
+def write(args: argparse.Namespace, partial: Path, model: list, optimizer, rng_state: dict,
+          common: dict) -> None:
+    """Save into the (existing, empty) ``partial`` directory (collective)."""
+    raw = _raw(args, model, optimizer, include_optimizer=True, is_loading=False)
+    state = _for_dcp(args, model, raw, rng_state)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)))
+    if dist.get_rank() == 0:
+        torch.save(common, partial / COMMON_FILE)
+
+
+def load(args: argparse.Namespace, directory: Path, model: list, optimizer,
+         load_optimizer: bool, load_rng: bool, rng_template: dict) -> Optional[dict]:
+    """Load model (and optimizer) in place; returns this rank's RNG states (None when not
+    loaded). The optimizer's template steps once on zero gradients (megatron-core's
+    ``_init_optimizer_states_with_dummy_values``, which allocates the states); the load then
+    overwrites weights and states alike."""
+    raw = _raw(args, model, optimizer, include_optimizer=load_optimizer, is_loading=True)
+    state = _for_dcp(args, model, raw, rng_template if load_rng else None)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)))
+    model[0].load_state_dict(_unprefixed(raw["model"]))
+    if load_optimizer:
+        optimizer.load_state_dict(raw["optimizer"])
+    return state["rng_state"][f"rank{dist.get_rank()}"] if load_rng else None
+
+
+def _unprefixed(model_state: dict) -> dict:
+    """FullyShardedDataParallel.load_state_dict adds MegatronFSDP's ``module.`` prefix to the
+    keys its ``state_dict_for_save_checkpoint`` returned with it."""
+    return {key.removeprefix("module."): value for key, value in model_state.items()}

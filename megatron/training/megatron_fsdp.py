@@ -1,0 +1,131 @@
+"""Megatron-FSDP (``--use-megatron-fsdp``): megatron-core 0.16.1's fully sharded data
+parallelism, wired as Megatron-LM wires it (core_v0.16.1 megatron/training/training.py
+get_model, arguments.py).
+
+With ``--data-parallel-sharding-strategy`` ``optim`` the distributed optimizer's states are
+sharded over the data-parallel (x context-parallel) ranks (ZeRO-1), ``optim_grads`` the
+gradients too (ZeRO-2), ``optim_grads_params`` the parameters too (ZeRO-3: each transformer
+layer's weights all-gathered before its forward and backward, released after). The model chunk
+is wrapped in megatron-core's FullyShardedDataParallel instead of its DistributedDataParallel;
+the distributed optimizer steps the sharded DTensors; checkpoints are ``--ckpt-format
+fsdp_dtensor`` (megatron.training.fsdp_checkpointing). On CPU it runs through gloo with
+megatron.training.compat.megatron_fsdp's shims (docs/training.md, "On CPU").
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+import torch
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def add_megatron_fsdp_args(group) -> None:
+    group.add_argument(
+        "--use-megatron-fsdp", action="store_true",
+        help="Wrap the model in megatron-core's Megatron-FSDP instead of its DDP (needs "
+        "--use-distributed-optimizer, --ckpt-format fsdp_dtensor and a sharding strategy).",
+    )
+    group.add_argument(
+        "--data-parallel-sharding-strategy", default="no_shard", choices=STRATEGIES,
+        help="With --use-megatron-fsdp: what is sharded over the data-parallel ranks: optim "
+        "(optimizer states), optim_grads (and gradients), optim_grads_params (and parameters). "
+        "no_shard (Megatron-LM's default) is refused: megatron-core 0.16.1 cannot step it.",
+    )
+    group.add_argument(
+        "--fsdp-double-buffer", action="store_true",
+        help="With --use-megatron-fsdp: allocate the all-gather and reduce-scatter buckets "
+        "once, as two persistent buffers, instead of per communication.",
+    )
+
+
+def _require(condition: bool, message: str) -> None:
+    from megatron.training.arguments import ArgumentValidationError
+
+    if not condition:
+        raise ArgumentValidationError(message)
+
+
+def validate_megatron_fsdp(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for --use-megatron-fsdp (core_v0.16.1 arguments.py) and what
+    megatron-core 0.16.1 can run, each as one line."""
+    if not args.use_megatron_fsdp:
+        unused = [flag for flag, given in (
+            ("--data-parallel-sharding-strategy", args.data_parallel_sharding_strategy
+             != "no_shard"),
+            ("--fsdp-double-buffer", args.fsdp_double_buffer)) if given]
+        _require(not unused, f"{unused[0] if unused else ''} applies to --use-megatron-fsdp; "
+                 "add it or drop the flag")
+        _require(args.ckpt_format != "fsdp_dtensor",
+                 "--ckpt-format fsdp_dtensor is Megatron-FSDP's format (as in Megatron-LM); add "
+                 "--use-megatron-fsdp or use --ckpt-format torch_dist")
+        return
+    _require(args.data_parallel_sharding_strategy != "no_shard",
+             "--data-parallel-sharding-strategy no_shard (the default) cannot train with "
+             "megatron-core 0.16.1's Megatron-FSDP: it builds no parameter buffer for it "
+             "(megatron_fsdp/param_and_grad_buffer.py:1970) but the distributed optimizer's "
+             "step all-gathers one (megatron_fsdp.py:1126); pass optim, optim_grads or "
+             "optim_grads_params")
+    _require(importlib.util.find_spec("einops") is not None,
+             "--use-megatron-fsdp needs the einops package (megatron-core 0.16.1's "
+             "mcore_fsdp_adapter builds its device mesh with it); pip install 'einops~=0.8'")
+    _require(args.use_distributed_optimizer,
+             "--use-megatron-fsdp needs --use-distributed-optimizer (megatron-core's "
+             "Megatron-FSDP is stepped by its DistributedOptimizer; with the plain optimizer "
+             "it trains wrongly); add it")
+    _require(args.pipeline_model_parallel_size == 1,
+             "--use-megatron-fsdp does not run with --pipeline-model-parallel-size > 1 in "
+             "megatron-core 0.16.1: its device mesh lays all ranks out as data-parallel x "
+             "expert x tensor-parallel, without pipeline stages (mcore_fsdp_adapter.py:365-372: "
+             "EinopsError); use PP=1")
+    _require(args.ckpt_format == "fsdp_dtensor",
+             "--use-megatron-fsdp saves only --ckpt-format fsdp_dtensor (as in Megatron-LM; "
+             "megatron-core 0.16.1 has no torch_dist layout for its DTensors); add it")
+
+
+def ddp_config_fields(args: argparse.Namespace) -> dict:
+    """The DistributedDataParallelConfig fields --use-megatron-fsdp sets.
+
+    ``gradient_reduce_div_fusion`` (megatron-core's default True) reduces gradients with
+    NCCL's PREMUL_SUM, which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo"); off,
+    each rank multiplies its gradients by the same factor and then sums
+    (megatron_fsdp/param_and_grad_buffer.py gradient_reduce_preprocessing): the products and
+    the sum NCCL's premultiplied sum computes, and megatron-core's DDP's own order."""
+    return {
+        "use_megatron_fsdp": args.use_megatron_fsdp,
+        "data_parallel_sharding_strategy": args.data_parallel_sharding_strategy,
+        "fsdp_double_buffer": args.fsdp_double_buffer,
+        "gradient_reduce_div_fusion": torch.cuda.is_available(),
+    }
+
+
+class NoTransformerEngineLinear:
+    """What ``TELinear`` is without Transformer Engine: a type no module is an instance of."""
+
+
+def _without_transformer_engine_no_module_is_te_linear() -> None:
+    """At TP > 1, FullyShardedDataParallel._fix_tensor_parallel_attributes asks
+    ``isinstance(module, (TELinear,))`` of every parameter's module (mcore_fsdp_adapter.py:184)
+    to find Transformer Engine linears that duplicate their weight across TP ranks. Without
+    Transformer Engine, megatron-core's ``TELinear`` subclasses a MagicMock stand-in for ``te``
+    (extensions/transformer_engine.py:62-77, 470) and is not a type, so the question raises
+    TypeError; the answer it asks for is False for every module, which a type with no
+    instances gives. On CPU and on a GPU without Transformer Engine alike."""
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if not HAVE_TE:
+        mcore_fsdp_adapter.TELinear = NoTransformerEngineLinear
+
+
+def wrap(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` in megatron-core's FullyShardedDataParallel, on the current CUDA device (its
+    default) or, without CUDA, on the CPU."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    _without_transformer_engine_no_module_is_te_linear()
+    device = None if torch.cuda.is_available() else torch.device("cpu")
+    return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                    device=device)
