@@ -862,6 +862,12 @@ def _validate_optimization(args: argparse.Namespace) -> None:
         args.end_weight_decay = args.weight_decay
 
 
+def transformer_engine_installed() -> bool:
+    """Whether Transformer Engine is importable here. The tracer (megatron.training.tracing)
+    answers for the GPU machine it models instead, where the trainer needs it installed."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def _validate_optimizer_cpu_offload(args: argparse.Namespace, cuda_available: bool) -> None:
     """Megatron-LM's rules for --optimizer-cpu-offload (megatron/training/arguments.py),
     megatron-core 0.16.1's OptimizerConfig asserts, and what its offload path needs, each as
@@ -888,7 +894,7 @@ def _validate_optimizer_cpu_offload(args: argparse.Namespace, cuda_available: bo
              "--use-precision-aware-optimizer needs --use-distributed-optimizer; add it")
     _require(args.optimizer == "adam",
              f"--use-precision-aware-optimizer takes --optimizer adam only, got {args.optimizer}")
-    have_te = importlib.util.find_spec("transformer_engine") is not None
+    have_te = transformer_engine_installed()
     _require(offload or have_te,
              "--use-precision-aware-optimizer without --optimizer-cpu-offload needs Transformer "
              "Engine's FusedAdam (not installed); add --optimizer-cpu-offload or drop the flag")
