@@ -1,8 +1,9 @@
 """This machine as a second oracle for the estimator's time model: the predicted iteration time
 of the real CPU trainer beside the measured one, configuration by configuration.
 
-    python bench/cpu_oracle.py                   # 8 configurations, ~25 min on 2 cores
-    python bench/cpu_oracle.py --only tp2,cp2    # some of them (--list names them)
+    python bench/cpu_oracle.py                   # 9 configurations, ~28 min on 2 cores
+    python bench/cpu_oracle.py --only tp2,cp2    # some of them (--list names them; the
+                                                 # others' rows are kept from the last run)
 
 For each configuration, one after another:
 
@@ -102,6 +103,8 @@ CONFIGS = [
     Config("tp2sp", Layout(2, 1, 1, 1, "megatron-none"), "TP=2 + sequence parallel"),
     Config("cp2", Layout(1, 2, 1, 1, "megatron-none"), "CP=2"),
     Config("pp2", Layout(1, 1, 2, 1, "megatron-none"), "PP=2 (1F1B, 2 micro-batches)"),
+    Config("opt1", Layout(1, 1, 1, 1, "megatron-none", optimizer_offload=1.0),
+           "no recompute, --optimizer-cpu-offload --optimizer-offload-fraction 1"),
 ]
 
 
@@ -253,7 +256,8 @@ def profile_line(row: Row) -> str:
             f"{collectives} |")
 
 
-def write_report(rows: list[Row], command: str, wall_s: float, load: tuple) -> Path:
+def write_report(rows: list[Row], command: str, wall_s: float, load: tuple,
+                 carried: tuple = ()) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -279,7 +283,9 @@ def write_report(rows: list[Row], command: str, wall_s: float, load: tuple) -> P
         f"iterations {WARMUP_ITERATIONS + 1}-{ITERATIONS} measured. Measured: the trainer's "
         "`iteration_time_s` on this machine. Predicted: the estimator (tools/estimate.py's "
         "path) with the `cpu` profile micro-benchmarked just before the row's run; nothing is "
-        "fitted to the trainer.",
+        "fitted to the trainer."
+        + (f" Rows {', '.join(carried)}: carried over from the previous cpu_oracle.json (not "
+           "re-run; their profiles, commands and loads are that run's)." if carried else ""),
         "",
         f"Largest error: {worst.config} {worst.error:+.1%}; "
         f"{sum(abs(r.error) <= 0.2 for r in rows)} of {len(rows)} rows within 20%.",
@@ -359,8 +365,15 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             wait_for_quiet(opts.max_load, opts.wait_minutes, print)
             rows.append(run_config(config, cache, opts.run_dir, print))
+    # With --only, the other rows are the previous report's (named in it).
+    previous = RESULTS / "cpu_oracle.json"
+    done = {row.config for row in rows}
+    kept = [Row(**record) for record in (json.loads(previous.read_text())
+                                         if opts.only and previous.exists() else [])
+            if record["config"] not in done and record["config"] in names]
+    rows = sorted(rows + kept, key=lambda row: names.index(row.config))
     path = write_report(rows, command, time.perf_counter() - started,
-                        (load_before, os.getloadavg()[0]))
+                        (load_before, os.getloadavg()[0]), tuple(row.config for row in kept))
     print(f"wrote {path}")
     return 0
 
