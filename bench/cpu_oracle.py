@@ -91,6 +91,7 @@ class Config:
     layout: Layout
     description: str
     request_fields: dict = field(default_factory=dict)
+    seq: int = SEQ  # tokens per sequence (the trainer's --seq-length)
 
 
 CONFIGS = [
@@ -103,8 +104,11 @@ CONFIGS = [
     Config("tp2sp", Layout(2, 1, 1, 1, "megatron-none"), "TP=2 + sequence parallel"),
     Config("cp2", Layout(1, 2, 1, 1, "megatron-none"), "CP=2"),
     Config("pp2", Layout(1, 1, 2, 1, "megatron-none"), "PP=2 (1F1B, 2 micro-batches)"),
+    # 512 tokens: the optimizer step, which does not grow with the length, is a tenth of the
+    # iteration (at 4096 tokens it would be under 1%, and the row would test nothing of it)
     Config("opt1", Layout(1, 1, 1, 1, "megatron-none", optimizer_offload=1.0),
-           "no recompute, --optimizer-cpu-offload --optimizer-offload-fraction 1"),
+           "no recompute, --optimizer-cpu-offload --optimizer-offload-fraction 1, 512 tokens",
+           seq=512),
 ]
 
 
@@ -214,18 +218,18 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> Row:
     ranks = layout.gpus
     threads = threads_per_rank(ranks)
     load_before = os.getloadavg()[0]
-    hardware = measure_cpu_profile(MODEL, profile_layout(config),
+    hardware = measure_cpu_profile({**MODEL, "seq_length": config.seq}, profile_layout(config),
                                    ranks=ranks, threads=threads, repeats=PROFILE_REPEATS,
                                    log=lambda line: say(f"  {line}"))
     model = layout_model(config, hardware, cache)
-    prediction = model.predict(SEQ)
+    prediction = model.predict(config.seq)
     step = prediction.step
     breakdown = step.breakdown()
     if len(prediction.stages) > 1:  # what 1F1B's fill and drain run on (docs/cpu_oracle.md)
         breakdown += "; micro-batch per stage " + ", ".join(
             f"{microbatch_s(p.step):.3f}" for p in prediction.stages)
     say(f"  predicted: {breakdown}")
-    header = model.stages[0].at(SEQ).header
+    header = model.stages[0].at(config.seq).header
     efficiency = at_model_shapes(model.efficiency, hardware, header["model"], header["layout"])
     command = trainer_command(header["trainer_argv"], ranks,
                               run_root / config.name / "metrics.jsonl")
@@ -278,7 +282,7 @@ def write_report(rows: list[Row], command: str, wall_s: float, load: tuple,
         f"{__import__('torch').__version__}, in {wall_s / 60:.1f} min; load average (1 min) "
         f"{load[0]:.2f} before, {load[1]:.2f} after.",
         "",
-        f"Model: {shape}, {SEQ} tokens, global batch {GLOBAL_BATCH}, micro-batch "
+        f"Model: {shape}, {SEQ} tokens (unless the row says otherwise), global batch {GLOBAL_BATCH}, micro-batch "
         f"1, fp32 (the CPU trainer's dtype), {ITERATIONS} iterations, the median of "
         f"iterations {WARMUP_ITERATIONS + 1}-{ITERATIONS} measured. Measured: the trainer's "
         "`iteration_time_s` on this machine. Predicted: the estimator (tools/estimate.py's "

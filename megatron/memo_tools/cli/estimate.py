@@ -268,12 +268,12 @@ def describe(prediction, device_bytes: int) -> list[str]:
                 "FITS" if stage.memory.fits else "OOM")
     step = prediction.step
     host = prediction.host_memory
-    if host.arena_bytes:
+    optimizer = host.terms.get("optimizer_offload", 0)
+    if host.arena_bytes:  # per rank: the node's host bytes but the offloaded optimizer's
         lines.append(f"  host memory for offloaded activations: "
-                     f"{prediction.host_bytes_per_node / prediction.ranks_per_node / GiB:.2f} "
+                     f"{(host.total_bytes - optimizer) / prediction.ranks_per_node / GiB:.2f} "
                      f"GiB per rank, {prediction.host_bytes_per_node / 1e9:.0f} of "
                      f"{prediction.host_capacity_bytes / 1e9:.0f} GB per node")
-    optimizer = host.terms.get("optimizer_offload", 0)
     if optimizer:
         lines.append(f"  host memory for the offloaded optimizer: {optimizer / 1e9:.1f} GB per "
                      f"node; the node in all: {host.describe()}")
