@@ -2,7 +2,7 @@
 megatron-core 0.16.1's HybridDeviceOptimizer), predicted: its host Adam and its PCIe traffic,
 overlapped as that optimizer's ``step`` orders them (docs/estimate.md "The time side").
 
-What ``step`` does (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py), per offloaded
+What ``step`` does (megatron.core.optimizer.cpu_offloading.hybrid_optimizer), per offloaded
 shard of n elements:
 
 * D2H: the fp32 gradient shard into its host copy, 4n bytes over PCIe (``_set_sub_optimizer

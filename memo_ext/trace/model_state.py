@@ -109,8 +109,8 @@ def allocate_offloaded_optimizer_states(
         host_scope: Callable[[], contextlib.AbstractContextManager]
 ) -> list[tuple[str, torch.Tensor]]:
     """Allocate what megatron-core 0.16.1's HybridDeviceOptimizer (param_update_in_fp32, Adam)
-    holds for ``offload``'s shards, device and host, in its order (megatron/core/optimizer/
-    cpu_offloading/hybrid_optimizer.py):
+    holds for ``offload``'s shards, device and host, in its order
+    (megatron.core.optimizer.cpu_offloading.hybrid_optimizer):
 
     - at construction (``_get_sub_optimizer_param_groups``): a device shard of a 16-bit
       parameter gets an fp32 copy on the device (``.float()``); a host shard gets a host copy,
