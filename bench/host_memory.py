@@ -323,7 +323,8 @@ def write(rows: list[dict], paper: list[dict], path: Path, offload_rows: list[di
     lines = [
         "# Host memory: the estimator's prediction against the CPU trainer",
         "",
-        f"`python bench/host_memory.py` at commit {commit}{' (working tree modified)' if dirty else ''}"
+        f"`{shlex.join(['python', 'bench/host_memory.py', *sys.argv[1:]])}` at commit {commit}"
+        f"{' (working tree modified)' if dirty else ''}"
         f", on {os.cpu_count()} cores ({cpu}), {memory / 2**30:.1f} GiB, Python "
         f"{platform.python_version()}. Model: GPT, hidden {MODEL['hidden_size']}, "
         f"{MODEL['num_attention_heads']} heads, MLP {MODEL['ffn_hidden_size']}, vocabulary "
