@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -37,6 +38,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -77,6 +79,9 @@ PROFILE_REPEATS = 5
 #: Flags of the tracer that the trainer must not get: MEMO's host capacity and bandwidth
 #: stand-ins (the trainer measures both), each with its value.
 TRACE_ONLY_FLAGS = ("--memo-host-memory-gb", "--memo-pcie-gbps")
+#: megatron-core's timer printout, the training loop's 'optimizer' timer (min, max over ranks,
+#: ms per iteration): megatron.training.timing
+OPTIMIZER_TIMER = re.compile(r"^\s+optimizer \.+: \(([\d.]+), [\d.]+\)", re.M)
 RUN_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "PYTHONWARNINGS": "ignore::FutureWarning:torch.distributed.c10d_logger"}
 
@@ -92,6 +97,9 @@ class Config:
     description: str
     request_fields: dict = field(default_factory=dict)
     seq: int = SEQ  # tokens per sequence (the trainer's --seq-length)
+    #: The trainer's timers (--timing-log-level 1): its 'optimizer' timer, measured beside the
+    #: predicted optimizer term (the part of the step a row is about)
+    time_optimizer: bool = False
 
 
 CONFIGS = [
@@ -108,7 +116,7 @@ CONFIGS = [
     # iteration (at 4096 tokens it would be under 1%, and the row would test nothing of it)
     Config("opt1", Layout(1, 1, 1, 1, "megatron-none", optimizer_offload=1.0),
            "no recompute, --optimizer-cpu-offload --optimizer-offload-fraction 1, 512 tokens",
-           seq=512),
+           seq=512, time_optimizer=True),
 ]
 
 
@@ -130,6 +138,8 @@ class Row:
     load_after: float
     wall_s: float
     log: str = field(default="", repr=False)
+    #: the trainer's 'optimizer' timer, median over the timed iterations (time_optimizer rows)
+    measured_optimizer_s: Optional[float] = None
 
     @property
     def error(self) -> float:
@@ -233,8 +243,16 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> Row:
     efficiency = at_model_shapes(model.efficiency, hardware, header["model"], header["layout"])
     command = trainer_command(header["trainer_argv"], ranks,
                               run_root / config.name / "metrics.jsonl")
+    if config.time_optimizer:
+        command += ["--timing-log-level", "1"]
     times, log = train(command, threads, run_root / config.name)
     timed = times[WARMUP_ITERATIONS:]
+    optimizer_s = None
+    if config.time_optimizer:
+        optimizer_ms = [float(value) for value in OPTIMIZER_TIMER.findall(Path(log).read_text())]
+        optimizer_s = statistics.median(optimizer_ms[WARMUP_ITERATIONS:]) / 1e3
+        say(f"  optimizer step: measured {optimizer_s:.3f} s (trainer's timer), predicted "
+            f"{step.optimizer_s:.3f} s ({step.optimizer_s / optimizer_s - 1:+.1%})")
     if not timed:
         raise SystemExit(f"cpu_oracle.py: {config.name}: the trainer logged {len(times)} "
                          f"iterations, none after the {WARMUP_ITERATIONS} of warm-up; see {log}")
@@ -243,7 +261,7 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> Row:
         f"predicted {step.step_s:.2f} s ({step.step_s / measured - 1:+.1%})")
     return Row(config.name, config.description, ranks, threads, measured, times, step.step_s,
                breakdown, asdict(step), asdict(efficiency), hardware, command, load_before,
-               os.getloadavg()[0], time.perf_counter() - started, log)
+               os.getloadavg()[0], time.perf_counter() - started, log, optimizer_s)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -282,8 +300,8 @@ def write_report(rows: list[Row], command: str, wall_s: float, load: tuple,
         f"{__import__('torch').__version__}, in {wall_s / 60:.1f} min; load average (1 min) "
         f"{load[0]:.2f} before, {load[1]:.2f} after.",
         "",
-        f"Model: {shape}, {SEQ} tokens (unless the row says otherwise), global batch {GLOBAL_BATCH}, micro-batch "
-        f"1, fp32 (the CPU trainer's dtype), {ITERATIONS} iterations, the median of "
+        f"Model: {shape}, {SEQ} tokens (unless the row says otherwise), global batch "
+        f"{GLOBAL_BATCH}, micro-batch 1, fp32 (the CPU trainer's dtype), {ITERATIONS} iterations, the median of "
         f"iterations {WARMUP_ITERATIONS + 1}-{ITERATIONS} measured. Measured: the trainer's "
         "`iteration_time_s` on this machine. Predicted: the estimator (tools/estimate.py's "
         "path) with the `cpu` profile micro-benchmarked just before the row's run; nothing is "
@@ -302,6 +320,16 @@ def write_report(rows: list[Row], command: str, wall_s: float, load: tuple,
         lines.append(f"| {row.config}: {row.description} | {row.ranks} x {row.threads} | "
                      f"{row.measured_s:.2f} | {row.predicted_s:.2f} | {row.error:+.1%} | "
                      f"{row.breakdown} | {row.load_before:.2f} / {row.load_after:.2f} |")
+    timed = [row for row in rows if row.measured_optimizer_s]
+    if timed:
+        lines += ["", "The optimizer step alone (the trainer's `--timing-log-level 1` "
+                  "'optimizer' timer, median of the timed iterations; predicted: the breakdown's "
+                  "optimizer term):", "", "| config | measured s | predicted s | error |",
+                  "|---|---|---|---|"]
+        lines += [f"| {row.config} | {row.measured_optimizer_s:.3f} | "
+                  f"{row.step['optimizer_s']:.3f} | "
+                  f"{row.step['optimizer_s'] / row.measured_optimizer_s - 1:+.1%} |"
+                  for row in timed]
     lines += ["", "Profiles (per rank; peak: a 2048^3 fp32 GEMM, GFLOP/s; efficiencies: "
               "fractions of it at the layout's shapes, attention forward / backward; "
               "bandwidths GB/s):", "",
