@@ -1,5 +1,7 @@
-"""Which optimizer shards --optimizer-cpu-offload keeps on the host, learnt from megatron-core
-itself, for the tracer (megatron.training.tracing).
+"""Megatron-LM's optimizer CPU offload as the tracer and the log see it: which optimizer shards
+--optimizer-cpu-offload keeps on the host, learnt from megatron-core itself, for the tracer
+(megatron.training.tracing), and the host tensors a built HybridDeviceOptimizer holds, for the
+trainer's log line after its first iteration (bench/host_memory.py compares the two).
 
 The split is not re-derived: the trainer's own optimizer is built -- megatron-core 0.16.1's
 parameter groups, DistributedOptimizer and, inside it, HybridDeviceOptimizer, from the

@@ -125,7 +125,13 @@ def allocate_offloaded_optimizer_states(
 
     Host allocations are made inside ``host_scope()`` (the recorder's pool "host"), named
     with :data:`PINNED_MARK` where page-locked. Returns (name, tensor) pairs the caller keeps
-    alive."""
+    alive.
+
+    Written out rather than run: the split is the real optimizer's (``offload``), but its
+    gradient copies and Adam states appear only in its first ``step``, which would need
+    gradients and a fused AdamW on fake tensors, with each state told apart as host or device
+    for the recorder. tests/unit/megatron/training/test_optimizer_offload_trace.py compares
+    these bytes with the real optimizer's, built and stepped by the trainer on CPU."""
     states: list[tuple[str, torch.Tensor]] = []
     host_shards = [shard for shard in offload.shards if shard.host]
     device_shards = [shard for shard in offload.shards if not shard.host]

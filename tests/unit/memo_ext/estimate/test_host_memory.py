@@ -177,6 +177,30 @@ def test_estimator_matches_the_cpu_trainers_host_slots(tmp_path):
     assert row and abs(float(row.group(3))) <= 2.0
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_estimator_matches_the_cpu_trainers_offloaded_optimizer(tmp_path):
+    """bench/host_memory.py's cp2-opt05 row (CP=2, --optimizer-offload-fraction 0.5, the two
+    ranks' host tensors differing): the estimator's optimizer_offload term equals, byte for
+    byte, the host tensors the two ranks' HybridDeviceOptimizers hold (~3 min on 2 cores; the
+    default suite keeps the tracer's test against the real optimizer in process)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, subprocess_env
+
+    output = tmp_path / "host_memory.md"
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "host_memory.py"),
+                           "--only", "cp2-opt05", "--output", str(output),
+                           "--run-dir", str(tmp_path / "runs")],
+                          cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    row = re.search(r"^\| cp2-opt05 \|.*?\| ([\d,]+) \| ([\d,]+) \| ([+-][\d.]+)% \|",
+                    output.read_text(), re.M)
+    assert row and row.group(1) == row.group(2)
+
+
 # --- --optimizer-cpu-offload's host tensors ----------------------------------------------------
 
 def _alloc(event_id: int, nbytes: int, pool: str, category: str, module: str) -> dict:
