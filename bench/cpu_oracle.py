@@ -1,8 +1,9 @@
 """This machine as a second oracle for the estimator's time model: the predicted iteration time
 of the real CPU trainer beside the measured one, configuration by configuration.
 
-    python bench/cpu_oracle.py                   # 8 configurations, ~25 min on 2 cores
-    python bench/cpu_oracle.py --only tp2,cp2    # some of them (--list names them)
+    python bench/cpu_oracle.py                   # 9 configurations, ~28 min on 2 cores
+    python bench/cpu_oracle.py --only tp2,cp2    # some of them (--list names them; the
+                                                 # others' rows are kept from the last run)
 
 For each configuration, one after another:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -36,6 +38,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -76,6 +79,9 @@ PROFILE_REPEATS = 5
 #: Flags of the tracer that the trainer must not get: MEMO's host capacity and bandwidth
 #: stand-ins (the trainer measures both), each with its value.
 TRACE_ONLY_FLAGS = ("--memo-host-memory-gb", "--memo-pcie-gbps")
+#: megatron-core's timer printout, the training loop's 'optimizer' timer (min, max over ranks,
+#: ms per iteration): megatron.training.timing
+OPTIMIZER_TIMER = re.compile(r"^\s+optimizer \.+: \(([\d.]+), [\d.]+\)", re.M)
 RUN_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "PYTHONWARNINGS": "ignore::FutureWarning:torch.distributed.c10d_logger"}
 
@@ -90,6 +96,10 @@ class Config:
     layout: Layout
     description: str
     request_fields: dict = field(default_factory=dict)
+    seq: int = SEQ  # tokens per sequence (the trainer's --seq-length)
+    #: The trainer's timers (--timing-log-level 1): its 'optimizer' timer, measured beside the
+    #: predicted optimizer term (the part of the step a row is about)
+    time_optimizer: bool = False
 
 
 CONFIGS = [
@@ -102,6 +112,11 @@ CONFIGS = [
     Config("tp2sp", Layout(2, 1, 1, 1, "megatron-none"), "TP=2 + sequence parallel"),
     Config("cp2", Layout(1, 2, 1, 1, "megatron-none"), "CP=2"),
     Config("pp2", Layout(1, 1, 2, 1, "megatron-none"), "PP=2 (1F1B, 2 micro-batches)"),
+    # 512 tokens: the optimizer step, which does not grow with the length, is a tenth of the
+    # iteration (at 4096 tokens it would be under 1%, and the row would test nothing of it)
+    Config("opt1", Layout(1, 1, 1, 1, "megatron-none", optimizer_offload=1.0),
+           "no recompute, --optimizer-cpu-offload --optimizer-offload-fraction 1, 512 tokens",
+           seq=512, time_optimizer=True),
 ]
 
 
@@ -123,6 +138,8 @@ class Row:
     load_after: float
     wall_s: float
     log: str = field(default="", repr=False)
+    #: the trainer's 'optimizer' timer, median over the timed iterations (time_optimizer rows)
+    measured_optimizer_s: Optional[float] = None
 
     @property
     def error(self) -> float:
@@ -211,23 +228,31 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> Row:
     ranks = layout.gpus
     threads = threads_per_rank(ranks)
     load_before = os.getloadavg()[0]
-    hardware = measure_cpu_profile(MODEL, profile_layout(config),
+    hardware = measure_cpu_profile({**MODEL, "seq_length": config.seq}, profile_layout(config),
                                    ranks=ranks, threads=threads, repeats=PROFILE_REPEATS,
                                    log=lambda line: say(f"  {line}"))
     model = layout_model(config, hardware, cache)
-    prediction = model.predict(SEQ)
+    prediction = model.predict(config.seq)
     step = prediction.step
     breakdown = step.breakdown()
     if len(prediction.stages) > 1:  # what 1F1B's fill and drain run on (docs/cpu_oracle.md)
         breakdown += "; micro-batch per stage " + ", ".join(
             f"{microbatch_s(p.step):.3f}" for p in prediction.stages)
     say(f"  predicted: {breakdown}")
-    header = model.stages[0].at(SEQ).header
+    header = model.stages[0].at(config.seq).header
     efficiency = at_model_shapes(model.efficiency, hardware, header["model"], header["layout"])
     command = trainer_command(header["trainer_argv"], ranks,
                               run_root / config.name / "metrics.jsonl")
+    if config.time_optimizer:
+        command += ["--timing-log-level", "1"]
     times, log = train(command, threads, run_root / config.name)
     timed = times[WARMUP_ITERATIONS:]
+    optimizer_s = None
+    if config.time_optimizer:
+        optimizer_ms = [float(value) for value in OPTIMIZER_TIMER.findall(Path(log).read_text())]
+        optimizer_s = statistics.median(optimizer_ms[WARMUP_ITERATIONS:]) / 1e3
+        say(f"  optimizer step: measured {optimizer_s:.3f} s (trainer's timer), predicted "
+            f"{step.optimizer_s:.3f} s ({step.optimizer_s / optimizer_s - 1:+.1%})")
     if not timed:
         raise SystemExit(f"cpu_oracle.py: {config.name}: the trainer logged {len(times)} "
                          f"iterations, none after the {WARMUP_ITERATIONS} of warm-up; see {log}")
@@ -236,7 +261,7 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> Row:
         f"predicted {step.step_s:.2f} s ({step.step_s / measured - 1:+.1%})")
     return Row(config.name, config.description, ranks, threads, measured, times, step.step_s,
                breakdown, asdict(step), asdict(efficiency), hardware, command, load_before,
-               os.getloadavg()[0], time.perf_counter() - started, log)
+               os.getloadavg()[0], time.perf_counter() - started, log, optimizer_s)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -253,7 +278,8 @@ def profile_line(row: Row) -> str:
             f"{collectives} |")
 
 
-def write_report(rows: list[Row], command: str, wall_s: float, load: tuple) -> Path:
+def write_report(rows: list[Row], command: str, wall_s: float, load: tuple,
+                 carried: tuple = ()) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,12 +300,14 @@ def write_report(rows: list[Row], command: str, wall_s: float, load: tuple) -> P
         f"{__import__('torch').__version__}, in {wall_s / 60:.1f} min; load average (1 min) "
         f"{load[0]:.2f} before, {load[1]:.2f} after.",
         "",
-        f"Model: {shape}, {SEQ} tokens, global batch {GLOBAL_BATCH}, micro-batch "
-        f"1, fp32 (the CPU trainer's dtype), {ITERATIONS} iterations, the median of "
+        f"Model: {shape}, {SEQ} tokens (unless the row says otherwise), global batch "
+        f"{GLOBAL_BATCH}, micro-batch 1, fp32 (the CPU trainer's dtype), {ITERATIONS} iterations, the median of "
         f"iterations {WARMUP_ITERATIONS + 1}-{ITERATIONS} measured. Measured: the trainer's "
         "`iteration_time_s` on this machine. Predicted: the estimator (tools/estimate.py's "
         "path) with the `cpu` profile micro-benchmarked just before the row's run; nothing is "
-        "fitted to the trainer.",
+        "fitted to the trainer."
+        + (f" Rows {', '.join(carried)}: carried over from the previous cpu_oracle.json (not "
+           "re-run; their profiles, commands and loads are that run's)." if carried else ""),
         "",
         f"Largest error: {worst.config} {worst.error:+.1%}; "
         f"{sum(abs(r.error) <= 0.2 for r in rows)} of {len(rows)} rows within 20%.",
@@ -292,6 +320,16 @@ def write_report(rows: list[Row], command: str, wall_s: float, load: tuple) -> P
         lines.append(f"| {row.config}: {row.description} | {row.ranks} x {row.threads} | "
                      f"{row.measured_s:.2f} | {row.predicted_s:.2f} | {row.error:+.1%} | "
                      f"{row.breakdown} | {row.load_before:.2f} / {row.load_after:.2f} |")
+    timed = [row for row in rows if row.measured_optimizer_s]
+    if timed:
+        lines += ["", "The optimizer step alone (the trainer's `--timing-log-level 1` "
+                  "'optimizer' timer, median of the timed iterations; predicted: the breakdown's "
+                  "optimizer term):", "", "| config | measured s | predicted s | error |",
+                  "|---|---|---|---|"]
+        lines += [f"| {row.config} | {row.measured_optimizer_s:.3f} | "
+                  f"{row.step['optimizer_s']:.3f} | "
+                  f"{row.step['optimizer_s'] / row.measured_optimizer_s - 1:+.1%} |"
+                  for row in timed]
     lines += ["", "Profiles (per rank; peak: a 2048^3 fp32 GEMM, GFLOP/s; efficiencies: "
               "fractions of it at the layout's shapes, attention forward / backward; "
               "bandwidths GB/s):", "",
@@ -359,8 +397,15 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             wait_for_quiet(opts.max_load, opts.wait_minutes, print)
             rows.append(run_config(config, cache, opts.run_dir, print))
+    # With --only, the other rows are the previous report's (named in it).
+    previous = RESULTS / "cpu_oracle.json"
+    done = {row.config for row in rows}
+    kept = [Row(**record) for record in (json.loads(previous.read_text())
+                                         if opts.only and previous.exists() else [])
+            if record["config"] not in done and record["config"] in names]
+    rows = sorted(rows + kept, key=lambda row: names.index(row.config))
     path = write_report(rows, command, time.perf_counter() - started,
-                        (load_before, os.getloadavg()[0]))
+                        (load_before, os.getloadavg()[0]), tuple(row.config for row in kept))
     print(f"wrote {path}")
     return 0
 

@@ -1,8 +1,9 @@
 """The estimator's host-memory prediction beside the host bytes MEMO's offload allocates in the
 real CPU trainer, per node, in four layouts; and the MEMO paper's out-of-host-memory case.
 
-    python bench/host_memory.py                    # 4 configurations, ~6 min on 2 cores
-    python bench/host_memory.py --only pp2,dp2     # some of them (--list names them)
+    python bench/host_memory.py                    # 7 configurations, ~10 min on 2 cores
+    python bench/host_memory.py --only pp2,dp2     # some of them (--list names them; the
+                                                   # others' rows are kept from the last run)
 
 For each configuration (two ranks, this machine is the node):
 
@@ -53,6 +54,7 @@ from memo_ext.estimate.host_memory import (  # noqa: E402
     longest_fitting_seq,
     memo_paper_host_limit,
     node_host_memory,
+    optimizer_host_bytes,
 )
 from memo_ext.estimate.layout import Layout, TraceCache, build_layout_model  # noqa: E402
 from memo_ext.estimate.models import traced_model  # noqa: E402
@@ -89,6 +91,20 @@ CONFIGS = [
     Config("dp2", Layout(1, 1, 1, 2, "memo", 0.25, offload_fp8=True), 2,
            "DP=2 (two replicas), alpha 0.25, --memo-offload-fp8"),
 ]
+
+
+#: Megatron-LM's optimizer CPU offload (issue 44): the host tensors HybridDeviceOptimizer
+#: holds per rank, against the estimator's ``optimizer_offload`` term.
+OFFLOAD_CONFIGS = [
+    Config("dp2-opt1", Layout(1, 1, 1, 2, "megatron-none", optimizer_offload=1.0), 2,
+           "DP=2, no recompute, --optimizer-offload-fraction 1.0"),
+    Config("tp2sp-opt05", Layout(2, 1, 1, 1, "memo", 0.25, optimizer_offload=0.5), 2,
+           "TP=2 + SP, MEMO alpha 0.25, --optimizer-offload-fraction 0.5"),
+    Config("cp2-opt05", Layout(1, 2, 1, 1, "megatron-none", optimizer_offload=0.5), 2,
+           "CP=2, no recompute, --optimizer-offload-fraction 0.5"),
+]
+OFFLOAD_LINE = re.compile(r"> optimizer CPU offload host tensors \[rank (\d+), after iteration "
+                          r"1\]: (\d+) storages, (\d+) B")
 
 
 def trainer_command(trace_argv: list[str], config: Config) -> list[str]:
@@ -129,6 +145,9 @@ def measure(command: list[str], run_dir: Path) -> tuple[list[dict], str]:
                                 "alpha": float(match.group(4)), "slots": int(match.group(5)),
                                 "allocated": int(match.group(6)),
                                 "pages": int(match.group(7)), "rss": int(match.group(8))})
+    for match in OFFLOAD_LINE.finditer(text):
+        rank = ranks.setdefault(int(match.group(1)), {"rank": int(match.group(1))})
+        rank.update(optimizer_storages=int(match.group(2)), optimizer_bytes=int(match.group(3)))
     return [ranks[r] for r in sorted(ranks)], str(log)
 
 
@@ -178,6 +197,54 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> dict:
     }
 
 
+def run_offload_config(config: Config, cache: TraceCache, run_root: Path, say) -> dict:
+    """An OFFLOAD_CONFIGS row: the layout traced whole at the trainer's length (as
+    :func:`run_config`; with --optimizer-cpu-offload the estimator traces each data-parallel
+    rank's persistent state too), the trainer run for two iterations, and each rank's host
+    tensors of HybridDeviceOptimizer after iteration 1 (megatron.training.optimizer_offload,
+    ``host_tensors_line``: its host sub-optimizers' parameters and states and its gradient
+    copies, one per storage, ``untyped_storage().nbytes()``) against the prediction's
+    ``optimizer_offload`` term and each rank's own traced tensors."""
+    started = time.perf_counter()
+    layout = config.layout
+    model_shape = {**MODEL, "num_layers": config.num_layers}
+    hardware = measure_cpu_profile(model_shape, {"tp": layout.tp, "cp": layout.cp,
+                                                 "pp": layout.pp,
+                                                 "micro_batch_size": layout.micro_batch},
+                                   ranks=layout.gpus, repeats=1,
+                                   log=lambda line: say(f"  {line}"))
+    model, _ = build_layout_model(traced_model(None, model_shape), layout, hardware,
+                                  cache=cache, exhaustive=True,
+                                  global_batch=config.global_batch,
+                                  num_layers=config.num_layers)
+    prediction = model.predict(SEQ)
+    host = prediction.host_memory
+    command = trainer_command(model.stages[0].at(SEQ).header["trainer_argv"], config)
+    say(f"  trainer: {shlex.join(command[8:])}")
+    ranks, log = measure(command, run_root / config.name)
+    if sum("optimizer_bytes" in r for r in ranks) != layout.gpus:
+        raise SystemExit(f"host_memory.py: not every rank printed its optimizer host tensors "
+                         f"in {log}")
+    per_rank = [optimizer_host_bytes(model.host_optimizer.tensors(r["rank"]), False)
+                for r in ranks]
+    cuda = node_host_memory(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp,
+                            stages=[StageSlots(0, 1, ())], ranks_per_node=prediction.ranks_per_node,
+                            seq=SEQ, page_locked=True,
+                            optimizer_tensors=model.host_optimizer.tensors)
+    measured = sum(r["optimizer_bytes"] for r in ranks)
+    predicted = host.terms["optimizer_offload"]
+    row = {"config": config.name, "description": config.description,
+           "layout": layout.describe(), "seq": SEQ, "predicted_optimizer": predicted,
+           "measured_optimizer": measured, "error": predicted / measured - 1,
+           "predicted_per_rank": per_rank, "predicted_cuda": cuda.terms["optimizer_offload"],
+           "ranks": ranks, "command": command[8:], "log": log}
+    if layout.policy == "memo":
+        row.update(measured_arena=sum(r["allocated"] for r in ranks),
+                   predicted_arena=host.terms["offload_arena"])
+    row["wall_s"] = time.perf_counter() - started
+    return row
+
+
 # -------------------------------------------------------------------------- the paper's case
 PAPER_CAPACITY = 2048 * 10**9  # hardware.json's a800 node (the paper: "2 TB")
 PAPER_SEQS = (1024 * 1024, 1152 * 1024)
@@ -217,7 +284,36 @@ def paper_rows() -> list[dict]:
     return rows
 
 
-def write(rows: list[dict], paper: list[dict], path: Path) -> None:
+def offload_lines(rows: list[dict]) -> list[str]:
+    """The markdown of the OFFLOAD_CONFIGS rows."""
+    lines = ["", "## Optimizer CPU offload", "",
+             "Megatron-LM's `--optimizer-cpu-offload` (megatron-core's HybridDeviceOptimizer, with "
+             "`--use-distributed-optimizer --use-precision-aware-optimizer`). Measured: the host "
+             "tensors each rank's HybridDeviceOptimizer holds after its first iteration (its host "
+             "sub-optimizers' parameters and states, its gradient copies; one per storage, "
+             "`untyped_storage().nbytes()`: the trainer's `> optimizer CPU offload host tensors` "
+             "line), summed over the node's two ranks. Predicted: the `optimizer_offload` term of "
+             "`Prediction.host_memory`, each rank's own traced host tensors (on CPU nothing is "
+             "page-locked). The CUDA column is the same tensors with the pinned ones (the fp32 "
+             "host copies and gradients) in PyTorch's power-of-two pinned blocks: predicted only.",
+             "", "| config | layout | measured B/node | predicted B/node | error | rank 0 measured "
+             "/ predicted | rank 1 measured / predicted | MEMO slots measured / predicted | "
+             "predicted pinned-rounded (CUDA) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{rank['optimizer_bytes']:,} / {predicted:,}"
+                 for rank, predicted in zip(r["ranks"], r["predicted_per_rank"])]
+        memo = (f"{r['measured_arena']:,} / {r['predicted_arena']:,}"
+                if "measured_arena" in r else "-")
+        lines.append(f"| {r['config']} | {r['description']} | {r['measured_optimizer']:,} | "
+                     f"{r['predicted_optimizer']:,} | {100 * r['error']:+.2f}% | "
+                     f"{' | '.join(cells)} | {memo} | {r['predicted_cuda']:,} |")
+    lines += ["", "Commands (pretrain_gpt.py's flags; torchrun --nproc-per-node 2):", ""]
+    lines += [f"- {r['config']}: `{shlex.join(r['command'])}`" for r in rows]
+    return lines
+
+
+def write(rows: list[dict], paper: list[dict], path: Path, offload_rows: list[dict],
+          carried: list[str]) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                             capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True,
@@ -227,7 +323,8 @@ def write(rows: list[dict], paper: list[dict], path: Path) -> None:
     lines = [
         "# Host memory: the estimator's prediction against the CPU trainer",
         "",
-        f"`python bench/host_memory.py` at commit {commit}{' (working tree modified)' if dirty else ''}"
+        f"`{shlex.join(['python', 'bench/host_memory.py', *sys.argv[1:]])}` at commit {commit}"
+        f"{' (working tree modified)' if dirty else ''}"
         f", on {os.cpu_count()} cores ({cpu}), {memory / 2**30:.1f} GiB, Python "
         f"{platform.python_version()}. Model: GPT, hidden {MODEL['hidden_size']}, "
         f"{MODEL['num_attention_heads']} heads, MLP {MODEL['ffn_hidden_size']}, vocabulary "
@@ -235,7 +332,9 @@ def write(rows: list[dict], paper: list[dict], path: Path) -> None:
         "(one node). Predicted: `Prediction.host_memory` (memo_ext/estimate/host_memory.py) of "
         "the layout traced whole at the trainer's length (the `--gpu cpu` path). Measured: the "
         "host slots each rank's HostSlotPool holds after its first iteration (the trainer's "
-        "`> MEMO host slots` line), summed over the node's two ranks.",
+        "`> MEMO host slots` line), summed over the node's two ranks."
+        + (f" Rows {', '.join(carried)}: carried over from the previous host_memory.json "
+           "(not re-run; their commands and commit are that run's)." if carried else ""),
         "",
         "| config | layout | measured B/node | predicted B/node | error | before (max x ranks) "
         "| its error | measured in whole pages | predicted page-locked (CUDA) | error |",
@@ -258,6 +357,7 @@ def write(rows: list[dict], paper: list[dict], path: Path) -> None:
     lines += ["", "Commands (pretrain_gpt.py's flags; torchrun --nproc-per-node 2):", ""]
     for r in rows:
         lines += [f"- {r['config']}: `{shlex.join(r['command'])}`"]
+    lines += offload_lines(offload_rows)
     lines += ["", "## The MEMO paper's out-of-host-memory case", "",
               "7B (32 layers, hidden 4096, 32 heads), 8 ranks of TP x CP = 8 with sequence "
               f"parallelism on one node of {PAPER_CAPACITY / 1e9:.0f} GB, alpha 0, bf16 "
@@ -271,7 +371,8 @@ def write(rows: list[dict], paper: list[dict], path: Path) -> None:
                      f"{'yes' if a['fits'] else 'no'} | {b['total_bytes'] / 1e9:.0f} | "
                      f"{'yes' if b['fits'] else 'no'} | {row['longest'] // 1024}K |")
     path.write_text("\n".join(lines) + "\n")
-    path.with_suffix(".json").write_text(json.dumps({"rows": rows, "paper": paper}, indent=1))
+    path.with_suffix(".json").write_text(json.dumps(
+        {"rows": rows, "offload_rows": offload_rows, "paper": paper}, indent=1))
 
 
 def main(argv=None) -> int:
@@ -282,11 +383,15 @@ def main(argv=None) -> int:
     parser.add_argument("--run-dir", default="/tmp/host_memory_bench")
     opts = parser.parse_args(argv)
     if opts.list:
-        for config in CONFIGS:
+        for config in CONFIGS + OFFLOAD_CONFIGS:
             print(f"{config.name}: {config.description}")
         return 0
     wanted = None if opts.only is None else set(opts.only.split(","))
     configs = [c for c in CONFIGS if wanted is None or c.name in wanted]
+    offload_configs = [c for c in OFFLOAD_CONFIGS if wanted is None or c.name in wanted]
+    # With --only, the other rows are the previous run's (named in the markdown).
+    previous = Path(opts.output).with_suffix(".json")
+    earlier = json.loads(previous.read_text()) if wanted and previous.exists() else {}
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -299,9 +404,25 @@ def main(argv=None) -> int:
             say(f"  measured {row['measured_arena']:,} B, predicted {row['predicted_arena']:,} B "
                 f"({100 * row['error']:+.2f}%), before {100 * row['error_before']:+.1f}%")
             rows.append(row)
-    write(rows, paper_rows(), Path(opts.output))
+        offload_rows = []
+        for config in offload_configs:
+            say(f"{config.name}: {config.description}")
+            row = run_offload_config(config, cache, Path(opts.run_dir), say)
+            say(f"  optimizer host tensors: measured {row['measured_optimizer']:,} B, predicted "
+                f"{row['predicted_optimizer']:,} B ({100 * row['error']:+.2f}%)")
+            offload_rows.append(row)
+    checked = rows + offload_rows
+    carried = []
+    for key, fresh, names in (("rows", rows, CONFIGS), ("offload_rows", offload_rows,
+                                                       OFFLOAD_CONFIGS)):
+        done = {row["config"] for row in fresh}
+        kept = [row for row in earlier.get(key, []) if row["config"] not in done]
+        carried += [row["config"] for row in kept]
+        order = [config.name for config in names]
+        fresh[:] = sorted(fresh + kept, key=lambda row: order.index(row["config"]))
+    write(rows, paper_rows(), Path(opts.output), offload_rows, carried)
     say(f"wrote {opts.output}")
-    return 0 if all(abs(r["error"]) <= 0.02 for r in rows) else 1
+    return 0 if all(abs(r["error"]) <= 0.02 for r in checked) else 1
 
 
 if __name__ == "__main__":

@@ -77,6 +77,41 @@ MODEL_SHAPE_FLAGS = {
 }
 
 
+#: Megatron-LM's optimizer CPU offload flags (core_v0.16.1 arguments.py), one definition for
+#: the trainer and the tools that model it (tools/trace.py, tools/estimate.py).
+OPTIMIZER_OFFLOAD_FLAGS = {
+    "--optimizer-cpu-offload": dict(
+        action="store_true",
+        help="Keep (a fraction of) the optimizer's states and step on the host: megatron-core's "
+        "HybridDeviceOptimizer. Needs --use-precision-aware-optimizer."),
+    "--optimizer-offload-fraction": dict(
+        type=float, default=1.0,
+        help="With --optimizer-cpu-offload: the fraction of the optimizer's parameters (by "
+        "elements, in parameter order) whose states and update live on the host."),
+    "--use-torch-optimizer-for-cpu-offload": dict(
+        action="store_true",
+        help="With --optimizer-cpu-offload: torch.optim for the device part too (megatron-core "
+        "0.16.1 uses torch's AdamW on both sides with --optimizer adam regardless)."),
+    "--overlap-cpu-optimizer-d2h-h2d": dict(
+        action="store_true",
+        help="With --optimizer-cpu-offload: one host optimizer per parameter, gradients copied "
+        "to the host and parameters back on side streams, overlapping the host step."),
+    "--no-pin-cpu-grads": dict(
+        action="store_false", dest="pin_cpu_grads",
+        help="With --optimizer-cpu-offload: host gradient copies in pageable memory."),
+    "--no-pin-cpu-params": dict(
+        action="store_false", dest="pin_cpu_params",
+        help="With --optimizer-cpu-offload: host parameter copies in pageable memory "
+        "(megatron-core 0.16.1 pins them regardless)."),
+}
+
+
+def add_optimizer_offload_args(group, flags=tuple(OPTIMIZER_OFFLOAD_FLAGS)) -> None:
+    """Add the named :data:`OPTIMIZER_OFFLOAD_FLAGS` to ``group``, in that order."""
+    for flag in flags:
+        group.add_argument(flag, **OPTIMIZER_OFFLOAD_FLAGS[flag])
+
+
 def add_model_shape_args(group, flags=tuple(MODEL_SHAPE_FLAGS)) -> None:
     """Add the named :data:`MODEL_SHAPE_FLAGS` to ``group``, in that order."""
     for flag in flags:
@@ -220,35 +255,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     # Optimizer CPU offload: Megatron-LM's flags (core_v0.16.1 arguments.py), megatron-core's
     # HybridDeviceOptimizer (docs/training.md, "On CPU").
-    group.add_argument(
-        "--optimizer-cpu-offload", action="store_true",
-        help="Keep (a fraction of) the optimizer's states and step on the host: megatron-core's "
-        "HybridDeviceOptimizer. Needs --use-precision-aware-optimizer.",
-    )
-    group.add_argument(
-        "--optimizer-offload-fraction", type=float, default=1.0,
-        help="With --optimizer-cpu-offload: the fraction of the optimizer's parameters (by "
-        "elements, in parameter order) whose states and update live on the host.",
-    )
-    group.add_argument(
-        "--use-torch-optimizer-for-cpu-offload", action="store_true",
-        help="With --optimizer-cpu-offload: torch.optim for the device part too (megatron-core "
-        "0.16.1 uses torch's AdamW on both sides with --optimizer adam regardless).",
-    )
-    group.add_argument(
-        "--overlap-cpu-optimizer-d2h-h2d", action="store_true",
-        help="With --optimizer-cpu-offload: one host optimizer per parameter, gradients copied "
-        "to the host and parameters back on side streams, overlapping the host step.",
-    )
-    group.add_argument(
-        "--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads",
-        help="With --optimizer-cpu-offload: host gradient copies in pageable memory.",
-    )
-    group.add_argument(
-        "--no-pin-cpu-params", action="store_false", dest="pin_cpu_params",
-        help="With --optimizer-cpu-offload: host parameter copies in pageable memory "
-        "(megatron-core 0.16.1 pins them regardless).",
-    )
+    add_optimizer_offload_args(group)
     group.add_argument(
         "--use-precision-aware-optimizer", action="store_true",
         help="Main parameters and gradients held by the optimizer (decoupled gradients): "
@@ -865,6 +872,12 @@ def _validate_optimization(args: argparse.Namespace) -> None:
         args.end_weight_decay = args.weight_decay
 
 
+def transformer_engine_installed() -> bool:
+    """Whether Transformer Engine is importable here. The tracer (megatron.training.tracing)
+    answers for the GPU machine it models instead, where the trainer needs it installed."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def _validate_optimizer_cpu_offload(args: argparse.Namespace, cuda_available: bool) -> None:
     """Megatron-LM's rules for --optimizer-cpu-offload (megatron/training/arguments.py),
     megatron-core 0.16.1's OptimizerConfig asserts, and what its offload path needs, each as
@@ -891,7 +904,7 @@ def _validate_optimizer_cpu_offload(args: argparse.Namespace, cuda_available: bo
              "--use-precision-aware-optimizer needs --use-distributed-optimizer; add it")
     _require(args.optimizer == "adam",
              f"--use-precision-aware-optimizer takes --optimizer adam only, got {args.optimizer}")
-    have_te = importlib.util.find_spec("transformer_engine") is not None
+    have_te = transformer_engine_installed()
     _require(offload or have_te,
              "--use-precision-aware-optimizer without --optimizer-cpu-offload needs Transformer "
              "Engine's FusedAdam (not installed); add --optimizer-cpu-offload or drop the flag")

@@ -29,6 +29,7 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -85,6 +86,12 @@ def trainer_argv(request: TraceRequest) -> list[str]:
         # --bf16 alone accumulates in fp32, as Megatron-LM; a bf16 grad buffer is asked for.
         "grad_reduce_in_bf16": request.bf16 and not request.grad_buffer_fp32,
     }
+    if request.optimizer_cpu_offload:  # Megatron-LM's flags; offload needs the first
+        flags.update({"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True,
+                      "optimizer_offload_fraction": request.optimizer_offload_fraction,
+                      "overlap_cpu_optimizer_d2h_h2d": request.overlap_cpu_optimizer_d2h_h2d,
+                      "no_pin_cpu_grads": not request.pin_cpu_grads,
+                      "no_pin_cpu_params": not request.pin_cpu_params})
     if request.recompute_granularity:
         flags["recompute_granularity"] = request.recompute_granularity
         if request.recompute_granularity == "full":
@@ -288,6 +295,10 @@ def trace_header(request: TraceRequest, args, coordinates: dict, constants,
                     "memo_offload_buffers": request.memo_offload_buffers if memo else None,
                     "use_distributed_optimizer": bool(args.use_distributed_optimizer),
                     "optimizer": args.optimizer,
+                    "optimizer_cpu_offload": bool(args.optimizer_cpu_offload),
+                    "optimizer_offload_fraction": (args.optimizer_offload_fraction
+                                                   if args.optimizer_cpu_offload else None),
+                    "overlap_cpu_optimizer_d2h_h2d": bool(args.overlap_cpu_optimizer_d2h_h2d),
                     "grad_buffer_fp32": bool(args.accumulate_allreduce_grads_in_fp32),
                     "warmup": warmup_mode(request),
                     "flash_workspace": request.flash_workspace,
@@ -301,6 +312,23 @@ def trace_header(request: TraceRequest, args, coordinates: dict, constants,
         "versions": {"torch": torch.__version__, "megatron_core": package_info.__version__},
         "trainer_argv": trainer_argv(request),
     }
+
+
+def _optimizer_states(args, ddp, recorder):
+    """The function record_iteration calls for the optimizer's states: megatron's optimizer as
+    memo_ext.trace.model_state allocates it; with --optimizer-cpu-offload, its split as the
+    trainer's own optimizer makes it (megatron.training.optimizer_offload, learnt here, before
+    recording), the host part in the recorder's pool "host"."""
+    from memo_ext.trace import allocate_offloaded_optimizer_states, allocate_optimizer_states
+
+    if not args.optimizer_cpu_offload:
+        return lambda: allocate_optimizer_states(ddp, args.use_distributed_optimizer,
+                                                 adam=args.optimizer == "adam")
+    from megatron.training.optimizer_offload import traced_offload_split
+
+    split = traced_offload_split(args, ddp)
+    device = next(ddp.parameters()).device
+    return lambda: allocate_offloaded_optimizer_states(split, device, recorder.host_allocations)
 
 
 def _check(request: TraceRequest) -> None:
@@ -323,6 +351,25 @@ def _check(request: TraceRequest) -> None:
 
 
 @contextlib.contextmanager
+def _validation_target(request: TraceRequest) -> Iterator[bool]:
+    """The machine the trainer's validation is asked about (yields ``cuda_available``): a CUDA
+    one, except that a trace of the CPU trainer with --optimizer-cpu-offload validates as the
+    CPU trainer does (on CUDA that path needs Transformer Engine and 16-bit parameters). With
+    CUDA semantics and --optimizer-cpu-offload, Transformer Engine counts as installed, as
+    the trainer on the modelled GPU machine needs it (megatron.training.arguments)."""
+    if not request.optimizer_cpu_offload:
+        yield True
+        return
+    if not request.cuda_semantics:
+        yield False
+        return
+    from megatron.training import arguments
+
+    with mock.patch.object(arguments, "transformer_engine_installed", lambda: True):
+        yield True
+
+
+@contextlib.contextmanager
 def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
     """Build the requested rank (inside a fake process group and, unless ``live``,
     FakeTensorMode); everything is torn down on exit."""
@@ -336,7 +383,9 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\..*")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\..*")
     _check(request)
-    args = parse_args(trainer_argv(request), world_size=request.world_size, cuda_available=True)
+    with _validation_target(request) as cuda_available:
+        args = parse_args(trainer_argv(request), world_size=request.world_size,
+                          cuda_available=cuda_available)
 
     from megatron.training.compat import apply_cpu_shims
     from megatron.training.tokenizer import padded_vocab_size
@@ -354,7 +403,6 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
     from memo_ext.trace import (
         AllocationRecorder,
         ProcessConstants,
-        allocate_optimizer_states,
         communicators_for_layout,
         fake_distributed,
         fake_tensors,
@@ -409,13 +457,13 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
                 module=model)
         ddp.train()
         forward_step, backward_done = make_forward_step(args, ddp, config)
+        optimizer_states = _optimizer_states(args, ddp, recorder)
         record_kwargs = {
             "forward_step": forward_step,
             "microbatch_backward_done": backward_done,
             "microbatches": request.microbatches_in_flight,
             "warmup": warmup_mode(request),
-            "optimizer_states": lambda: allocate_optimizer_states(
-                ddp, args.use_distributed_optimizer, adam=args.optimizer == "adam"),
+            "optimizer_states": optimizer_states,
             # DDP's finish_grad_sync reduce-scatters / all-reduces the gradient buffer in place
             # (no allocation); FakeTensorMode has no rule for its coalesced collectives.
             "after_backward": None,

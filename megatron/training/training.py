@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -34,6 +35,7 @@ from megatron.training.arguments import ArgumentValidationError, core_transforme
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import initialize_megatron
 from megatron.training.mechanisms import Mechanisms, build_mechanisms, build_planner_mechanism
+from megatron.training.optimizer_offload import host_tensors_line
 from megatron.training.profiling import ProfilerRange
 from megatron.training.run_controls import ManualGC, duration_exceeded, empty_unused_memory
 from megatron.training.signal_handler import DistributedSignalHandler
@@ -108,10 +110,11 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
     return model
 
 
-def build_optimizer(args: argparse.Namespace, model: list):
-    """megatron.core optimizer (torch AdamW/SGD without apex/TE; with --optimizer-cpu-offload its
-    HybridDeviceOptimizer inside the distributed optimizer) and its LR/WD scheduler."""
-    optimizer_config = OptimizerConfig(
+def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    """megatron.core's OptimizerConfig of the trainer's flags (also the tracer's, which builds
+    the same optimizer to learn --optimizer-offload-fraction's split:
+    megatron.training.optimizer_offload)."""
+    return OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
         min_lr=args.min_lr,
@@ -137,7 +140,12 @@ def build_optimizer(args: argparse.Namespace, model: list):
         pin_cpu_grads=args.pin_cpu_grads,
         pin_cpu_params=args.pin_cpu_params,
     )
-    optimizer = get_megatron_optimizer(optimizer_config, model)
+
+
+def build_optimizer(args: argparse.Namespace, model: list):
+    """megatron.core optimizer (torch AdamW/SGD without apex/TE; with --optimizer-cpu-offload its
+    HybridDeviceOptimizer inside the distributed optimizer) and its LR/WD scheduler."""
+    optimizer = get_megatron_optimizer(optimizer_config(args), model)
     samples = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -518,6 +526,11 @@ def _train_loop(args, state, model, optimizer, scheduler, mechanisms, logger, si
             state.losses.append(losses["lm loss"])
         logger.log(state.iteration, losses, logged_lr(optimizer, scheduler), grad_norm, skipped)
         mechanisms.report(state.iteration, logger)  # collective (telemetry's fail-fast)
+        if args.optimizer_cpu_offload and state.iteration == 1:  # its host state now exists
+            # one write: the ranks share stdout, and print writes the newline apart
+            sys.stdout.write(host_tensors_line(optimizer, dist.get_rank(), state.iteration)
+                             + "\n")
+            sys.stdout.flush()
 
         if args.eval_iters > 0 and valid_iterator is not None and state.iteration % args.eval_interval == 0:
             with manual_gc.evaluation(), parameters_gathered(model, args):

@@ -25,7 +25,9 @@ measurement (no GPU is involved). Per micro-batch on the traced rank:
 * pipeline: (micro-batches + PP - 1) micro-batch times (1F1B's fill and drain) plus the stage
   boundary's point-to-point sends;
 * per iteration: data-parallel gradient reduce-scatter and parameter all-gather (distributed
-  optimizer) or all-reduce, the optimizer's memory traffic, and the caching allocator's
+  optimizer) or all-reduce, the optimizer's memory traffic (with --optimizer-cpu-offload, the
+  device part's, beside the host part's Adam and PCIe copies as HybridDeviceOptimizer orders
+  them: memo_ext.estimate.offload_step), and the caching allocator's
   reorganisations (each a device synchronisation, cudaFree of every cached block and cudaMalloc
   again), which the allocator model counts.
 
@@ -44,6 +46,7 @@ from dataclasses import MISSING, dataclass, fields
 from fractions import Fraction
 
 from memo_ext.estimate.flops import model_flops_per_sequence
+from memo_ext.estimate.offload_step import offload_step
 from memo_ext.trace.work import PHASE_FIELDS
 
 GB = 10**9
@@ -276,9 +279,20 @@ def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficienc
         dp_ranks = range(0, tp * cp * dp, tp * cp)
         wire = (dp - 1) / dp * (persistent["gradient"] + persistent["parameter"])
         data_parallel = wire / (_link_bytes_per_s(dp_ranks, hardware) * efficiency.collective)
+    options = header.get("options", {})
+    host_shards = persistent.get("host_shards") if options.get("optimizer_cpu_offload") else None
+    # the gradient read and parameter write of the optimizer's shard, on the device the part
+    # it updates there (the host part is offload_step's)
+    device_part = 1.0 if not host_shards else persistent["device_elements"] / (
+        persistent["device_elements"] + sum(host_shards))
     optimizer = (compute_s(phases.get("optimizer", {}))
-                 + (2 * persistent["optimizer"] + persistent["gradient"] / max(dp, 1)
-                    + persistent["parameter"]) / (hbm * efficiency.memory))
+                 + (2 * persistent["optimizer"] + device_part * (
+                     persistent["gradient"] / max(dp, 1) + persistent["parameter"]))
+                 / (hbm * efficiency.memory))
+    if host_shards:
+        optimizer = offload_step_of(host_shards, optimizer, element, hardware, efficiency,
+                                    tp * cp * pp * dp, bool(options.get(
+                                        "overlap_cpu_optimizer_d2h_h2d"))).step_s
     reorganisation = reorganisations_per_iteration * efficiency.reorganisation_s
     step = microbatches * microbatch_s + bubble + data_parallel + optimizer + reorganisation
     gpus = tp * cp * pp * dp
@@ -293,13 +307,34 @@ def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficienc
                     reorganisation_s=reorganisation, step_s=step, mfu=mfu)
 
 
+def offload_step_of(host_shards, device_step_s: float, element: int, hardware: dict,
+                    efficiency: Efficiency, world: int, overlap: bool):
+    """memo_ext.estimate.offload_step for a rank of ``hardware``: PCIe at e_pcie of the link,
+    host memory at e_memory of the node's ``host_memory_gbps`` shared by the node's ranks."""
+    if "host_memory_gbps" not in hardware:
+        raise CostModelError("the GPU profile has no 'host_memory_gbps' (the node's host memory "
+                             "bandwidth, GB/s), which --optimizer-cpu-offload's step needs; add it")
+    ranks = max(1, min(int(hardware["gpus_per_node"]), world))
+    host = float(hardware["host_memory_gbps"]) * GB * efficiency.memory / ranks
+    pcie = float(hardware["pcie_gbps"]) * GB * efficiency.pcie
+    return offload_step(host_shards, device_step_s, element=element, pcie_bytes_per_s=pcie,
+                        host_bytes_per_s=host, overlap=overlap,
+                        concurrent=hardware.get("device_type") != "cpu")
+
+
 def persistent_bytes(trace) -> dict:
-    """Parameter, gradient and optimizer bytes the rank allocates at init (trace events)."""
+    """Parameter, gradient and optimizer bytes the rank allocates on its device at init (trace
+    events), and with --optimizer-cpu-offload the optimizer's split
+    (memo_ext.trace.offloaded_elements): ``host_shards``, ``device_elements``."""
+    from memo_ext.trace import POOL_HOST, offloaded_elements
+
     totals = {"parameter": 0, "gradient": 0, "optimizer": 0}
     for event in trace.events:
         if event["action"] == "alloc" and event["phase"] == "init" \
-                and event["category"] in totals:
+                and event["category"] in totals and event.get("pool") != POOL_HOST:
             totals[event["category"]] += event["bytes"]
+    if trace.header.get("options", {}).get("optimizer_cpu_offload"):
+        totals["host_shards"], totals["device_elements"] = offloaded_elements(trace.events)
     return totals
 
 

@@ -29,6 +29,9 @@ per rank (rank 0's median of ``repeats`` runs after a warm-up):
   trainer uses (memo_ext.device: a worker thread per direction), bandwidth with every rank
   copying at once, and the fraction of a copy's time that hides under a concurrent GEMM loop
   (the CPU's copy thread competes with compute for the same cores);
+* ``host_memory_gbps``: torch's fused AdamW on a layer's weights (the host step of
+  --optimizer-cpu-offload), host bytes it reads and writes over time, every rank at once,
+  summed over the ranks (a GPU profile's is the node's DRAM bandwidth);
 * ``collective_ops`` (more than one rank): gloo's all-reduce, all-gather, reduce-scatter and
   the point-to-point exchange, each as a latency per call (a small message) and a bandwidth
   on the wire (a message of the layout's activation size, by the ring formula the cost model
@@ -141,6 +144,8 @@ def _profile(measured: dict, ranks: int, threads: int) -> dict:
         "pcie_gbps": measured["pcie_gbps"],
         "nvlink_gbps": link, "ib_gbps": link,
         "host_copy_overlap": measured["host_copy_overlap"],
+        # every rank's host Adam at once: the node's rate is the ranks' sum
+        "host_memory_gbps": measured["host_adam_gbps"] * ranks,
         "collective_ops": collectives,
         "kernels": measured["kernels"],
         # Bandwidths above are what the ops achieve, not datasheet peaks; CPU memory is
@@ -214,6 +219,7 @@ def _worker(spec_path: str, out_path: str) -> None:
     measured["hbm_gbps"], memory_details = _memory_gbps(bench, model, layout)
     measured["pcie_gbps"], measured["host_copy_overlap"], copy_details = \
         _host_copies(bench, model, layout)
+    measured["host_adam_gbps"] = _host_adam_gbps(bench, model)
     measured["collective_ops"] = _collective_ops(bench, model, layout) if world > 1 else {}
     measured["details"] = {"memory_ops": memory_details, "host_copies": copy_details,
                            "threads": torch.get_num_threads(), "repeats": spec["repeats"]}
@@ -353,6 +359,23 @@ def _memory_gbps(bench: _Bench, model: dict, layout: dict) -> tuple[float, dict]
     seconds = {name: bench.seconds(call) for name, (call, _) in ops.items()}
     total = sum(nbytes for _, nbytes in ops.values()) / sum(seconds.values())
     return total / 1e9, {name: ops[name][1] / seconds[name] / 1e9 for name in ops}
+
+
+def _host_adam_gbps(bench: _Bench, model: dict) -> float:
+    """GB/s of host memory traffic torch's fused AdamW makes on one rank (the host step of
+    --optimizer-cpu-offload, memo_ext.estimate.offload_step: ADAM_BYTES_PER_ELEMENT per element),
+    on a tensor of one transformer layer's weights."""
+    import torch
+
+    from memo_ext.estimate.offload_step import ADAM_BYTES_PER_ELEMENT
+
+    hidden = int(model["hidden_size"])
+    numel = 4 * hidden * hidden + 2 * hidden * int(model.get("ffn_hidden_size") or 4 * hidden)
+    param = torch.zeros(numel)
+    param.grad = torch.ones(numel)
+    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    seconds = statistics.median(bench.times(optimizer.step))
+    return ADAM_BYTES_PER_ELEMENT * numel / seconds / 1e9
 
 
 def _host_copies(bench: _Bench, model: dict, layout: dict) -> tuple[float, float, dict]:

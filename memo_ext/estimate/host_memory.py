@@ -15,6 +15,23 @@ A node's host memory holds, as separate named terms (:class:`NodeHostMemory`):
     when ``--memo-alpha auto`` raises alpha after its alpha-0 measuring iterations, the pool
     drops those slots (``HostSlotPool.reset``), and a dropped slot is unregistered and
     unmapped, its pages back with the OS, before the larger ones are allocated.
+``optimizer_offload``
+    Every local rank's host tensors of Megatron-LM's optimizer CPU offload
+    (--optimizer-cpu-offload, megatron-core's HybridDeviceOptimizer): for each parameter shard
+    it offloads, an fp32 copy, an fp32 gradient copy, Adam's exp_avg and exp_avg_sq and a 4 B
+    step counter, as a trace records them in pool "host", category "optimizer"
+    (memo_ext.trace.model_state.allocate_offloaded_optimizer_states; which shards, the
+    trainer's own optimizer decides: megatron.training.optimizer_offload). Each rank its own:
+    the distributed optimizer's shards differ by data-parallel rank (the last holds the
+    buckets' padding), so the estimator traces each data-parallel rank of a node
+    (memo_ext.estimate.layout.model). On CUDA the tensors megatron-core pins -- the gradient
+    copies unless --no-pin-cpu-grads, and an fp32 parameter's host copy -- come from PyTorch's
+    pinned ``CachingHostAllocator`` and take a power-of-two block each
+    (:func:`pinned_block_bytes`); the others are pageable, their bytes. On CPU every tensor
+    is its bytes. Not counted: the page-locked 16-bit copy each offloaded 16-bit shard is
+    cloned through when the optimizer is built (``.cpu().pin_memory()`` then ``.float()``),
+    freed at once into that allocator's cache, which keeps it (at most one block per size
+    class at a time: under twice the largest).
 ``process_resident``
     Per process: the CUDA context, CUDA libraries and PyTorch. ``CUDA_PROCESS_RESIDENT_BYTES``:
     2,056,600 kB maximum RSS of a process that initialised CUDA and created one tensor
@@ -42,7 +59,7 @@ does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from memo_ext.host_pages import page_locked_bytes
 
@@ -57,10 +74,13 @@ DEFAULT_PREFETCH_FACTOR = 2
 #: The kernel's page map: sizeof(struct page) / page size on x86-64.
 KERNEL_PAGE_MAP_FRACTION = 64 / 4096
 
-TERMS = ("offload_arena", "process_resident", "data_loader", "os_reserved")
+TERMS = ("offload_arena", "optimizer_offload", "process_resident", "data_loader", "os_reserved")
 SOURCES = {
     "offload_arena": "trace pool 'host' at the traced alpha; CUDA: each slot page-locked at its "
                      "own size, whole 4 KiB pages (memo_ext.device alloc_host)",
+    "optimizer_offload": "trace pool 'host', category 'optimizer', each local rank's own: "
+                         "--optimizer-cpu-offload's host copies, gradients, Adam states; CUDA: "
+                         "pinned ones in power-of-two blocks (PyTorch's CachingHostAllocator)",
     "process_resident": "CUDA context + libraries + PyTorch per process, 2.06 GB max RSS "
                         "(pytorch/pytorch#113326)",
     "data_loader": f"{BATCH_BYTES_PER_TOKEN} B per token per micro-batch held, workers' RSS if "
@@ -81,15 +101,15 @@ def pinned_block_bytes(nbytes: int) -> int:
 
 
 def host_slot_bytes(trace) -> list[int]:
-    """The sizes of the host-pool allocations (MEMO's slots) live at the host peak of
-    ``trace`` (a memo_ext.trace.Trace), in allocation order."""
-    from memo_ext.trace import POOL_HOST
+    """The sizes of MEMO's slots (the host-pool allocations but the optimizer's) live at their
+    peak in ``trace`` (a memo_ext.trace.Trace), in allocation order."""
+    from memo_ext.trace.format import OPTIMIZER, POOL_HOST
 
     live: dict = {}
     total = peak = 0
     at_peak: list[int] = []
     for event in trace.events:
-        if event["pool"] != POOL_HOST:
+        if event["pool"] != POOL_HOST or event.get("category") == OPTIMIZER:
             continue
         if event["action"] == "alloc":
             live[event["id"]] = int(event["bytes"])
@@ -99,6 +119,44 @@ def host_slot_bytes(trace) -> list[int]:
         else:
             total -= live.pop(event["id"], 0)
     return at_peak
+
+
+def host_optimizer_tensors(trace) -> tuple[tuple[int, bool], ...]:
+    """(bytes, pinned on CUDA) of each host tensor of --optimizer-cpu-offload in ``trace``
+    (pool "host", category "optimizer"; persistent: allocated once, never freed)."""
+    from memo_ext.trace.format import OPTIMIZER, POOL_HOST
+    from memo_ext.trace.model_state import PINNED_MARK
+
+    return tuple((int(event["bytes"]), (event.get("module") or "").endswith(PINNED_MARK))
+                 for event in trace.events
+                 if event["action"] == "alloc" and event["pool"] == POOL_HOST
+                 and event.get("category") == OPTIMIZER)
+
+
+def optimizer_host_bytes(tensors: Iterable[tuple[int, bool]], page_locked: bool) -> int:
+    """Host bytes of :func:`host_optimizer_tensors`' tensors: a pinned one in its power-of-two
+    block when ``page_locked`` (CUDA), else each its bytes."""
+    return sum(pinned_block_bytes(nbytes) if pinned and page_locked else nbytes
+               for nbytes, pinned in tensors)
+
+
+@dataclass(frozen=True)
+class OptimizerHostTensors:
+    """Each rank's :func:`host_optimizer_tensors`, from the traces of some global ranks
+    (``by_rank``). A rank not traced takes its tensor-parallel peer's (TP shards are alike),
+    else its stage's first rank's."""
+
+    by_rank: dict
+    tp: int
+    cp: int
+    dp: int
+
+    def tensors(self, rank: int) -> tuple[tuple[int, bool], ...]:
+        for peer in (rank, rank - rank % self.tp,
+                     stage_of_rank(rank, self.tp, self.cp, self.dp) * self.tp * self.cp * self.dp):
+            if peer in self.by_rank:
+                return self.by_rank[peer]
+        raise KeyError(f"no traced rank stands for rank {rank}")
 
 
 def arena_bytes(slots: Iterable[int], page_locked: bool) -> int:
@@ -172,7 +230,9 @@ def node_host_memory(*, tp: int, cp: int, pp: int, dp: int, stages: Sequence[Sta
                      capacity_bytes: Optional[int] = None,
                      process_bytes: Optional[int] = None, num_workers: int = 0,
                      prefetch_factor: int = DEFAULT_PREFETCH_FACTOR, worker_bytes: int = 0,
-                     os_reserved_bytes: Optional[int] = None) -> NodeHostMemory:
+                     os_reserved_bytes: Optional[int] = None,
+                     optimizer_tensors: Optional[Callable[[int], Sequence[tuple[int, bool]]]]
+                     = None) -> NodeHostMemory:
     """Host bytes of the worst node of a layout (the node whose terms sum highest).
 
     ``stages``: the traced stages (stage 0 always; others as traced). ``page_locked``: a CUDA
@@ -180,7 +240,9 @@ def node_host_memory(*, tp: int, cp: int, pp: int, dp: int, stages: Sequence[Sta
     per-process resident memory (default: CUDA_PROCESS_RESIDENT_BYTES on CUDA, else 0: on CPU
     the process is the device too and is not a host term). ``os_reserved_bytes``: default the
     kernel's page map of ``capacity_bytes`` on CUDA (a GPU node's installed memory; 0 on CPU,
-    whose capacity is the machine's page count, and without a capacity)."""
+    whose capacity is the machine's page count, and without a capacity).
+    ``optimizer_tensors(rank)``: a global rank's host tensors of --optimizer-cpu-offload
+    (:func:`host_optimizer_tensors`; none without)."""
     traced = {stage.index: stage for stage in stages}
     if 0 not in traced:
         raise ValueError("node_host_memory needs stage 0's slots")
@@ -199,7 +261,10 @@ def node_host_memory(*, tp: int, cp: int, pp: int, dp: int, stages: Sequence[Sta
         ranks = list(range(node * per_node, min(gpus, (node + 1) * per_node)))
         stages_of = [stage_of_rank(rank, tp, cp, dp) for rank in ranks]
         arenas = [stage_arena(s, traced, pp, page_locked) for s in stages_of]
-        terms = {"offload_arena": sum(arenas), "process_resident": process_bytes * len(ranks),
+        optimizer = 0 if optimizer_tensors is None else sum(
+            optimizer_host_bytes(optimizer_tensors(rank), page_locked) for rank in ranks)
+        terms = {"offload_arena": sum(arenas), "optimizer_offload": optimizer,
+                 "process_resident": process_bytes * len(ranks),
                  "data_loader": loader * len(ranks), "os_reserved": os_reserved_bytes}
         candidate = NodeHostMemory(node, ranks, arenas, terms, capacity_bytes, page_locked)
         if best is None or candidate.total_bytes > best.total_bytes:
@@ -217,10 +282,12 @@ def prediction_host_memory(prediction) -> NodeHostMemory:
     if not any(stage.slots for stage in stages):  # no offload: no host term but the others
         stages = [StageSlots(s.index, s.microbatches_in_flight, ()) for s in stages]
     cpu = getattr(prediction, "device_type", "cuda") == "cpu"
+    optimizer = getattr(prediction, "host_optimizer", None)
     return node_host_memory(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp,
                             stages=stages, ranks_per_node=prediction.ranks_per_node,
                             seq=prediction.seq, micro_batch=layout.micro_batch,
-                            page_locked=not cpu, capacity_bytes=prediction.host_capacity_bytes)
+                            page_locked=not cpu, capacity_bytes=prediction.host_capacity_bytes,
+                            optimizer_tensors=optimizer.tensors if optimizer else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,6 +353,6 @@ def longest_fitting_seq(fits, step: int = 65536, maximum: int = 8 << 20) -> int:
 
 
 __all__ = ["BATCH_BYTES_PER_TOKEN", "CUDA_PROCESS_RESIDENT_BYTES", "NodeHostMemory",
-           "SlotShape", "StageSlots", "TERMS", "arena_bytes",
-           "host_slot_bytes", "longest_fitting_seq", "memo_paper_host_limit",
+           "OptimizerHostTensors", "SlotShape", "StageSlots", "TERMS", "arena_bytes", "host_optimizer_tensors",
+           "host_slot_bytes", "optimizer_host_bytes", "longest_fitting_seq", "memo_paper_host_limit",
            "node_host_memory", "pinned_block_bytes", "prediction_host_memory", "stage_of_rank"]

@@ -77,7 +77,15 @@ from memo_ext.trace.format import (
     write_trace,
 )
 from memo_ext.trace.iteration import record_iteration
-from memo_ext.trace.model_state import allocate_optimizer_states, persistent_tensors
+from memo_ext.trace.model_state import (
+    PINNED_MARK,
+    OptimizerOffload,
+    OptimizerShard,
+    allocate_offloaded_optimizer_states,
+    allocate_optimizer_states,
+    offloaded_elements,
+    persistent_tensors,
+)
 from memo_ext.trace.offline import fake_distributed, fake_tensors
 from memo_ext.trace.recorder import AllocationRecorder
 from memo_ext.trace.summary import TraceSummary, skeletal_formula_bytes, summarize
@@ -87,7 +95,9 @@ __all__ = [
     "BACKWARD", "CATEGORIES", "EVENT_FIELDS", "FORWARD", "INIT", "MiB",
     "NCCL_BYTES_PER_COMMUNICATOR", "OPTIMIZER_STEP", "PHASES", "POOL_DEVICE", "POOL_EXTERNAL",
     "POOL_HOST", "RECOMPUTE", "TRACE_FORMAT", "AllocationRecorder", "ProcessConstants", "Trace",
-    "TraceSummary", "allocate_optimizer_states", "communicators_for_layout", "fake_distributed",
+    "OptimizerOffload", "OptimizerShard", "PINNED_MARK", "TraceSummary",
+    "allocate_offloaded_optimizer_states", "allocate_optimizer_states",
+    "communicators_for_layout", "fake_distributed", "offloaded_elements",
     "fake_tensors", "persistent_tensors", "read_trace", "record_cuda_trace", "record_iteration",
     "skeletal_formula_bytes", "summarize", "tagged_allocations", "trace_from_snapshot",
     "trace_to_snapshot", "write_snapshot", "write_trace",

@@ -3,10 +3,18 @@ collected from (or fabricated for) a model so the trace records them as "init" a
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import torch
 
 from memo_ext.trace.format import OPTIMIZER
 from memo_ext.trace.tagging import _clean_module_name, tagged_allocations
+
+#: Ends the name of a host allocation that is page-locked on CUDA (the host model rounds it as
+#: PyTorch's pinned allocator does: memo_ext.estimate.host_memory).
+PINNED_MARK = " [pinned]"
 
 def persistent_tensors(model: torch.nn.Module) -> tuple[list, list]:
     """(parameter-like, gradient) (name, tensor) pairs a rank holds for ``model``: megatron DDP's
@@ -63,3 +71,106 @@ def allocate_optimizer_states(model: torch.nn.Module, use_distributed_optimizer:
         for kind in (("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)):
             allocate(f"optimizer:{name}.{kind}", numel)
     return states
+
+
+@dataclass(frozen=True)
+class OptimizerShard:
+    """One parameter shard the optimizer updates, in its order: the parameter's name, its
+    elements on this rank, the model parameter's dtype, and whether megatron-core's
+    HybridDeviceOptimizer keeps its copy, gradient and Adam states on the host."""
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    host: bool
+
+
+@dataclass(frozen=True)
+class OptimizerOffload:
+    """--optimizer-cpu-offload's split for one rank (the shards in the optimizer's order, as
+    the tracer engine learns it from megatron-core: megatron.training.optimizer_offload) and
+    --no-pin-cpu-grads."""
+
+    shards: tuple[OptimizerShard, ...]
+    pin_cpu_grads: bool = True
+
+    @property
+    def host_numel(self) -> int:
+        return sum(shard.numel for shard in self.shards if shard.host)
+
+
+#: A torch optimizer's step counter: a 0-d fp32 tensor per parameter, on the parameter's device
+#: (torch.optim.AdamW, fused: _init_group).
+STEP_BYTES = 4
+
+
+def allocate_offloaded_optimizer_states(
+        offload: OptimizerOffload, device: torch.device,
+        host_scope: Callable[[], contextlib.AbstractContextManager]
+) -> list[tuple[str, torch.Tensor]]:
+    """Allocate what megatron-core 0.16.1's HybridDeviceOptimizer (param_update_in_fp32, Adam)
+    holds for ``offload``'s shards, device and host, in its order
+    (megatron.core.optimizer.cpu_offloading.hybrid_optimizer):
+
+    - at construction (``_get_sub_optimizer_param_groups``): a device shard of a 16-bit
+      parameter gets an fp32 copy on the device (``.float()``); a host shard gets a host copy,
+      ``clone().cpu().pin_memory()`` -- itself the host parameter when fp32 (page-locked) --
+      and for a 16-bit parameter an fp32 copy of that (``.float()``, pageable: the pinned
+      16-bit copy is dropped);
+    - at the first step: each host shard's fp32 gradient copy (``torch.empty(pin_memory=
+      pin_cpu_grads)``, ``_set_sub_optimizer_grads``), then the states of the device Adam
+      (exp_avg and exp_avg_sq, fp32; a step counter, 4 B, is not modelled, as without
+      offload) and of the host AdamW (its step, exp_avg and exp_avg_sq: fp32, on the host
+      copy's device, pageable), in ``step``'s order.
+
+    Host allocations are made inside ``host_scope()`` (the recorder's pool "host"), named
+    with :data:`PINNED_MARK` where page-locked. Returns (name, tensor) pairs the caller keeps
+    alive.
+
+    Written out rather than run: the split is the real optimizer's (``offload``), but its
+    gradient copies and Adam states appear only in its first ``step``, which would need
+    gradients and a fused AdamW on fake tensors, with each state told apart as host or device
+    for the recorder. tests/unit/megatron/training/test_optimizer_offload_trace.py compares
+    these bytes with the real optimizer's, built and stepped by the trainer on CPU."""
+    states: list[tuple[str, torch.Tensor]] = []
+    host_shards = [shard for shard in offload.shards if shard.host]
+    device_shards = [shard for shard in offload.shards if not shard.host]
+
+    def allocate(state_name: str, nbytes: int, on_host: bool, pinned: bool = False) -> None:
+        name = f"optimizer:{state_name}{PINNED_MARK if pinned else ''}"
+        scope = host_scope() if on_host else contextlib.nullcontext()
+        with scope, tagged_allocations(OPTIMIZER, name):
+            states.append((name, torch.empty(nbytes, dtype=torch.uint8, device=device)))
+
+    for shard in offload.shards:  # construction, in the optimizer's order
+        if shard.host:
+            allocate(f"{shard.name}.host_param", 4 * shard.numel, True,
+                     pinned=shard.dtype == torch.float32)
+        elif shard.dtype != torch.float32:
+            allocate(f"{shard.name}.master_fp32", 4 * shard.numel, False)
+    for shard in host_shards:  # the first step: gradients to the host, then the host step
+        allocate(f"{shard.name}.host_grad", 4 * shard.numel, True, pinned=offload.pin_cpu_grads)
+    for shard in device_shards:  # step(): the device optimizer first, then the host ones
+        for kind in ("exp_avg", "exp_avg_sq"):
+            allocate(f"{shard.name}.{kind}", 4 * shard.numel, False)
+    for shard in host_shards:
+        allocate(f"{shard.name}.host_step", STEP_BYTES, True)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            allocate(f"{shard.name}.host_{kind}", 4 * shard.numel, True)
+    return states
+
+
+def offloaded_elements(events) -> tuple[tuple[int, ...], int]:
+    """(elements of each shard on the host, in the optimizer's order; elements of the device
+    part) of the optimizer states :func:`allocate_offloaded_optimizer_states` recorded in
+    ``events`` (a trace's): read from the host gradient copies and the device exp_avg."""
+    host, device = [], 0
+    for event in events:
+        if event["action"] != "alloc" or event.get("category") != OPTIMIZER:
+            continue
+        name = (event.get("module") or "").removesuffix(PINNED_MARK)
+        if name.endswith(".host_grad"):
+            host.append(int(event["bytes"]) // 4)
+        elif name.endswith(".exp_avg") and ".host_" not in name:
+            device += int(event["bytes"]) // 4
+    return tuple(host), device

@@ -69,7 +69,10 @@ class TraceRequest:
     flags as typed on a command line, after the others (tools/trace.py's --trainer-args; the
     estimator gives none). Target: the GPU profile whose kernels' workspaces are recorded, or none
     (``cuda_semantics`` False: the CPU program as it allocates here). Recording: fake or
-    ``live`` tensors, the warm-up, the persistent state alone."""
+    ``live`` tensors, the warm-up, the persistent state alone. Optimizer: the distributed
+    optimizer and Megatron-LM's optimizer CPU offload (``optimizer_cpu_offload`` with
+    ``optimizer_offload_fraction``, ``overlap_cpu_optimizer_d2h_h2d``, ``pin_cpu_grads``,
+    ``pin_cpu_params``: the trainer's flags, --use-precision-aware-optimizer implied)."""
 
     model: TracedModel
     seq_length: int
@@ -97,6 +100,12 @@ class TraceRequest:
     chunked_loss: bool = False
     distributed_optimizer: bool = True
     optimizer: str = "adam"
+    # Megatron-LM's optimizer CPU offload (megatron-core's HybridDeviceOptimizer), its flags.
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
     grad_buffer_fp32: bool = True
     extra_trainer_argv: tuple = ()
     gpu: str = DEFAULT_GPU

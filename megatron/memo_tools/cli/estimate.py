@@ -50,6 +50,7 @@ from megatron.memo_tools.cli.quiet import (
 
 hide_library_warnings()  # before the first import of megatron.core (cli/quiet.py)
 
+from megatron.training.arguments import add_optimizer_offload_args  # noqa: E402
 from megatron.memo_tools.cli.trace import (  # noqa: E402
     TRACED_OFFLOAD_FLAGS,
     TRACED_OFFLOAD_VARIANTS,
@@ -129,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_tiling_arguments(parser)
     parser.add_argument("--recompute-num-layers", type=int, default=None,
                         help="with --policy megatron-block: layers recomputed per stage")
+    optimizer = parser.add_argument_group(
+        "optimizer (one layout; the estimator models the distributed optimizer)")
+    optimizer.add_argument("--use-distributed-optimizer", action="store_true",
+                           help="The trainer's flag. The estimator models the distributed "
+                                "optimizer with or without it; --optimizer-cpu-offload needs it, "
+                                "as the trainer does.")
+    add_optimizer_offload_args(optimizer, ("--optimizer-cpu-offload",
+                                           "--optimizer-offload-fraction"))
     parser.add_argument("--host-memory-gb", type=float, default=None,
                         help="host memory per node for MEMO's offload (default: the profile's)")
     parser.add_argument("--allocator", choices=("caching", "expandable", "arena"), default=None,
@@ -258,11 +267,16 @@ def describe(prediction, device_bytes: int) -> list[str]:
                 f"micro-batch{'es' if in_flight > 1 else ''} in flight): ",
                 "FITS" if stage.memory.fits else "OOM")
     step = prediction.step
-    if prediction.memory.host_bytes:
+    host = prediction.host_memory
+    optimizer = host.terms.get("optimizer_offload", 0)
+    if host.arena_bytes:  # per rank: the node's host bytes but the offloaded optimizer's
         lines.append(f"  host memory for offloaded activations: "
-                     f"{prediction.host_bytes_per_node / prediction.ranks_per_node / GiB:.2f} "
+                     f"{(host.total_bytes - optimizer) / prediction.ranks_per_node / GiB:.2f} "
                      f"GiB per rank, {prediction.host_bytes_per_node / 1e9:.0f} of "
                      f"{prediction.host_capacity_bytes / 1e9:.0f} GB per node")
+    if optimizer:
+        lines.append(f"  host memory for the offloaded optimizer: {optimizer / 1e9:.1f} GB per "
+                     f"node; the node in all: {host.describe()}")
     slowest = "" if len(prediction.stages) == 1 else " (the slowest traced stage)"
     lines.append(f"  time{slowest}: {step.breakdown()}")
     global_batch = step.microbatches * prediction.layout.dp * prediction.layout.micro_batch
@@ -378,6 +392,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             raise UsageError("--recompute-num-layers applies to --policy megatron-block only "
                              "(megatron full recompute is 1 layer per block, uniform)")
         fixed_layout = any(v is not None for v in _sizes(opts))
+        optimizer_offload = optimizer_offload_fraction(opts, fixed_layout)
         if opts.recommend or (opts.gpus and not fixed_layout):
             if not opts.gpus:
                 raise UsageError("--recommend needs --gpus N")
@@ -518,7 +533,8 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                         offload_fp8=opts.memo_offload_fp8, mlp_tiles=opts.memo_mlp_tiles,
                         offload_buffers=opts.memo_offload_buffers,
                         projection_tiles=opts.memo_attention_projection_tiles,
-                        head_chunks=opts.memo_attention_head_chunks)
+                        head_chunks=opts.memo_attention_head_chunks,
+                        optimizer_offload=optimizer_offload)
         if cpu:
             hardware = cpu_hardware(layout, shape, opts.seq_length, say)
             device = int(hardware["device_memory_bytes"])
@@ -571,6 +587,29 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
     except (UsageError, MemoConfigError, EstimateError, HardwareProfileError,
             CostModelError) as exc:
         return _fail(str(exc))
+
+
+def optimizer_offload_fraction(opts: argparse.Namespace, fixed_layout: bool):
+    """--optimizer-offload-fraction with --optimizer-cpu-offload, else None; the trainer's rules
+    (megatron.training.arguments) and this tool's: one layout, not SPPO's analytic model."""
+    fraction = opts.optimizer_offload_fraction
+    if not opts.optimizer_cpu_offload:
+        if fraction != 1.0:
+            raise UsageError("--optimizer-offload-fraction has no effect without "
+                             "--optimizer-cpu-offload; add it or drop the flag")
+        return None
+    if not 0.0 <= fraction <= 1.0:
+        raise UsageError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+    if not opts.use_distributed_optimizer:
+        raise UsageError("--optimizer-cpu-offload needs --use-distributed-optimizer (as the "
+                         "trainer); add it")
+    if opts.recommend or not fixed_layout:
+        raise UsageError("--optimizer-cpu-offload is estimated for one layout: give its "
+                         "parallel sizes (--tensor-model-parallel-size, ...), not --recommend")
+    if opts.policy == "sppo":
+        raise UsageError("--optimizer-cpu-offload --policy sppo: SPPO's analytic model has no "
+                         "optimizer offload; use another --policy")
+    return fraction
 
 
 def check_cpu_question(opts: argparse.Namespace, shape: dict) -> None:

@@ -58,7 +58,10 @@ from memo_ext.config import (  # noqa: E402
     add_config_flags,
 )
 from memo_ext.flags import refused_value  # noqa: E402
-from megatron.training.arguments import add_model_shape_args  # noqa: E402
+from megatron.training.arguments import (  # noqa: E402
+    add_model_shape_args,
+    add_optimizer_offload_args,
+)
 #: The trainer's OffloadConfig flags a traced layout takes (tools/trace.py, tools/estimate.py).
 TRACED_OFFLOAD_FLAGS = ("offload", "alpha", "checkpoint_layers", "offload_fp8", "offload_buffers")
 #: How a traced layout takes them: fixed values only. 'auto' needs what a trace does not have
@@ -132,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="The trainer's flag: shard optimizer state over data-parallel "
                                "ranks (without it, replicated on every DP rank, as the trainer).")
     training.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    add_optimizer_offload_args(training, ("--optimizer-cpu-offload",
+                                          "--optimizer-offload-fraction",
+                                          "--overlap-cpu-optimizer-d2h-h2d", "--no-pin-cpu-grads",
+                                          "--no-pin-cpu-params"))
     training.add_argument("--param-dtype-grad-buffer", action="store_true",
                           help="Gradient buffer in the parameter dtype instead of fp32 "
                                "(Megatron-LM uses fp32 with --bf16).")
@@ -274,6 +281,10 @@ def request_from_opts(opts: argparse.Namespace) -> TraceRequest:
         projection_tiles=opts.memo_attention_projection_tiles,
         head_chunks=opts.memo_attention_head_chunks,
         distributed_optimizer=opts.use_distributed_optimizer, optimizer=opts.optimizer,
+        optimizer_cpu_offload=opts.optimizer_cpu_offload,
+        optimizer_offload_fraction=opts.optimizer_offload_fraction,
+        overlap_cpu_optimizer_d2h_h2d=opts.overlap_cpu_optimizer_d2h_h2d,
+        pin_cpu_grads=opts.pin_cpu_grads, pin_cpu_params=opts.pin_cpu_params,
         grad_buffer_fp32=not opts.param_dtype_grad_buffer,
         extra_trainer_argv=tuple(shlex.split(opts.trainer_args)), gpu=opts.gpu,
         hardware_file=opts.hardware_file, cuda_semantics=not opts.no_cuda_semantics,

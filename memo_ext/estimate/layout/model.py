@@ -17,7 +17,12 @@ from memo_ext.estimate.cost import (
     persistent_bytes,
     predict_step,
 )
-from memo_ext.estimate.host_memory import host_slot_bytes
+from memo_ext.estimate.host_memory import (
+    OptimizerHostTensors,
+    host_optimizer_tensors,
+    host_slot_bytes,
+    stage_of_rank,
+)
 from memo_ext.estimate.kernels import at_model_shapes, kernel_rows_line
 from memo_ext.estimate.layout.prediction import Prediction, StagePrediction
 from memo_ext.estimate.layout.spec import (
@@ -81,6 +86,32 @@ class StageModel:
         return tuple(_max_of_lines(a, b, seqs) for a, b in self._lines)
 
 
+def optimizer_host_tensors(model: TracedModel, layout: Layout, hardware: dict,
+                           cache: TraceCache, microbatches: int,
+                           seq: int) -> Optional[OptimizerHostTensors]:
+    """With --optimizer-cpu-offload, the host tensors of each rank of the first node but its
+    tensor-parallel peers, and of each traced stage's first rank, from their persistent state
+    (the policy-free trace a symbolic stage shares). The distributed optimizer's shards differ
+    by data-parallel rank (bucket padding lands on the last), and so does the offloaded split;
+    ranks of later nodes take their stage's first rank's. None without offload."""
+    if layout.optimizer_offload is None:
+        return None
+    plain = Layout(layout.tp, layout.cp, layout.pp, layout.dp, "megatron-none",
+                   micro_batch=layout.micro_batch, optimizer_offload=layout.optimizer_offload)
+    stages = {stage.index: stage for stage in layout.stages(microbatches)}
+    per_node = min(int(hardware["gpus_per_node"]), layout.gpus)
+    ranks = {rank for rank in range(per_node) if rank % layout.tp == 0}
+    ranks |= {stage.rank for stage in stages.values()}
+    by_rank = {}
+    for rank in sorted(ranks):
+        index = stage_of_rank(rank, layout.tp, layout.cp, layout.dp)
+        stage = stages.get(index, stages[0])
+        request = plain.trace_request(model, seq, hardware, stage).replace(
+            rank=rank, persistent_only=True)
+        by_rank[rank] = host_optimizer_tensors(cache.trace(request))
+    return OptimizerHostTensors(by_rank, layout.tp, layout.cp, layout.dp)
+
+
 def _max_of_lines(a: np.ndarray, b: np.ndarray, seqs: list[int]) -> np.ndarray:
     if not len(a):
         return np.zeros(len(seqs))
@@ -106,6 +137,9 @@ class LayoutModel:
     stages: list[StageModel]
     efficiency: Efficiency
     model: Optional[TracedModel] = None
+    #: --optimizer-cpu-offload's host tensors of the ranks that stand for a node's
+    #: (:func:`optimizer_host_tensors`)
+    host_optimizer: Optional[OptimizerHostTensors] = None
     _cache: dict = field(default_factory=dict)
 
     @classmethod
@@ -144,7 +178,8 @@ class LayoutModel:
                 # The persistent state does not depend on the policy (weights, gradients and
                 # optimizer state are the model's): one trace serves every policy of a layout.
                 plain = Layout(layout.tp, layout.cp, layout.pp, layout.dp, "megatron-none",
-                               micro_batch=layout.micro_batch)
+                               micro_batch=layout.micro_batch,
+                               optimizer_offload=layout.optimizer_offload)
                 state = cache.trace(plain.trace_request(model, fit_seqs[0], hardware, stage)
                                     .replace(persistent_only=True))
                 trace = SymbolicTrace.from_traces(first, second, shape.copied, shape.period)
@@ -161,7 +196,9 @@ class LayoutModel:
         return cls(layout=layout, hardware=hardware, global_batch=global_batch,
                    allocator=allocator or ("arena" if layout.policy == "memo" else "caching"),
                    host_capacity_bytes=int(float(host) * 1e9), stages=stages,
-                   efficiency=Efficiency.from_profile(hardware), model=model)
+                   efficiency=Efficiency.from_profile(hardware), model=model,
+                   host_optimizer=optimizer_host_tensors(model, layout, hardware, cache,
+                                                         microbatches, fit_seqs[0]))
 
     @property
     def checked(self) -> bool:
@@ -217,7 +254,7 @@ class LayoutModel:
         ranks_per_node = min(int(self.hardware["gpus_per_node"]), self.layout.gpus)
         return Prediction(self.layout, seq, per_stage, self.host_capacity_bytes, ranks_per_node,
                           self.hardware.get("device_type", "cuda"),
-                          kernel_rows_line(self.hardware))
+                          kernel_rows_line(self.hardware), self.host_optimizer)
 
     @property
     def multiple(self) -> int:

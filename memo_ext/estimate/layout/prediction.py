@@ -32,6 +32,8 @@ class Prediction:
     device_type: str = "cuda"  # "cpu": the CPU trainer (no page-locked memory)
     #: Which kernel rows priced the step (memo_ext.estimate.kernels.kernel_rows_line).
     kernel_rows: str = ""
+    #: --optimizer-cpu-offload's host tensors by rank (memo_ext.estimate.host_memory)
+    host_optimizer: object = None
 
     @property
     def worst_stage(self) -> StagePrediction:
@@ -105,8 +107,11 @@ class Prediction:
             return f"OOM on device ({where})"
         if not self.host_fits:
             host = self.host_memory
+            optimizer = host.terms.get("optimizer_offload", 0)
+            rest = host.total_bytes - host.arena_bytes - optimizer
             return (f"OOM on host ({host.total_bytes / 1e9:.0f} GB per node > "
                     f"{self.host_capacity_bytes / 1e9:.0f} GB: offloaded activations "
-                    f"{host.arena_bytes / 1e9:.0f} GB, processes, data loader and kernel "
-                    f"{(host.total_bytes - host.arena_bytes) / 1e9:.0f} GB)")
+                    f"{host.arena_bytes / 1e9:.0f} GB, "
+                    + (f"offloaded optimizer {optimizer / 1e9:.0f} GB, " if optimizer else "")
+                    + f"processes, data loader and kernel {rest / 1e9:.0f} GB)")
         return "FITS"

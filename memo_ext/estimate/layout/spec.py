@@ -99,6 +99,9 @@ class Layout:
     projection_tiles: int = 0  # the attention's QKV and output projections, likewise
     head_chunks: int = 1  # the core attention over this many chunks of query groups
     offload_buffers: int = 2  # memo: device buffers offloaded data passes through (1 or 2)
+    # --optimizer-cpu-offload's --optimizer-offload-fraction (None: off; with the distributed
+    # optimizer and --use-precision-aware-optimizer, Megatron-LM's requirements)
+    optimizer_offload: Optional[float] = None
 
     @property
     def gpus(self) -> int:
@@ -129,6 +132,10 @@ class Layout:
         if stage is not None and self.pp > 1:
             fields.update(rank=stage.rank, microbatches_in_flight=stage.microbatches_in_flight)
         fields.update(target_fields(hardware))
+        if self.optimizer_offload is not None:  # the CPU trainer too: offload needs the
+            # distributed optimizer
+            fields.update(distributed_optimizer=True, optimizer_cpu_offload=True,
+                          optimizer_offload_fraction=self.optimizer_offload)
         return TraceRequest(model=model, seq_length=seq, **fields)
 
     def offloaded_per_stage(self, layers: int, stage: Stage) -> int:
@@ -201,6 +208,9 @@ class Layout:
                 seq // self.cp, self.projection_tiles, self.tp)
         if self.head_chunks > 1:
             flags["memo_attention_head_chunks"] = self.head_chunks
+        if self.optimizer_offload is not None:
+            flags.update(use_precision_aware_optimizer=True, optimizer_cpu_offload=True,
+                         optimizer_offload_fraction=f"{self.optimizer_offload:g}")
         return render_flags(flags)
 
     def describe(self) -> str:
@@ -221,5 +231,7 @@ class Layout:
             policy += f", heads in {self.head_chunks} chunks"
         if self.policy == "megatron-block":
             policy += f" {self.recompute_layers} layers per stage"
+        if self.optimizer_offload is not None:
+            policy += f", optimizer {self.optimizer_offload:g} on the host"
         return (f"TP={self.tp} CP={self.cp} PP={self.pp} DP={self.dp} mbs={self.micro_batch} "
                 f"{policy}")

@@ -389,3 +389,40 @@ def test_trainer_flags_are_accepted_by_the_trainer(layout):
         assert args.memo_offload_buffers == layout.offload_buffers
     # 16 tiles of this rank's CP shard (1048576 / CP 2 tokens), as fc1 sees them
     assert args.memo_mlp_tile_size == (32768 if layout.mlp_tiles else 0)
+
+
+@pytest.mark.slow  # ~2 min at load 12 (six layouts' traces); the default suite keeps the
+# tracer's, host model's and cost model's offload tests
+def test_optimizer_cpu_offload_for_one_layout(tmp_path):
+    """tools/estimate.py with the trainer's --optimizer-cpu-offload flags, one layout: the
+    device holds less, the host model gains the offloaded optimizer's term, the flag line
+    carries the flags; the trainer's rules refused in one line."""
+    import json
+
+    model = tmp_path / "model.json"
+    # weights enough for their Adam states to show in GiB beside the activations
+    model.write_text(json.dumps({"num_layers": 2, "hidden_size": 1024, "ffn_hidden_size": 4096,
+                                 "num_attention_heads": 8, "vocab_size": 32000}))
+    argv = ["--model", str(model), "--gpu", "a800", "--tensor-model-parallel-size", "1",
+            "--gpus", "2", "--global-batch-size", "2", "--seq-length", "16384",
+            "--cache-dir", str(tmp_path / "cache"), "--use-distributed-optimizer"]
+    offload = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1"]
+
+    def device_gib(out: str) -> float:
+        match = re.search(r"^seq 16384: .*= ([\d.]+) of [\d.]+ GiB per rank: FITS$", out, re.M)
+        assert match, out
+        return float(match.group(1))
+
+    code, plain = run_estimate_cli(argv)
+    assert code == 0, plain
+    code, out = run_estimate_cli(argv + offload)
+    assert code == 0, out
+    assert device_gib(out) < device_gib(plain)
+    assert "host memory for the offloaded optimizer" in out
+    assert "host memory for the offloaded optimizer" not in plain
+    assert "--use-precision-aware-optimizer --optimizer-cpu-offload " \
+           "--optimizer-offload-fraction 1" in out
+    for bad in (["--optimizer-offload-fraction", "0.5"], offload + ["--recommend"]):
+        assert run_estimate_cli(argv + bad)[0] == 2, bad
+    assert run_estimate_cli([a for a in argv if a != "--use-distributed-optimizer"]
+                            + offload)[0] == 2

@@ -175,3 +175,70 @@ def test_estimator_matches_the_cpu_trainers_host_slots(tmp_path):
     row = re.search(r"^\| pp2 \|.*?\| ([\d,]+) \| ([\d,]+) \| ([+-][\d.]+)% \|",
                     output.read_text(), re.M)
     assert row and abs(float(row.group(3))) <= 2.0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_estimator_matches_the_cpu_trainers_offloaded_optimizer(tmp_path):
+    """bench/host_memory.py's cp2-opt05 row (CP=2, --optimizer-offload-fraction 0.5, the two
+    ranks' host tensors differing): the estimator's optimizer_offload term equals, byte for
+    byte, the host tensors the two ranks' HybridDeviceOptimizers hold (~3 min on 2 cores; the
+    default suite keeps the tracer's test against the real optimizer in process)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, subprocess_env
+
+    output = tmp_path / "host_memory.md"
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "host_memory.py"),
+                           "--only", "cp2-opt05", "--output", str(output),
+                           "--run-dir", str(tmp_path / "runs")],
+                          cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    row = re.search(r"^\| cp2-opt05 \|.*?\| ([\d,]+) \| ([\d,]+) \| ([+-][\d.]+)% \|",
+                    output.read_text(), re.M)
+    assert row and row.group(1) == row.group(2)
+
+
+# --- --optimizer-cpu-offload's host tensors ----------------------------------------------------
+
+def _alloc(event_id: int, nbytes: int, pool: str, category: str, module: str) -> dict:
+    return {"id": event_id, "action": "alloc", "bytes": nbytes, "pool": pool,
+            "category": category, "module": module, "phase": "init"}
+
+
+def test_optimizer_host_tensors_are_read_apart_from_memos_slots():
+    from types import SimpleNamespace
+
+    from memo_ext.estimate.host_memory import host_optimizer_tensors
+    from memo_ext.trace import PINNED_MARK
+
+    trace = SimpleNamespace(events=[
+        _alloc(1, 4000, "host", "optimizer", "optimizer:w.host_param"),
+        _alloc(2, 4000, "host", "optimizer", "optimizer:w.host_grad" + PINNED_MARK),
+        _alloc(3, 8000, "device", "optimizer", "optimizer:v.exp_avg"),
+        _alloc(4, 5000, "host", "activation", None),  # a MEMO slot
+    ])
+    assert host_optimizer_tensors(trace) == ((4000, False), (4000, True))
+    assert host_slot_bytes(trace) == [5000]
+
+
+def test_optimizer_term_sums_each_local_ranks_own_tensors_pinned_in_power_of_two_blocks():
+    from memo_ext.estimate.host_memory import OptimizerHostTensors
+
+    # TP=2, DP=2 on one 4-rank node: rank 2 (DP rank 1) traced apart, rank 3 its TP peer's
+    tensors = OptimizerHostTensors({0: ((3000, True), (100, False)), 2: ((1000, True),)},
+                                   tp=2, cp=1, dp=2)
+    options = dict(tp=2, cp=1, pp=1, dp=2, stages=[StageSlots(0, 1, ())], ranks_per_node=4,
+                   seq=1024, optimizer_tensors=tensors.tensors, process_bytes=0)
+    cuda = node_host_memory(page_locked=True, **options)
+    assert cuda.terms["optimizer_offload"] == 2 * (4096 + 100) + 2 * 1024
+    cpu = node_host_memory(page_locked=False, **options)
+    assert cpu.terms["optimizer_offload"] == 2 * 3100 + 2 * 1000
+    assert "optimizer_offload" in TERMS
+    assert node_host_memory(page_locked=False, **{**options, "optimizer_tensors": None}) \
+        .terms["optimizer_offload"] == 0
+    # PP=2: a rank of stage 1 not traced takes its stage's first rank's
+    staged = OptimizerHostTensors({0: ((8, False),), 4: ((16, False),)}, tp=2, cp=1, dp=2)
+    assert staged.tensors(7) == ((16, False),) and staged.tensors(1) == ((8, False),)
