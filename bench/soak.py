@@ -330,7 +330,9 @@ def _commit(tree: Path) -> str:
         return "unknown (not a git checkout; give --source-commit)"
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree,
                           capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree,
+    # The bench's own results change as it runs: they do not make the trainer uncommitted.
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":(exclude)bench/results"], cwd=tree,
                            capture_output=True, text=True).stdout.strip()
     return head + (" + uncommitted changes" if dirty else "")
 
@@ -378,7 +380,7 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
         lines += [f"Sequence length {any_row['seq_length']}, micro-batch "
                   f"{any_row.get('micro_batch_size', 1)}, warm-up {any_row['warmup']} "
                   f"iterations, commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} "
-                  "(per row below). Noise floors: "
+                  "(each row's beside its command below). Noise floors: "
                   + "; ".join(f"{name} ({main[name]['layout']}, global batch "
                               f"{main[name].get('global_batch_size', 2)}) "
                               f"**{_fmt(value)} MiB/iteration**"
@@ -406,9 +408,6 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
             lines += ["", f"Not run yet: {', '.join(missing)}."]
     others = {name: rows for name, rows in groups.items() if name != MAIN_GROUP}
     if others:
-        # Each row's floor comes from a plain run of its layout and shape, in whatever group.
-        shape_floors = {(name, _shape(row)): noise_floor(row) for rows in groups.values()
-                        for name, row in rows.items() if name in FLOORS}
         lines += ["", "## Other runs (before/after pairs)", "",
                   "The noise floor of a row is that of the plain run of its layout (plain or "
                   "plain-dp2), sequence length and batch.", "",
@@ -418,7 +417,7 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, rows in sorted(others.items()):
             for row in rows.values():
-                row_floor = shape_floors.get((row.get("floor", "plain"), _shape(row)))
+                row_floor = _group_floor(groups, name, row)
                 slope = row.get("slope_mib_per_iteration")
                 second = row.get("second_half_slope_mib_per_iteration")
                 lines.append(
@@ -440,6 +439,15 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
               "at the end of the warm-up)."]
     md_path.write_text("\n".join(lines) + "\n")
     _plot(groups, png_path)
+
+
+def _group_floor(groups: dict, group: str, row: dict) -> Optional[float]:
+    """The noise floor of the plain run of ``row``'s layout and shape: its own group's if there
+    is one (a run as long as it), else any group's."""
+    plain, shape = row.get("floor", "plain"), _shape(row)
+    candidates = [groups[group].get(plain)] + [rows.get(plain) for rows in groups.values()]
+    return next((noise_floor(c) for c in candidates if c is not None and _shape(c) == shape),
+                None)
 
 
 def _shape(row: dict) -> tuple:
