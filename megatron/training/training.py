@@ -13,7 +13,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -52,7 +52,6 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
-    losses: list = field(default_factory=list)
 
 
 def print_rank_last(message: str) -> None:
@@ -507,8 +506,6 @@ def _train_loop(args, state, model, optimizer, scheduler, mechanisms, logger, si
         manual_gc.after_step(state.iteration)
         state.consumed_train_samples += args.global_batch_size
         mechanisms.end_step(state.iteration)
-        if "lm loss" in losses:
-            state.losses.append(losses["lm loss"])
         logger.log(state.iteration, losses, logged_lr(optimizer, scheduler), grad_norm, skipped)
         mechanisms.report(state.iteration, logger)  # collective (telemetry's fail-fast)
 
