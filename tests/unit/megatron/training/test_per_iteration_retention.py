@@ -15,15 +15,14 @@ tensors compat/'s CUDA shims create on their behalf; and the RSS sampler thread'
 flight whenever a snapshot is taken.
 
 Found this way: the loop appended each iteration's loss to TrainState.losses, a list nothing
-read (32 bytes per iteration, 32 MB over a million iterations; invisible to the soak).
+read (a float and its list slot, about 32 bytes per iteration: 32 MB over a million
+iterations, far below what the soak's RSS slope resolves).
 """
 
 from __future__ import annotations
 
 import gc
 import tracemalloc
-
-import pytest
 
 from tests.conftest import REPO_ROOT, TINY_GPT_ARGS
 from tests.gloo_ranks import _free_port
@@ -37,6 +36,8 @@ def _ours(traceback) -> bool:
     allocating, oldest = traceback[-1].filename, traceback[0].filename
     return (allocating.startswith(OURS) and not allocating.startswith(ON_BEHALF)
             and not oldest.endswith("threading.py"))
+
+
 # Two layers, 64 tokens, one micro-batch of 2: a few hundredths of a second per iteration.
 FLAGS = [*TINY_GPT_ARGS, "--num-layers", "2", "--global-batch-size", "2",
          "--train-iters", str(WARMUP + 2 * CHECKED), "--log-interval", "1000"]
