@@ -10,7 +10,9 @@ second half of the steady iterations tells growth that stops (a cache or allocat
 filling after the warm-up) from growth that goes on (a leak).
 
 Noise floor: the plain run's steady iterations are cut into four windows and a line is fitted to
-each; the floor is the largest |slope| of any window on any rank. A shorter window gives a
+each; the floor is the largest |slope| of any window on any rank. Each row is judged by the plain
+run of its own layout: ``plain`` (TP=2+SP) for the model-parallel rows, ``plain-dp2`` for the
+data-parallel ones (distributed optimizer, optimizer offload, --overlap-param-gather). A shorter window gives a
 noisier slope than the whole run, so the floor is generous: a mechanism is ``flat`` when its
 whole-run slope is at most the floor; ``settling`` when it is above but its second-half slope is
 within the floor; ``grows`` when both are above. (Issue 42's leak measured 0.36
