@@ -10,7 +10,9 @@ second half of the steady iterations tells growth that stops (a cache or allocat
 filling after the warm-up) from growth that goes on (a leak).
 
 Noise floor: the plain run's steady iterations are cut into four windows and a line is fitted to
-each; the floor is the largest |slope| of any window on any rank. A shorter window gives a
+each; the floor is the largest |slope| of any window on any rank. Each row is judged by the plain
+run of its own layout: ``plain`` (TP=2+SP) for the model-parallel rows, ``plain-dp2`` for the
+data-parallel ones (distributed optimizer, optimizer offload, --overlap-param-gather). A shorter window gives a
 noisier slope than the whole run, so the floor is generous: a mechanism is ``flat`` when its
 whole-run slope is at most the floor; ``settling`` when it is above but its second-half slope is
 within the floor; ``grows`` when both are above. (Issue 42's leak measured 0.36
@@ -42,7 +44,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -83,13 +85,28 @@ def rank_main(argv: list[str]) -> None:
 @dataclass(frozen=True)
 class Mechanism:
     name: str
-    flags: tuple[str, ...]
+    flags: tuple[str, ...]  # "{run}" stands for the run's directory (TensorBoard, W&B files)
     layout: str  # in words, for the table
     documents: bool = False  # packed documents: data with end-of-document tokens
+    # Data-parallel ranks: the global batch is this many times --global-batch-size, so that each
+    # rank still runs the same micro-batches per iteration as under TP, CP or PP.
+    data_parallel: int = 1
+    floor: str = "plain"  # the plain row of the same layout, whose noise floor judges this one
+    env: tuple[tuple[str, str], ...] = ()
 
 
 TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
 MEMO = (*TP2_SP, "--memo-offload", "--memo-alpha")
+DISTRIBUTED_OPTIMIZER = ("--use-distributed-optimizer",)
+OFFLOAD = (*DISTRIBUTED_OPTIMIZER, "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+           "--optimizer-offload-fraction")
+
+
+def data_parallel(name: str, flags: tuple[str, ...]) -> Mechanism:
+    """A data-parallel mechanism: 2 DP ranks, judged against plain-dp2's floor."""
+    return Mechanism(name, flags, "DP=2", data_parallel=2, floor="plain-dp2")
+
+
 MECHANISMS = (
     Mechanism("plain", TP2_SP, "TP=2+SP"),
     Mechanism("memo-alpha-0", (*MEMO, "0"), "TP=2+SP"),
@@ -109,8 +126,22 @@ MECHANISMS = (
               "CP=2", documents=True),
     Mechanism("telemetry", (*TP2_SP, "--memo-telemetry"), "TP=2+SP"),
     Mechanism("planned-arena", (*TP2_SP, "--memo-plan", "auto"), "TP=2+SP"),
+    Mechanism("plain-dp2", (), "DP=2", data_parallel=2, floor="plain-dp2"),
+    data_parallel("distributed-optimizer", DISTRIBUTED_OPTIMIZER),
+    data_parallel("optimizer-offload-0.5", (*OFFLOAD, "0.5")),
+    data_parallel("optimizer-offload-1.0", (*OFFLOAD, "1.0")),
+    data_parallel("overlap-param-gather", (*DISTRIBUTED_OPTIMIZER, "--overlap-grad-reduce",
+                                           "--overlap-param-gather")),
+    Mechanism("timers", (*TP2_SP, "--timing-log-level", "2", "--log-timers-to-tensorboard",
+                         "--tensorboard-dir", "{run}/tensorboard"), "TP=2+SP"),
+    Mechanism("wandb-offline", (*TP2_SP, "--wandb-project", "soak", "--wandb-save-dir",
+                                "{run}/wandb"), "TP=2+SP", env=(("WANDB_MODE", "offline"),)),
+    Mechanism("manual-gc", (*TP2_SP, "--manual-gc", "--manual-gc-interval", "10"), "TP=2+SP"),
+    Mechanism("per-token-loss", (*TP2_SP, "--calculate-per-token-loss"), "TP=2+SP"),
+    Mechanism("empty-unused-memory", (*TP2_SP, "--empty-unused-memory-level", "2"), "TP=2+SP"),
 )
 BY_NAME = {m.name: m for m in MECHANISMS}
+FLOORS = tuple(dict.fromkeys(m.floor for m in MECHANISMS))  # the plain rows: plain, plain-dp2
 
 
 def model_flags(seq_length: int, iterations: int, micro_batch: int = 1,
@@ -254,15 +285,16 @@ def run_mechanism(mechanism: Mechanism, opts, run_dir: Path, say) -> dict:
         stale.unlink()
     source = Path(opts.source_tree).resolve()
     python = sys.executable
-    trainer = model_flags(opts.seq_length, opts.iterations, opts.micro_batch_size,
-                          opts.global_batch_size) + list(mechanism.flags)
+    global_batch = opts.global_batch_size * mechanism.data_parallel
+    trainer = model_flags(opts.seq_length, opts.iterations, opts.micro_batch_size, global_batch)
+    trainer += [flag.replace("{run}", str(run_dir)) for flag in mechanism.flags]
     trainer += (documents_data(opts.run_dir, python) if mechanism.documents else ["--mock-data"])
     command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(Path(__file__).resolve()), *trainer]
     env = {key: value for key, value in os.environ.items()
            if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update({"PYTHONPATH": str(source), "OMP_NUM_THREADS": "1", RSS_DIR_ENV: str(rss_dir),
-                "PYTHONWARNINGS": "ignore"})
+                "PYTHONWARNINGS": "ignore", **dict(mechanism.env)})
     say(f"{mechanism.name}: {opts.iterations} iterations ({mechanism.layout}) -> {run_dir}")
     start = time.monotonic()
     with open(run_dir / "train.log", "w") as log:
@@ -272,13 +304,15 @@ def run_mechanism(mechanism: Mechanism, opts, run_dir: Path, say) -> dict:
     iterations = min((len(points) for points in samples.values()), default=0)
     result = {
         "mechanism": mechanism.name, "layout": mechanism.layout, "flags": list(mechanism.flags),
-        "iterations": iterations, "requested_iterations": opts.iterations,
-        "seq_length": opts.seq_length, "micro_batch_size": opts.micro_batch_size,
-        "global_batch_size": opts.global_batch_size, "warmup": opts.warmup, "exit_status": done.returncode,
+        "floor": mechanism.floor, "iterations": iterations,
+        "requested_iterations": opts.iterations, "seq_length": opts.seq_length,
+        "micro_batch_size": opts.micro_batch_size, "global_batch_size": global_batch,
+        "warmup": opts.warmup, "exit_status": done.returncode,
         "wall_s": round(wall, 1),
         "seconds_per_iteration": seconds_per_iteration(rss_dir, opts.warmup),
         "source_tree": str(source), "commit": opts.source_commit or _commit(source),
         "command": ("" if source == REPO else f"(trainer from {source.name}) ")
+                   + "".join(f"{key}={value} " for key, value in mechanism.env)
                    + "PYTHONPATH=. OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 "
                    "bench/soak.py " + shlex.join(trainer).replace(str(opts.run_dir), "runs/soak"),
         "series": {str(rank): [[x, round(y, 2)] for x, y in points]
@@ -298,7 +332,9 @@ def _commit(tree: Path) -> str:
         return "unknown (not a git checkout; give --source-commit)"
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree,
                           capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree,
+    # The bench's own results change as it runs: they do not make the trainer uncommitted.
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":(exclude)bench/results"], cwd=tree,
                            capture_output=True, text=True).stdout.strip()
     return head + (" + uncommitted changes" if dirty else "")
 
@@ -323,7 +359,8 @@ def _fmt(value: Optional[float], digits: int = 4) -> str:
 def render(data: dict, md_path: Path, png_path: Path) -> None:
     groups = data["groups"]
     main = groups.get(MAIN_GROUP, {})
-    floor = noise_floor(main["plain"]) if "plain" in main else None
+    # Each layout's floor comes from its own plain run (plain, plain-dp2).
+    floors = {name: noise_floor(main[name]) for name in FLOORS if name in main}
     lines = ["# Soak: host memory over long runs (bench/soak.py)", "",
              "Issue 42, finding 2. Each mechanism trains a tiny GPT (4 layers, hidden 64, 4 heads, "
              "vocabulary 512, fp32, no dropout; sequence length and batch below) on "
@@ -331,7 +368,9 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
              "line is fitted to the iterations after the warm-up; a mechanism's slope is its "
              "steepest rank's. Noise floor: the largest |slope| of any quarter of the plain "
              "run's steady iterations on any rank (a quarter is noisier than the whole run, so "
-             "the floor is generous); **flat**: slope <= floor; **settling**: above the floor "
+             "the floor is generous), from the plain run of the row's layout (`plain`: TP=2+SP, "
+             "`plain-dp2`: two data-parallel ranks, each running the same two micro-batches per "
+             "iteration, so a global batch twice as large); **flat**: slope <= floor; **settling**: above the floor "
              "over the whole run but within it over the second half of the steady iterations "
              "(growth that stops); **grows**: above it over both.", ""]
     meta = data.get("meta", {})
@@ -339,25 +378,31 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
         lines += [f"Machine: {meta.get('machine', '?')}. Written {meta.get('written', '?')}.", ""]
     if main:
         any_row = next(iter(main.values()))
+        commits = sorted({row["commit"] for row in main.values()})
         lines += [f"Sequence length {any_row['seq_length']}, micro-batch "
-                  f"{any_row.get('micro_batch_size', 1)}, global batch "
-                  f"{any_row.get('global_batch_size', 2)}, warm-up {any_row['warmup']} "
-                  f"iterations, commit {any_row['commit']}. Noise floor (plain): "
-                  f"**{_fmt(floor)} MiB/iteration**.", "",
-                  "| mechanism | layout | iterations | RSS slope (MiB/iteration) | second half "
-                  "| noise floor | steady growth (MiB) | RSS at end (MiB, max rank) | s/iteration "
-                  "| verdict |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"{any_row.get('micro_batch_size', 1)}, warm-up {any_row['warmup']} "
+                  f"iterations, commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} "
+                  "(each row's beside its command below). Noise floors: "
+                  + "; ".join(f"{name} ({main[name]['layout']}, global batch "
+                              f"{main[name].get('global_batch_size', 2)}) "
+                              f"**{_fmt(value)} MiB/iteration**"
+                              for name, value in floors.items()) + ".", "",
+                  "| mechanism | layout | global batch | iterations | RSS slope (MiB/iteration) "
+                  "| second half | noise floor (of) | steady growth (MiB) "
+                  "| RSS at end (MiB, max rank) | s/iteration | verdict |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for mechanism in MECHANISMS:
             row = main.get(mechanism.name)
             if row is None:
                 continue
+            floor = floors.get(mechanism.floor)
             slope = row.get("slope_mib_per_iteration")
             second = row.get("second_half_slope_mib_per_iteration")
             status = "" if row["exit_status"] == 0 else f" (exit {row['exit_status']})"
             lines.append(
-                f"| {mechanism.name} | {row['layout']} | {row['iterations']}{status} | "
-                f"{_fmt(slope)} | {_fmt(second)} | {_fmt(floor)} | "
+                f"| {mechanism.name} | {row['layout']} | {row.get('global_batch_size', 2)} | "
+                f"{row['iterations']}{status} | {_fmt(slope)} | {_fmt(second)} | "
+                f"{_fmt(floor)} ({mechanism.floor}) | "
                 f"{_fmt(row.get('growth_mib'), 1)} | {_fmt(row.get('end_mib'), 0)} | "
                 f"{_fmt(row.get('seconds_per_iteration'), 3)} | {verdict(slope, floor, second)} |")
         missing = [m.name for m in MECHANISMS if m.name not in main]
@@ -365,19 +410,16 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
             lines += ["", f"Not run yet: {', '.join(missing)}."]
     others = {name: rows for name, rows in groups.items() if name != MAIN_GROUP}
     if others:
-        # Each shape's floor comes from a plain run of the same shape, in whatever group.
-        floors = {_shape(row): noise_floor(row) for rows in groups.values()
-                  for name, row in rows.items() if name == "plain"}
         lines += ["", "## Other runs (before/after pairs)", "",
-                  "The noise floor of a row is that of the plain run of its sequence length and "
-                  "batch.", "",
+                  "The noise floor of a row is that of the plain run of its layout (plain or "
+                  "plain-dp2), sequence length and batch.", "",
                   "| group | mechanism | seq | micro / global batch | commit | iterations "
                   "| RSS slope (MiB/iteration) | second half | noise floor | steady growth (MiB) "
                   "| RSS at end (MiB) | s/iteration | verdict |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, rows in sorted(others.items()):
             for row in rows.values():
-                row_floor = floors.get(_shape(row))
+                row_floor = _group_floor(groups, name, row)
                 slope = row.get("slope_mib_per_iteration")
                 second = row.get("second_half_slope_mib_per_iteration")
                 lines.append(
@@ -401,6 +443,15 @@ def render(data: dict, md_path: Path, png_path: Path) -> None:
     _plot(groups, png_path)
 
 
+def _group_floor(groups: dict, group: str, row: dict) -> Optional[float]:
+    """The noise floor of the plain run of ``row``'s layout and shape: its own group's if there
+    is one (a run as long as it), else any group's."""
+    plain, shape = row.get("floor", "plain"), _shape(row)
+    candidates = [groups[group].get(plain)] + [rows.get(plain) for rows in groups.values()]
+    return next((noise_floor(c) for c in candidates if c is not None and _shape(c) == shape),
+                None)
+
+
 def _shape(row: dict) -> tuple:
     return (row["seq_length"], row.get("micro_batch_size", 1), row.get("global_batch_size", 2))
 
@@ -411,22 +462,22 @@ def _plot(groups: dict, png_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(MAIN_GROUP, groups.get(MAIN_GROUP, {}))]
-    others = {f"{g}/{m}": row for g, rows in groups.items() if g != MAIN_GROUP
-              for m, row in rows.items()}
-    figure, axes = plt.subplots(1, 2 if others else 1, figsize=(14 if others else 8, 5),
-                                squeeze=False)
-    for axis in axes[0]:
-        axis.set_prop_cycle(color=plt.cm.tab20.colors)  # 13 mechanisms: no repeated colour
-    axis = axes[0][0]
-    for name, row in panels[0][1].items():
-        _series(axis, name, row)
-    axis.set_title(f"{MAIN_GROUP}: RSS growth after warm-up, per mechanism")
+    # One panel per noise floor (layout) of the soak table, one for the before/after pairs.
+    main = groups.get(MAIN_GROUP, {})
+    panels = [(f"{MAIN_GROUP}: RSS growth after warm-up (noise floor of {floor})",
+               {m.name: main[m.name] for m in MECHANISMS if m.floor == floor and m.name in main})
+              for floor in FLOORS]
+    panels = [(title, rows) for title, rows in panels if rows] or [(MAIN_GROUP, {})]
+    others = {f"{g}/{m} (seq {row['seq_length']})": row for g, rows in sorted(groups.items())
+              if g != MAIN_GROUP for m, row in sorted(rows.items())}
     if others:
-        axis = axes[0][1]
-        for name, row in sorted(others.items()):
-            _series(axis, f"{name} (seq {row['seq_length']})", row)
-        axis.set_title("before/after pairs")
+        panels.append(("before/after pairs", others))
+    figure, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for axis, (title, rows) in zip(axes[0], panels):
+        axis.set_prop_cycle(color=plt.cm.tab20.colors)  # up to 20 series: no repeated colour
+        for name, row in rows.items():
+            _series(axis, name, row)
+        axis.set_title(title, fontsize=10)
     for axis in axes[0]:
         axis.set_xlabel("iteration")
         axis.set_ylabel("RSS - RSS at end of warm-up (MiB)")

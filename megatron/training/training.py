@@ -14,7 +14,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -54,7 +54,6 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
-    losses: list = field(default_factory=list)
 
 
 def print_rank_last(message: str) -> None:
@@ -522,8 +521,6 @@ def _train_loop(args, state, model, optimizer, scheduler, mechanisms, logger, si
         manual_gc.after_step(state.iteration)
         state.consumed_train_samples += args.global_batch_size
         mechanisms.end_step(state.iteration)
-        if "lm loss" in losses:
-            state.losses.append(losses["lm loss"])
         logger.log(state.iteration, losses, logged_lr(optimizer, scheduler), grad_norm, skipped)
         mechanisms.report(state.iteration, logger)  # collective (telemetry's fail-fast)
         if args.optimizer_cpu_offload and state.iteration == 1:  # its host state now exists

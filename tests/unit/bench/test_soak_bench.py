@@ -79,7 +79,42 @@ def test_report_has_the_table_the_pairs_and_the_plot(soak, tmp_path):
     md, png = tmp_path / "soak.md", tmp_path / "soak.png"
     soak.render(data, md, png)
     text = md.read_text()
-    assert "| plain | TP=2+SP | 400 |" in text and "| flat |" in text
+    assert "| plain | TP=2+SP | 2 | 400 |" in text and "| flat |" in text
     assert "| seq512-before | memo-alpha-1 | 512 |" in text
     assert "Not run yet: memo-alpha-0" in text
     assert png.stat().st_size > 10_000
+
+
+def test_each_row_is_judged_by_the_plain_run_of_its_layout(soak, tmp_path):
+    """A DP=2 row against plain-dp2's floor, a TP=2+SP row against plain's: the same slope is
+    within a noisy layout's floor and above a quiet one's."""
+    def row(name, slope, noise, seed, layout="TP=2+SP", floor="plain", batch=2):
+        samples = {0: _series(slope, noise, seed), 1: _series(slope, noise, seed + 1)}
+        return {"mechanism": name, "layout": layout, "floor": floor, "flags": [],
+                "iterations": 400, "requested_iterations": 400, "seq_length": 128,
+                "micro_batch_size": 1, "global_batch_size": batch, "warmup": 40,
+                "exit_status": 0, "wall_s": 1.0, "seconds_per_iteration": 0.2,
+                "source_tree": "x", "commit": "abc1234", "command": "torchrun ...",
+                "series": {str(r): [list(p) for p in s] for r, s in samples.items()},
+                **soak.analyse(samples, 40)}
+
+    assert soak.BY_NAME["distributed-optimizer"].floor == "plain-dp2"
+    assert soak.BY_NAME["timers"].floor == "plain"
+    data = {"groups": {"soak": {
+        "plain": row("plain", 0.0, 0.01, 20),  # a quiet layout: a low floor
+        "plain-dp2": row("plain-dp2", 0.0, 6.0, 22, "DP=2", "plain-dp2", 4),  # a noisy one
+        "timers": row("timers", 0.012, 0.01, 24),
+        "distributed-optimizer": row("distributed-optimizer", 0.012, 0.01, 26, "DP=2",
+                                     "plain-dp2", 4)}}}
+    floors = {name: soak.noise_floor(data["groups"]["soak"][name])
+              for name in ("plain", "plain-dp2")}
+    assert floors["plain"] < 0.01 < 0.02 < floors["plain-dp2"]
+    md = tmp_path / "soak.md"
+    soak.render(data, md, tmp_path / "soak.png")
+    lines = {line.split(" | ")[0].strip("| "): line for line in md.read_text().splitlines()
+             if line.startswith("| ")}
+    assert f"| {floors['plain']:.4f} (plain) |" in lines["timers"]
+    assert lines["timers"].endswith("| grows |")
+    assert f"| {floors['plain-dp2']:.4f} (plain-dp2) |" in lines["distributed-optimizer"]
+    assert lines["distributed-optimizer"].endswith("| flat |")
+    assert "| DP=2 | 4 | 400 |" in lines["plain-dp2"]
