@@ -151,8 +151,9 @@ def measure(command: list[str], run_dir: Path) -> tuple[list[dict], str]:
     return [ranks[r] for r in sorted(ranks)], str(log)
 
 
-def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> dict:
-    started = time.perf_counter()
+def predicted_layout(config: Config, cache: TraceCache, say):
+    """The estimator's model of ``config``'s layout, on this machine's measured CPU profile,
+    traced whole (``exhaustive``), and its prediction at the trainer's length."""
     layout = config.layout
     model_shape = {**MODEL, "num_layers": config.num_layers}
     hardware = measure_cpu_profile(model_shape, {"tp": layout.tp, "cp": layout.cp,
@@ -164,7 +165,13 @@ def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> dict:
                                   cache=cache, exhaustive=True,
                                   global_batch=config.global_batch,
                                   num_layers=config.num_layers)
-    prediction = model.predict(SEQ)
+    return model, model.predict(SEQ)
+
+
+def run_config(config: Config, cache: TraceCache, run_root: Path, say) -> dict:
+    started = time.perf_counter()
+    layout = config.layout
+    model, prediction = predicted_layout(config, cache, say)
     host = prediction.host_memory
     stages = [StageSlots(p.stage.index, p.stage.microbatches_in_flight, p.host_slots)
               for p in prediction.stages]
@@ -207,17 +214,7 @@ def run_offload_config(config: Config, cache: TraceCache, run_root: Path, say) -
     ``optimizer_offload`` term and each rank's own traced tensors."""
     started = time.perf_counter()
     layout = config.layout
-    model_shape = {**MODEL, "num_layers": config.num_layers}
-    hardware = measure_cpu_profile(model_shape, {"tp": layout.tp, "cp": layout.cp,
-                                                 "pp": layout.pp,
-                                                 "micro_batch_size": layout.micro_batch},
-                                   ranks=layout.gpus, repeats=1,
-                                   log=lambda line: say(f"  {line}"))
-    model, _ = build_layout_model(traced_model(None, model_shape), layout, hardware,
-                                  cache=cache, exhaustive=True,
-                                  global_batch=config.global_batch,
-                                  num_layers=config.num_layers)
-    prediction = model.predict(SEQ)
+    model, prediction = predicted_layout(config, cache, say)
     host = prediction.host_memory
     command = trainer_command(model.stages[0].at(SEQ).header["trainer_argv"], config)
     say(f"  trainer: {shlex.join(command[8:])}")

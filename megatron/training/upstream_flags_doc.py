@@ -115,21 +115,27 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_or_check(text: str, doc_path: Path, module: str, description: str,
+                   argv: list[str] | None = None) -> int:
+    """The generated tables' command line: write ``text`` to ``doc_path``, or with ``--check``
+    exit 1 (naming ``python -m module``) when the committed file differs from it."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--check", action="store_true",
-                        help=f"exit 1 if {DOC_PATH.name} differs from what the registry renders")
+                        help=f"exit 1 if {doc_path.name} differs from what the registry renders")
     args = parser.parse_args(argv)
-    text = render()
     if args.check:
-        stale = not DOC_PATH.is_file() or DOC_PATH.read_text(encoding="utf-8") != text
+        stale = not doc_path.is_file() or doc_path.read_text(encoding="utf-8") != text
         if stale:
-            print(f"{DOC_PATH} is stale: run python -m megatron.training.upstream_flags_doc",
-                  file=sys.stderr)
+            print(f"{doc_path} is stale: run python -m {module}", file=sys.stderr)
         return int(stale)
-    DOC_PATH.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC_PATH}")
+    doc_path.write_text(text, encoding="utf-8")
+    print(f"wrote {doc_path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return write_or_check(render(), DOC_PATH, "megatron.training.upstream_flags_doc",
+                          __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

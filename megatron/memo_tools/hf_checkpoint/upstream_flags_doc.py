@@ -10,7 +10,6 @@ committed file differs from what this renders.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
 from pathlib import Path
@@ -27,6 +26,7 @@ from megatron.memo_tools.hf_checkpoint.upstream_flags import (
     Plugin,
 )
 from megatron.training.upstream_flags import ALWAYS, HONOURED, REFUSED, UpstreamFlag
+from megatron.training.upstream_flags_doc import write_or_check
 from megatron.training.upstream_scripts import UPSTREAM_COMMIT, UPSTREAM_REPOSITORY
 
 DOC_PATH = Path(__file__).resolve().parents[3] / "docs" / "megatron_convert_flags.md"
@@ -117,20 +117,9 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help=f"exit 1 if {DOC_PATH.name} differs from what the registry renders")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        stale = not DOC_PATH.is_file() or DOC_PATH.read_text(encoding="utf-8") != text
-        if stale:
-            print(f"{DOC_PATH} is stale: run python -m "
-                  "megatron.memo_tools.hf_checkpoint.upstream_flags_doc", file=sys.stderr)
-        return int(stale)
-    DOC_PATH.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC_PATH}")
-    return 0
+    return write_or_check(render(), DOC_PATH,
+                          "megatron.memo_tools.hf_checkpoint.upstream_flags_doc",
+                          __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

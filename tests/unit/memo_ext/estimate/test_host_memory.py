@@ -153,28 +153,34 @@ def test_the_papers_limit_from_first_principles():
     assert memo_paper_host_limit(paper, 1152 * 1024)["fits"]
 
 
+def _bench_row(config: str, tmp_path) -> re.Match:
+    """Run bench/host_memory.py for one configuration; its table row's measured, predicted and
+    error columns."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, subprocess_env
+
+    output = tmp_path / "host_memory.md"
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "host_memory.py"),
+                           "--only", config, "--output", str(output),
+                           "--run-dir", str(tmp_path / "runs")],
+                          cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    row = re.search(rf"^\| {re.escape(config)} \|.*?\| ([\d,]+) \| ([\d,]+) \| ([+-][\d.]+)% \|",
+                    output.read_text(), re.M)
+    assert row, f"no {config} row in {output}"
+    return row
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_estimator_matches_the_cpu_trainers_host_slots(tmp_path):
     """One configuration of bench/host_memory.py (PP=2, stage 0 with two micro-batches in
     flight): the estimator's arena for the node within 2% of the slots the two trainer ranks
     allocate (~2.5 min on 2 cores)."""
-    import sys
-
-    from tests.conftest import REPO_ROOT, subprocess_env
-
-    import subprocess
-
-    output = tmp_path / "host_memory.md"
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "host_memory.py"),
-                           "--only", "pp2", "--output", str(output),
-                           "--run-dir", str(tmp_path / "runs")],
-                          cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    row = re.search(r"^\| pp2 \|.*?\| ([\d,]+) \| ([\d,]+) \| ([+-][\d.]+)% \|",
-                    output.read_text(), re.M)
-    assert row and abs(float(row.group(3))) <= 2.0
+    assert abs(float(_bench_row("pp2", tmp_path).group(3))) <= 2.0
 
 
 @pytest.mark.slow
@@ -184,21 +190,8 @@ def test_estimator_matches_the_cpu_trainers_offloaded_optimizer(tmp_path):
     ranks' host tensors differing): the estimator's optimizer_offload term equals, byte for
     byte, the host tensors the two ranks' HybridDeviceOptimizers hold (~3 min on 2 cores; the
     default suite keeps the tracer's test against the real optimizer in process)."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT, subprocess_env
-
-    output = tmp_path / "host_memory.md"
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "host_memory.py"),
-                           "--only", "cp2-opt05", "--output", str(output),
-                           "--run-dir", str(tmp_path / "runs")],
-                          cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    row = re.search(r"^\| cp2-opt05 \|.*?\| ([\d,]+) \| ([\d,]+) \| ([+-][\d.]+)% \|",
-                    output.read_text(), re.M)
-    assert row and row.group(1) == row.group(2)
+    row = _bench_row("cp2-opt05", tmp_path)
+    assert row.group(1) == row.group(2)
 
 
 # --- --optimizer-cpu-offload's host tensors ----------------------------------------------------
