@@ -63,9 +63,13 @@ def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
     tiles), else, at the same tiles, the next Megatron policy that recomputes more layers, or
     MEMO at the next smaller alpha. None when there is none (a family's most frugal variant,
     MEMO against Megatron: neither keeps a subset of the other's)."""
+    # Optimizer offload fractions are not paired: a larger one keeps less on the device but
+    # more on the host, so neither variant keeps a subset of the other's. They share their
+    # activation traces (LayoutModel.build) and are pruned by their bounds.
     def same_shape(other: Layout) -> bool:
-        return (other.tp, other.cp, other.pp, other.dp, other.micro_batch) == \
-            (layout.tp, layout.cp, layout.pp, layout.dp, layout.micro_batch)
+        return (other.tp, other.cp, other.pp, other.dp, other.micro_batch,
+                other.optimizer_offload) == (layout.tp, layout.cp, layout.pp, layout.dp,
+                                             layout.micro_batch, layout.optimizer_offload)
 
     candidates = [other for other in layouts if same_shape(other) and other != layout]
     if layout.policy == "memo" and layout.offload_buffers == 2:

@@ -380,6 +380,11 @@ class SymbolicTrace:
         header["estimated_from_seq_lengths"] = list(self.line.seqs)
         header["estimated_from_layers"] = self.layers
         header["work"] = self.work_at(seq, layers, state)
+        # The optimizer's options go with its state (the few layers may have been traced
+        # without its offload: memo_ext.estimate.layout.LayoutModel.build).
+        header.setdefault("options", {}).update(
+            {key: value for key, value in state.header.get("options", {}).items()
+             if key in OPTIMIZER_OPTIONS})
         return Trace(header=header, events=sized)
 
     def work_headers(self, layers: int, state: Trace) -> tuple[dict, dict]:
@@ -428,6 +433,13 @@ class SymbolicTrace:
         if mismatch:
             raise SymbolicError(f"{where} the symbolic work differs from the traced work: "
                                 f"{mismatch}")
+
+
+#: The trace header's options that describe the optimizer, whose state a symbolic trace takes
+#: from the deeper model's persistent trace (:meth:`SymbolicTrace.at`).
+OPTIMIZER_OPTIONS = ("use_distributed_optimizer", "optimizer", "optimizer_cpu_offload",
+                     "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
+                     "grad_buffer_fp32")
 
 
 #: Relative agreement the check asks of each work count. The fitted work is exact where a count

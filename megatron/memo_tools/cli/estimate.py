@@ -180,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "the attention's projections in K tiles too and its query groups "
                              "in up to 8 chunks (--memo-attention-*). The untiled variant is "
                              "traced only when its tiled one reaches the table")
+    search.add_argument("--optimizer-offload-fractions", default="0",
+                        help="optimizer CPU offload fractions searched (comma-separated, each "
+                             "in [0, 1]; default 0: the optimizer on the device). A fraction F "
+                             "> 0 is the trainer's --use-distributed-optimizer "
+                             "--optimizer-cpu-offload --optimizer-offload-fraction F; it moves "
+                             "persistent state only, so its layouts share the activation "
+                             "traces of the same layout without it")
     search.add_argument("--pp-sizes", default="1",
                         help="pipeline sizes searched for the traced policies (comma-separated; "
                              "default 1); SPPO's solver searches every pipeline size")
@@ -392,8 +399,9 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             raise UsageError("--recompute-num-layers applies to --policy megatron-block only "
                              "(megatron full recompute is 1 layer per block, uniform)")
         fixed_layout = any(v is not None for v in _sizes(opts))
-        optimizer_offload = optimizer_offload_fraction(opts, fixed_layout)
-        if opts.recommend or (opts.gpus and not fixed_layout):
+        searching = bool(opts.recommend or (opts.gpus and not fixed_layout))
+        optimizer_offload = optimizer_offload_fraction(opts, searching)
+        if searching:
             if not opts.gpus:
                 raise UsageError("--recommend needs --gpus N")
             if opts.recommend:
@@ -425,6 +433,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
             if any(not 0 <= f <= 1 for f in checkpoints):
                 raise UsageError(f"--checkpoint-fractions {opts.checkpoint_fractions}: each in "
                                  "[0, 1]")
+            optimizer_offloads = searched_optimizer_offloads(opts, optimizer_offload)
             layouts, dropped = candidate_layouts(
                 shape, opts.gpus, hardware, policies=traced, alphas=alphas,
                 micro_batches=_numbers(opts.micro_batch_sizes, "--micro-batch-sizes", int),
@@ -433,7 +442,8 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                 block_fractions=fractions, checkpoint_fractions=checkpoints,
                 offload_fp8={"off": (False,), "on": (True,), "both": (False, True)}[
                     opts.offload_fp8], mlp_tiles=tuple(tiles),
-                offload_buffers=tuple(buffers)) if traced else ([], [])
+                offload_buffers=tuple(buffers),
+                optimizer_offloads=optimizer_offloads) if traced else ([], [])
             sppo_models, sppo_dropped = sppo_layout_models(
                 shape, opts.gpus, hardware, global_batch=opts.global_batch_size,
                 host_memory_gb_per_node=opts.host_memory_gb,
@@ -589,10 +599,14 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         return _fail(str(exc))
 
 
-def optimizer_offload_fraction(opts: argparse.Namespace, fixed_layout: bool):
+def optimizer_offload_fraction(opts: argparse.Namespace, searching: bool):
     """--optimizer-offload-fraction with --optimizer-cpu-offload, else None; the trainer's rules
-    (megatron.training.arguments) and this tool's: one layout, not SPPO's analytic model."""
+    (megatron.training.arguments) and this tool's: not SPPO's analytic model, and
+    --optimizer-offload-fractions for a search only (``searching``), in its stead."""
     fraction = opts.optimizer_offload_fraction
+    if not searching and opts.optimizer_offload_fractions != OFFLOAD_FRACTIONS_DEFAULT:
+        raise UsageError("--optimizer-offload-fractions is searched by --recommend; for one "
+                         "layout give --optimizer-cpu-offload --optimizer-offload-fraction F")
     if not opts.optimizer_cpu_offload:
         if fraction != 1.0:
             raise UsageError("--optimizer-offload-fraction has no effect without "
@@ -603,13 +617,30 @@ def optimizer_offload_fraction(opts: argparse.Namespace, fixed_layout: bool):
     if not opts.use_distributed_optimizer:
         raise UsageError("--optimizer-cpu-offload needs --use-distributed-optimizer (as the "
                          "trainer); add it")
-    if opts.recommend or not fixed_layout:
-        raise UsageError("--optimizer-cpu-offload is estimated for one layout: give its "
-                         "parallel sizes (--tensor-model-parallel-size, ...), not --recommend")
-    if opts.policy == "sppo":
+    if opts.optimizer_offload_fractions != OFFLOAD_FRACTIONS_DEFAULT:
+        raise UsageError("--optimizer-offload-fractions searches fractions; give it or "
+                         "--optimizer-cpu-offload --optimizer-offload-fraction F, not both")
+    if opts.policy == "sppo" and not opts.recommend:
         raise UsageError("--optimizer-cpu-offload --policy sppo: SPPO's analytic model has no "
                          "optimizer offload; use another --policy")
     return fraction
+
+
+#: --optimizer-offload-fractions' default: today's search, the optimizer on the device.
+OFFLOAD_FRACTIONS_DEFAULT = "0"
+
+
+def searched_optimizer_offloads(opts: argparse.Namespace, given) -> tuple:
+    """The optimizer offload fractions a search tries, as Layout.optimizer_offload (None: the
+    optimizer on the device): --optimizer-offload-fractions, or the one fraction of
+    --optimizer-cpu-offload --optimizer-offload-fraction F (``given``)."""
+    if given is not None:
+        return (given,)
+    fractions = _numbers(opts.optimizer_offload_fractions, "--optimizer-offload-fractions")
+    if not fractions or any(not 0 <= f <= 1 for f in fractions):
+        raise UsageError(f"--optimizer-offload-fractions {opts.optimizer_offload_fractions}: "
+                         "give each in [0, 1] (0: the optimizer on the device)")
+    return tuple(dict.fromkeys(f or None for f in fractions))
 
 
 def check_cpu_question(opts: argparse.Namespace, shape: dict) -> None:

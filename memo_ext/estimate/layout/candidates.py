@@ -52,9 +52,12 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                       checkpoint_fractions=CHECKPOINT_FRACTIONS,
                       offload_fp8: tuple[bool, ...] = (False,),
                       mlp_tiles: tuple[int, ...] = (0,),
-                      offload_buffers: tuple[int, ...] = (2,)
+                      offload_buffers: tuple[int, ...] = (2,),
+                      optimizer_offloads: tuple[Optional[float], ...] = (None,)
                       ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """(layouts worth tracing, [(layout, why it was dropped)]) for ``gpus`` GPUs.
+    ``optimizer_offloads``: the --optimizer-offload-fraction of each variant (None: the
+    optimizer on the device, no --optimizer-cpu-offload).
 
     ``model``: num_layers, hidden_size, num_attention_heads, num_query_groups (optional),
     parameters. TP stays within a node (megatron's advice: its collectives sit on the critical
@@ -83,15 +86,17 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                                 if policy == "memo" else
                                 [(None, k, 0, False, 2) for k in blocks]
                                 if policy == "megatron-block" else [(None, None, 0, False, 2)])
-                    for (alpha, recompute_layers, count, fp8, buffers), tiles, micro_batch in \
-                            itertools.product(variants, mlp_tiles, micro_batches):
+                    for (alpha, recompute_layers, count, fp8, buffers), tiles, micro_batch, \
+                            optimizer_offload in itertools.product(
+                                variants, mlp_tiles, micro_batches, optimizer_offloads):
                         # A tiled layout tiles the whole layer: the MLP, the attention's
                         # projections, and the core attention by chunks of query groups.
                         chunks = math.gcd(groups // tp, MAX_HEAD_CHUNKS) if tiles else 1
                         layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch,
                                         recompute_layers, count, fp8, tiles,
                                         projection_tiles=tiles, head_chunks=chunks,
-                                        offload_buffers=buffers)
+                                        offload_buffers=buffers,
+                                        optimizer_offload=optimizer_offload)
                         # alpha splits the (a) layers' tensors: with none, one alpha is traced
                         if policy == "memo" and pp == 1 and alpha != alphas[0] and \
                                 layout.every_layer_checkpointed(model["num_layers"],
@@ -120,7 +125,7 @@ def _infeasible(layout: Layout, model: dict, heads: int, groups: int, per_node: 
     # megatron's distributed optimizer shards over the data-parallel group with the context-
     # parallel ranks in it (CP ranks hold the same weights)
     persistent = shard * WEIGHT_AND_GRAD_BYTES_PER_PARAM + shard * OPTIMIZER_BYTES_PER_PARAM \
-        / (layout.dp * layout.cp)
+        * (1 - (layout.optimizer_offload or 0)) / (layout.dp * layout.cp)
     if persistent >= device:
         return (f"weights, gradients and optimizer state alone need {persistent / 2**30:.0f} "
                 f"GiB per rank")

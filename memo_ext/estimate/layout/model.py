@@ -164,6 +164,11 @@ class LayoutModel:
         microbatches = max(1, global_batch // (layout.dp * layout.micro_batch))
         num_layers = num_layers or model.num_layers
         stage_layers = None if num_layers is None else num_layers // layout.pp
+        # The optimizer's offload moves persistent state only (memo_ext.trace.model_state: its
+        # states are allocated at init, its step is not traced), so a symbolic stage's few-layer
+        # traces and its check are the layout's without it, shared by every fraction; only the
+        # persistent state below is the fraction's own.
+        activations = layout.without_optimizer_offload()
         stages = []
         for stage in layout.stages(microbatches):
             request = layout.trace_request(model, fit_seqs[0], hardware, stage)
@@ -172,8 +177,8 @@ class LayoutModel:
                 continue
             shape = None if stage_layers is None else layout.symbolic_shape(stage_layers, stage)
             if symbolic and shape is not None and stage_layers > shape.check_layers:
-                few = layout.traced_layers_request(model, fit_seqs[0], hardware, stage,
-                                                   shape.layers, shape.checkpoint_layers)
+                few = activations.traced_layers_request(model, fit_seqs[0], hardware, stage,
+                                                        shape.layers, shape.checkpoint_layers)
                 first, second = (cache.trace(few.replace(seq_length=seq)) for seq in fit_seqs)
                 # The persistent state does not depend on the policy (weights, gradients and
                 # optimizer state are the model's): one trace serves every policy of a layout.
@@ -211,7 +216,7 @@ class LayoutModel:
         for model in self.stages:
             if model.checked:
                 continue
-            deeper = self.layout.traced_layers_request(
+            deeper = self.layout.without_optimizer_offload().traced_layers_request(
                 self.model, CHECK_SEQ - CHECK_SEQ % self.multiple, self.hardware, model.stage,
                 model.shape.check_layers, model.shape.check_checkpoint_layers)
             model.symbolic.check(cache.trace(deeper))

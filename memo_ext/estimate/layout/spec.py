@@ -11,7 +11,7 @@ no embedding) and the last stage alone carries the output layer and the loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from memo_ext.config import TiledMLPConfig
@@ -137,6 +137,11 @@ class Layout:
             fields.update(distributed_optimizer=True, optimizer_cpu_offload=True,
                           optimizer_offload_fraction=self.optimizer_offload)
         return TraceRequest(model=model, seq_length=seq, **fields)
+
+    def without_optimizer_offload(self) -> "Layout":
+        """This layout with its optimizer on the device: the one whose activation traces it
+        shares (LayoutModel.build)."""
+        return replace(self, optimizer_offload=None)
 
     def offloaded_per_stage(self, layers: int, stage: Stage) -> int:
         """MEMO's offloaded layers of a ``layers``-layer ``stage`` (the trainer's

@@ -422,7 +422,22 @@ def test_optimizer_cpu_offload_for_one_layout(tmp_path):
     assert "host memory for the offloaded optimizer" not in plain
     assert "--use-precision-aware-optimizer --optimizer-cpu-offload " \
            "--optimizer-offload-fraction 1" in out
-    for bad in (["--optimizer-offload-fraction", "0.5"], offload + ["--recommend"]):
+
+
+def test_optimizer_offload_flags_are_refused_in_one_line(tmp_path, capsys):
+    """The trainer's rules and the search's flag, refused before anything is traced: the
+    fraction without --optimizer-cpu-offload, offload without the distributed optimizer, the
+    search's --optimizer-offload-fractions for one layout, beside the one-layout flags, or
+    outside [0, 1]."""
+    argv = ["--model", "7b", "--gpu", "a800", "--gpus", "8", "--seq-length", "16384",
+            "--cache-dir", str(tmp_path / "cache")]
+    offload = ["--use-distributed-optimizer", "--optimizer-cpu-offload"]
+    layout = ["--tensor-model-parallel-size", "8"]
+    for bad in (["--optimizer-offload-fraction", "0.5"], offload[1:] + layout,
+                ["--optimizer-offload-fractions", "0,1"] + layout,
+                offload + ["--recommend", "--optimizer-offload-fractions", "0,1"],
+                ["--recommend", "--optimizer-offload-fractions", "0,2"]):
+        capsys.readouterr()
         assert run_estimate_cli(argv + bad)[0] == 2, bad
-    assert run_estimate_cli([a for a in argv if a != "--use-distributed-optimizer"]
-                            + offload)[0] == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("estimate.py: error: --optimizer-"), line

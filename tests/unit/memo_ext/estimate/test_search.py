@@ -228,3 +228,45 @@ def test_checks_run_only_for_layouts_that_can_enter_the_table():
         checks.close()
     assert [p.layout for p in ranked] == [layouts[0]]
     assert checked == [layouts[0]]
+
+
+def test_optimizer_offload_fractions_are_separate_families():
+    """Each --optimizer-offload-fraction is its own family of variants: a larger fraction keeps
+    less on the device but more on the host, so no variant pairs across fractions (they are
+    pruned by their bounds instead); within a fraction the families pair as without it."""
+    from dataclasses import replace
+
+    mine = _variants()
+    offloaded = {name: replace(layout, optimizer_offload=1.0) for name, layout in mine.items()}
+    layouts = [*mine.values(), *offloaded.values()]
+    for name, layout in mine.items():
+        assert dominating(layout, layouts) == dominating(layout, list(mine.values())), name
+        assert dominating(offloaded[name], layouts) == (
+            None if dominating(layout, layouts) is None
+            else replace(dominating(layout, layouts), optimizer_offload=1.0)), name
+
+
+def test_candidates_carry_each_offload_fraction():
+    """candidate_layouts gives every layout once per fraction (None: the optimizer on the
+    device), and only the fraction's device share of Adam's states counts against the device
+    before tracing: a model whose states overflow one GPU fits with them on the host."""
+    from memo_ext.estimate.flops import parameter_count
+    from memo_ext.estimate.layout import candidate_layouts
+
+    shape = {"num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 4096,
+             "num_attention_heads": 8, "vocab_size": 32000}
+    params = parameter_count(shape)
+    # 6 B of weights and gradients per parameter fit, 12 B more of Adam's states do not
+    hardware = {"gpus_per_node": 8, "device_memory_bytes": 12 * params}
+    common = dict(policies=["megatron", "megatron-none"], alphas=[0.0], micro_batches=[1],
+                  global_batch=16)
+    plain, plain_dropped = candidate_layouts(shape, 1, hardware, **common)
+    both, dropped = candidate_layouts(shape, 1, hardware, optimizer_offloads=(None, 1.0),
+                                      **common)
+    assert not plain and len(plain_dropped) == 2
+    assert [(layout.policy, layout.optimizer_offload) for layout in both] == [
+        ("megatron", 1.0), ("megatron-none", 1.0)]
+    assert dropped == plain_dropped
+    hardware["device_memory_bytes"] = 20 * params  # everything fits: each layout twice
+    both, _ = candidate_layouts(shape, 1, hardware, optimizer_offloads=(None, 1.0), **common)
+    assert [layout.optimizer_offload for layout in both] == [None, 1.0, None, 1.0]

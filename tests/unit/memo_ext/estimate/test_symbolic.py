@@ -421,6 +421,40 @@ def layout_models(cache):
     return models
 
 
+def test_optimizer_offload_traces_only_its_persistent_state(cache, layout_models,
+                                                          monkeypatch):
+    """A layout with --optimizer-offload-fraction 1 beside the same layout without it (the
+    recommender's --optimizer-offload-fractions): its few-layer traces and its check are the
+    layout's without offload, so only persistent-only traces are traced anew; and the symbolic
+    trace made from them with the offloaded state is the real trace of the offloaded stage,
+    event by event (check), with the offload's options, so the step prices the host
+    optimizer. The device holds Adam's states less."""
+    from memo_ext.estimate.cost import persistent_bytes
+    from memo_ext.estimate.layout import FIT_SEQS
+
+    traced, original = [], cache._traced
+    monkeypatch.setattr(cache, "_traced", lambda request, output: traced.append(request)
+                        or original(request, output))
+    layout = Layout(2, 1, 1, 1, "megatron-none", optimizer_offload=1.0)
+    model, refused = build_layout_model(MODEL, layout, load_hardware("a800"), cache=cache,
+                                        global_batch=16, num_layers=8)
+    monkeypatch.undo()
+    assert refused is None and model.checked and model.stages[0].symbolic is not None
+    assert traced and all(r.persistent_only and r.optimizer_cpu_offload for r in traced)
+    real = cache.trace(layout.trace_request(MODEL, FIT_SEQS[0], load_hardware("a800")))
+    stage = model.stages[0]
+    count = real.header["persistent_events"]
+    assert stage.state.events == real.events[:count]
+    stage.symbolic.check(real)  # the activations' events and work: the same without offload
+    at = stage.at(FIT_SEQS[0])
+    assert at.header["options"]["optimizer_cpu_offload"] is True
+    assert persistent_bytes(at) == persistent_bytes(real) and persistent_bytes(at)["host_shards"]
+    plain = layout_models["megatron-none"]
+    assert plain.predict(FIT_SEQS[0]).stages[0].memory.peak_allocated_bytes - \
+        model.predict(FIT_SEQS[0]).stages[0].memory.peak_allocated_bytes == \
+        persistent_bytes(stage.symbolic.at(FIT_SEQS[0], 8, plain.stages[0].state))["optimizer"]
+
+
 # Slow (~40 s idle, its own 8-layer traces): the default suite keeps symbolic stages checked
 # against deeper real traces (layout_models, event by event at tp2 and pp2-first) and the
 # tiled MLP traced (tests/unit/memo_ext/tiled_mlp/test_tiled_mlp_trace.py).
