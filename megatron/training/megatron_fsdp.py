@@ -15,7 +15,9 @@ megatron.training.compat.megatron_fsdp's shims (docs/training.md, "On CPU").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+from unittest import mock
 
 import torch
 
@@ -129,3 +131,48 @@ def wrap(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
     device = None if torch.cuda.is_available() else torch.device("cpu")
     return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                     device=device)
+
+
+def wrap_fake(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
+    """:func:`wrap` in the tracer's fake world (megatron.training.tracing: FakeTensorMode, a
+    fake process group), so the trace records Megatron-FSDP's own buffers. Three seams, none
+    of which allocates device memory in the trainer:
+
+    - the device mesh's rank bookkeeping (``_init_dist_index``'s ``torch.arange`` / ``tolist``
+      and DeviceMesh's ``mesh`` lookups, ``nonzero``) runs host-side on real tensors: under
+      FakeTensorMode their values, which it reads, do not exist;
+    - ``module.to(device)`` (megatron_fsdp.py:201) is skipped: the fake model is already on
+      the CPU device, and torch swaps each fake parameter for a new one, which the fake mode's
+      weak references refuse; on the GPU the trainer's model is already on its device too;
+    - ``validate_uneven_dtensor`` and ``update_uneven_dtensor_chunk_metadata``
+      (param_and_grad_buffer.py:4155-4159) are skipped: they all_gather_object the other ranks'
+      shard shapes (checkpoint metadata and a bounds check, host objects only), which a fake
+      process group cannot answer."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init_dist_index = FullyShardedDataParallel._init_dist_index
+    mesh = DeviceMesh.mesh.fget
+
+    def host_side_dist_index(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            return init_dist_index(self, *args, **kwargs)
+
+    def host_side_mesh(self):
+        with unset_fake_temporarily():
+            return mesh(self)
+
+    def already_there(device):
+        return module
+
+    with contextlib.ExitStack() as seams:
+        seams.enter_context(mock.patch.object(FullyShardedDataParallel, "_init_dist_index",
+                                              host_side_dist_index))
+        seams.enter_context(mock.patch.object(DeviceMesh, "mesh", property(host_side_mesh)))
+        seams.enter_context(mock.patch.object(module, "to", already_there))
+        for name in ("validate_uneven_dtensor", "update_uneven_dtensor_chunk_metadata"):
+            seams.enter_context(mock.patch.object(param_and_grad_buffer, name,
+                                                  lambda dtensor: None))
+        return wrap(config, ddp_config, module)

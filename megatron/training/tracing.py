@@ -397,7 +397,7 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
         DistributedDataParallelConfig,
     )
 
-    from megatron.training import gpt
+    from megatron.training import gpt, megatron_fsdp
     from memo_ext.attention import kernels
     from memo_ext.trace.cuda_rules import CudaTarget
     from memo_ext.trace import (
@@ -448,13 +448,15 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
         # FakeTensorMode's op cache costs more than it saves on DDP's thousands of one-off
         # views into the contiguous buffers (measured: 9.5 s -> 5.5 s for 7B).
         with uncached(fake_mode):
-            ddp = DistributedDataParallel(
-                config=config,
-                ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-                    overlap_grad_reduce=False,
-                    use_distributed_optimizer=args.use_distributed_optimizer),
-                module=model)
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=args.use_distributed_optimizer,
+                **(megatron_fsdp.ddp_config_fields(args) if args.use_megatron_fsdp else {}))
+            if args.use_megatron_fsdp:  # the trainer's wrap, with the fake world's seams
+                ddp = megatron_fsdp.wrap_fake(config, ddp_config, model)
+            else:
+                ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         ddp.train()
         forward_step, backward_done = make_forward_step(args, ddp, config)
         optimizer_states = _optimizer_states(args, ddp, recorder)
