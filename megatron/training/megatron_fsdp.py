@@ -133,21 +133,23 @@ def wrap(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
                                     device=device)
 
 
-def wrap_fake(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
-    """:func:`wrap` in the tracer's fake world (megatron.training.tracing: FakeTensorMode, a
-    fake process group), so the trace records Megatron-FSDP's own buffers. Three seams, none
-    of which allocates device memory in the trainer:
+
+@contextlib.contextmanager
+def fake_world_seams():
+    """What megatron-core's Megatron-FSDP needs to run in the tracer's fake world
+    (megatron.training.tracing: FakeTensorMode, a fake process group), so the trace records its
+    own buffers; for the trace's lifetime. None of them allocates device memory in the trainer:
 
     - the device mesh's rank bookkeeping (``_init_dist_index``'s ``torch.arange`` / ``tolist``
       and DeviceMesh's ``mesh`` lookups, ``nonzero``) runs host-side on real tensors: under
       FakeTensorMode their values, which it reads, do not exist;
-    - ``module.to(device)`` (megatron_fsdp.py:201) is skipped: the fake model is already on
-      the CPU device, and torch swaps each fake parameter for a new one, which the fake mode's
-      weak references refuse; on the GPU the trainer's model is already on its device too;
     - ``validate_uneven_dtensor`` and ``update_uneven_dtensor_chunk_metadata``
       (param_and_grad_buffer.py:4155-4159) are skipped: they all_gather_object the other ranks'
       shard shapes (checkpoint metadata and a bounds check, host objects only), which a fake
-      process group cannot answer."""
+      process group cannot answer;
+    - the all-gathers and reduce-scatters of a bucket group are issued one by one instead of
+      coalesced (``_coalescing_manager``): FakeTensorMode has no rule for c10d's coalesced
+      ops; each writes into the buckets megatron-core allocated, as the coalesced ones do."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -164,15 +166,31 @@ def wrap_fake(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
         with unset_fake_temporarily():
             return mesh(self)
 
-    def already_there(device):
-        return module
-
     with contextlib.ExitStack() as seams:
         seams.enter_context(mock.patch.object(FullyShardedDataParallel, "_init_dist_index",
                                               host_side_dist_index))
         seams.enter_context(mock.patch.object(DeviceMesh, "mesh", property(host_side_mesh)))
-        seams.enter_context(mock.patch.object(module, "to", already_there))
         for name in ("validate_uneven_dtensor", "update_uneven_dtensor_chunk_metadata"):
             seams.enter_context(mock.patch.object(param_and_grad_buffer, name,
                                                   lambda dtensor: None))
+        seams.enter_context(mock.patch.object(param_and_grad_buffer, "_coalescing_manager",
+                                              _uncoalesced))
+        yield
+
+
+@contextlib.contextmanager
+def _uncoalesced(group=None, device=None, async_ops=False):
+    """torch's ``_coalescing_manager`` that coalesces nothing: the collectives inside run as
+    issued (synchronously in the fake world); its handle's ``wait`` has nothing to wait for."""
+    from torch.distributed.distributed_c10d import _CoalescingManager
+
+    yield _CoalescingManager()
+
+
+def wrap_fake(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
+    """:func:`wrap` of a fake model inside :func:`fake_world_seams`, without its
+    ``module.to(device)`` (megatron_fsdp.py:201): the fake model is already on the CPU device,
+    and torch swaps each fake parameter for a new one, which the fake mode's weak references
+    refuse (on the GPU the trainer's model is already on its device too)."""
+    with mock.patch.object(module, "to", lambda device: module):
         return wrap(config, ddp_config, module)
