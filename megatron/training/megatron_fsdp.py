@@ -147,6 +147,9 @@ def fake_world_seams():
       (param_and_grad_buffer.py:4155-4159) are skipped: they all_gather_object the other ranks'
       shard shapes (checkpoint metadata and a bounds check, host objects only), which a fake
       process group cannot answer;
+    - ``DTensor.from_local``'s ``run_check`` (a tensor-parallel weight at TP > 1) is skipped:
+      it all_gather_objects every rank's dtype and requires_grad to compare them, host
+      objects only, and the fake process group cannot answer;
     - the all-gathers and reduce-scatters of a bucket group are issued one by one instead of
       coalesced (``_coalescing_manager``): FakeTensorMode has no rule for c10d's coalesced
       ops; each writes into the buckets megatron-core allocated, as the coalesced ones do."""
@@ -154,6 +157,7 @@ def fake_world_seams():
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import _api as dtensor_api
 
     init_dist_index = FullyShardedDataParallel._init_dist_index
     mesh = DeviceMesh.mesh.fget
@@ -173,6 +177,8 @@ def fake_world_seams():
         for name in ("validate_uneven_dtensor", "update_uneven_dtensor_chunk_metadata"):
             seams.enter_context(mock.patch.object(param_and_grad_buffer, name,
                                                   lambda dtensor: None))
+        seams.enter_context(mock.patch.object(dtensor_api, "check_tensor_meta",
+                                              lambda *args, **kwargs: None))
         seams.enter_context(mock.patch.object(param_and_grad_buffer, "_coalescing_manager",
                                               _uncoalesced))
         yield

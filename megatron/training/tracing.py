@@ -92,6 +92,11 @@ def trainer_argv(request: TraceRequest) -> list[str]:
                       "overlap_cpu_optimizer_d2h_h2d": request.overlap_cpu_optimizer_d2h_h2d,
                       "no_pin_cpu_grads": not request.pin_cpu_grads,
                       "no_pin_cpu_params": not request.pin_cpu_params})
+    if request.megatron_fsdp:  # Megatron-LM's flags; Megatron-FSDP needs the last two
+        flags.update({"use_megatron_fsdp": True,
+                      "data_parallel_sharding_strategy": request.megatron_fsdp,
+                      "fsdp_double_buffer": request.fsdp_double_buffer,
+                      "use_distributed_optimizer": True, "ckpt_format": "fsdp_dtensor"})
     if request.recompute_granularity:
         flags["recompute_granularity"] = request.recompute_granularity
         if request.recompute_granularity == "full":

@@ -28,10 +28,7 @@ STEP, GATHERED = "opt_step", "param"
 def request(strategy: str, rank: int) -> TraceRequest:
     return TraceRequest(model=TracedModel(num_layers=2, hidden_size=64, num_attention_heads=4,
                                           vocab_size=512), seq_length=128, dp=2, rank=rank,
-                        cuda_semantics=False, persistent_only=True,
-                        extra_trainer_argv=("--use-megatron-fsdp",
-                                            "--data-parallel-sharding-strategy", strategy,
-                                            "--ckpt-format", "fsdp_dtensor"))
+                        cuda_semantics=False, persistent_only=True, megatron_fsdp=strategy)
 
 
 TRACE_SCRIPT = """
