@@ -135,7 +135,7 @@ def wrap(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def fake_world_seams():
+def fake_world_seams(resized):
     """What megatron-core's Megatron-FSDP needs to run in the tracer's fake world
     (megatron.training.tracing: FakeTensorMode, a fake process group), so the trace records its
     own buffers; for the trace's lifetime. None of them allocates device memory in the trainer:
@@ -152,7 +152,11 @@ def fake_world_seams():
       objects only, and the fake process group cannot answer;
     - the all-gathers and reduce-scatters of a bucket group are issued one by one instead of
       coalesced (``_coalescing_manager``): FakeTensorMode has no rule for c10d's coalesced
-      ops; each writes into the buckets megatron-core allocated, as the coalesced ones do."""
+      ops; each writes into the buckets megatron-core allocated, as the coalesced ones do;
+    - a temporary bucket's ``_alloc_storage`` / ``_free_storage`` (the gathered weights of an
+      FSDP unit without --fsdp-double-buffer: its storage resized to the bucket and back to 0)
+      is reported to ``resized(tensor)`` (the recorder's follow_resize): a storage resize is
+      no op the recorder sees, but the allocator's malloc and free on the GPU."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -161,6 +165,18 @@ def fake_world_seams():
 
     init_dist_index = FullyShardedDataParallel._init_dist_index
     mesh = DeviceMesh.mesh.fget
+    alloc_storage, free_storage = (param_and_grad_buffer._alloc_storage,
+                                   param_and_grad_buffer._free_storage)
+
+    def reported_alloc(tensor, size):
+        allocated = alloc_storage(tensor, size)
+        resized(tensor)
+        return allocated
+
+    def reported_free(tensor):
+        freed = free_storage(tensor)
+        resized(tensor)
+        return freed
 
     def host_side_dist_index(self, *args, **kwargs):
         with unset_fake_temporarily():
@@ -181,6 +197,10 @@ def fake_world_seams():
                                               lambda *args, **kwargs: None))
         seams.enter_context(mock.patch.object(param_and_grad_buffer, "_coalescing_manager",
                                               _uncoalesced))
+        seams.enter_context(mock.patch.object(param_and_grad_buffer, "_alloc_storage",
+                                              reported_alloc))
+        seams.enter_context(mock.patch.object(param_and_grad_buffer, "_free_storage",
+                                              reported_free))
         yield
 
 

@@ -459,7 +459,7 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
                 use_distributed_optimizer=args.use_distributed_optimizer,
                 **(megatron_fsdp.ddp_config_fields(args) if args.use_megatron_fsdp else {}))
             if args.use_megatron_fsdp:  # the trainer's wrap, with the fake world's seams
-                stack.enter_context(megatron_fsdp.fake_world_seams())
+                stack.enter_context(megatron_fsdp.fake_world_seams(recorder.follow_resize))
                 ddp = megatron_fsdp.wrap_fake(config, ddp_config, model)
             else:
                 ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)

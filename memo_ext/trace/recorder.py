@@ -317,6 +317,21 @@ class AllocationRecorder(DeviceMemoryTracker):
             self._emit_free(entry.token)
             self._emit_alloc(entry.token, entry.nbytes, pool)
 
+    def follow_resize(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage was resized in place outside any op the recorder sees
+        (megatron-core Megatron-FSDP's temporary buckets, ``untyped_storage().resize_``, made
+        before recording began): an untracked one is an allocation now, a shrink to 0 bytes a
+        free, a growth back from 0 an allocation."""
+        st = storage_of(tensor)
+        with self._lock:
+            entry = self._live_entry(st)
+            if entry is None:
+                self._track(st, DEVICE, count_allocation=True)
+                return
+            self._maybe_resized(st)
+            if entry.nbytes and entry.token not in self._live:
+                self._emit_alloc(entry.token, entry.nbytes, POOL_DEVICE)
+
     def mark_host(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage as host memory (MEMO's offload slots): pool "host"."""
         super().mark_host(tensor)
