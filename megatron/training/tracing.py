@@ -305,6 +305,9 @@ def trace_header(request: TraceRequest, args, coordinates: dict, constants,
                                                    if args.optimizer_cpu_offload else None),
                     "overlap_cpu_optimizer_d2h_h2d": bool(args.overlap_cpu_optimizer_d2h_h2d),
                     "grad_buffer_fp32": bool(args.accumulate_allreduce_grads_in_fp32),
+                    "megatron_fsdp": (args.data_parallel_sharding_strategy
+                                      if args.use_megatron_fsdp else None),
+                    "fsdp_double_buffer": bool(args.fsdp_double_buffer),
                     "warmup": warmup_mode(request),
                     "flash_workspace": request.flash_workspace,
                     # The CUDA tile kernel whose backward workspaces are declared.

@@ -8,7 +8,10 @@ data_ptr), byte for byte, for each --data-parallel-sharding-strategy.
 
 Not compared: Adam's step counters (4 B each, not modelled, as without Megatron-FSDP) and,
 with optim_grads_params, the parameters' storages the trainer holds after a step outside the
-buffers (the all-gathered weights: :data:`GATHERED`), which the persistent trace leaves out."""
+buffers (the all-gathered weights: :data:`GATHERED`), which the persistent trace leaves out.
+The iteration's all-gathered weight buckets are checked to be traced per FSDP unit
+(test_gathered_weights_are_traced_per_unit), not against the trainer: the CPU trainer's
+allocations in an iteration are not recorded."""
 
 from __future__ import annotations
 
@@ -99,6 +102,42 @@ def test_optim_grads_params_traced_state_is_the_trainers(tmp_path):
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
 def test_other_strategies_traced_state_is_the_trainers(strategy, tmp_path):
     check(strategy, tmp_path)
+
+
+ITERATION_SCRIPT = """
+import json, sys
+from megatron.training import tracing
+from memo_ext.trace.request import TraceRequest
+with tracing.traced_rank(TraceRequest.from_dict(json.loads(sys.stdin.read()))) as rank:
+    groups = rank.model.param_and_grad_buffer.parameter_groups
+    units = [g.model_weight_buffer for g in groups if g.fsdp_unit_id is not None]
+    sizes = [b.bucket_index.size * b.data.element_size() for b in units]
+    trace = rank.record()
+events = [[e["action"], e["bytes"], e["phase"], e["id"]] for e in trace.events]
+print(json.dumps({"sizes": sizes, "events": events}))
+"""
+
+
+def test_gathered_weights_are_traced_per_unit():
+    """optim_grads_params's ZeRO-3 all-gather: each FSDP unit's (transformer layer's) weight
+    bucket, a storage megatron-core resizes to the bucket and back to 0, is an allocation of
+    the bucket's bytes in the recorded iteration and is freed within it (3 layers, rank 0)."""
+    import subprocess
+
+    payload = request("optim_grads_params", 0).replace(persistent_only=False).with_layers(3)
+    done = subprocess.run([sys.executable, "-c", ITERATION_SCRIPT],
+                          input=json.dumps(payload.to_dict()), text=True, capture_output=True,
+                          cwd=REPO_ROOT, env=subprocess_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found["sizes"]) == 3
+    gathered = {}
+    for action, nbytes, phase, event_id in found["events"]:
+        if phase != "init" and nbytes in found["sizes"]:
+            gathered.setdefault(event_id, []).append((action, phase))
+    forward_allocs = [ev for ev in gathered.values() if ev[0] == ("alloc", "forward")]
+    assert len(forward_allocs) == 3, gathered
+    assert all(len(ev) == 2 and ev[1][0] == "free" for ev in forward_allocs), gathered
 
 
 def measure_this_rank(strategy: str) -> dict:
