@@ -133,7 +133,6 @@ def wrap(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
                                     device=device)
 
 
-
 @contextlib.contextmanager
 def fake_world_seams(resized):
     """What megatron-core's Megatron-FSDP needs to run in the tracer's fake world

@@ -21,9 +21,9 @@ def persistent_tensors(model: torch.nn.Module) -> tuple[list, list]:
     contiguous parameter buffers (distributed optimizer) and fp32 gradient buffers
     (``main_grad``), the parameters themselves (their storage is the buffer's when it exists,
     and is then counted once), and module buffers."""
-    params, grads = [], []
     if hasattr(model, "param_and_grad_buffer"):
         return _fsdp_persistent_tensors(model)
+    params, grads = [], []
     buffers = list(getattr(model, "buffers", []) or [])
     buffers += list(getattr(model, "expert_parallel_buffers", []) or [])
     for index, buffer in enumerate(buffers):
