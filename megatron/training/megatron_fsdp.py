@@ -15,7 +15,9 @@ megatron.training.compat.megatron_fsdp's shims (docs/training.md, "On CPU").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+from unittest import mock
 
 import torch
 
@@ -129,3 +131,91 @@ def wrap(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
     device = None if torch.cuda.is_available() else torch.device("cpu")
     return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                     device=device)
+
+
+@contextlib.contextmanager
+def fake_world_seams(resized):
+    """What megatron-core's Megatron-FSDP needs to run in the tracer's fake world
+    (megatron.training.tracing: FakeTensorMode, a fake process group), so the trace records its
+    own buffers; for the trace's lifetime. None of them allocates device memory in the trainer:
+
+    - the device mesh's rank bookkeeping (``_init_dist_index``'s ``torch.arange`` / ``tolist``
+      and DeviceMesh's ``mesh`` lookups, ``nonzero``) runs host-side on real tensors: under
+      FakeTensorMode their values, which it reads, do not exist;
+    - ``validate_uneven_dtensor`` and ``update_uneven_dtensor_chunk_metadata``
+      (param_and_grad_buffer.py:4155-4159) are skipped: they all_gather_object the other ranks'
+      shard shapes (checkpoint metadata and a bounds check, host objects only), which a fake
+      process group cannot answer;
+    - ``DTensor.from_local``'s ``run_check`` (a tensor-parallel weight at TP > 1) is skipped:
+      it all_gather_objects every rank's dtype and requires_grad to compare them, host
+      objects only, and the fake process group cannot answer;
+    - the all-gathers and reduce-scatters of a bucket group are issued one by one instead of
+      coalesced (``_coalescing_manager``): FakeTensorMode has no rule for c10d's coalesced
+      ops; each writes into the buckets megatron-core allocated, as the coalesced ones do;
+    - a temporary bucket's ``_alloc_storage`` / ``_free_storage`` (the gathered weights of an
+      FSDP unit without --fsdp-double-buffer: its storage resized to the bucket and back to 0)
+      is reported to ``resized(tensor)`` (the recorder's follow_resize): a storage resize is
+      no op the recorder sees, but the allocator's malloc and free on the GPU."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import _api as dtensor_api
+
+    init_dist_index = FullyShardedDataParallel._init_dist_index
+    mesh = DeviceMesh.mesh.fget
+    alloc_storage, free_storage = (param_and_grad_buffer._alloc_storage,
+                                   param_and_grad_buffer._free_storage)
+
+    def reported_alloc(tensor, size):
+        allocated = alloc_storage(tensor, size)
+        resized(tensor)
+        return allocated
+
+    def reported_free(tensor):
+        freed = free_storage(tensor)
+        resized(tensor)
+        return freed
+
+    def host_side_dist_index(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            return init_dist_index(self, *args, **kwargs)
+
+    def host_side_mesh(self):
+        with unset_fake_temporarily():
+            return mesh(self)
+
+    with contextlib.ExitStack() as seams:
+        seams.enter_context(mock.patch.object(FullyShardedDataParallel, "_init_dist_index",
+                                              host_side_dist_index))
+        seams.enter_context(mock.patch.object(DeviceMesh, "mesh", property(host_side_mesh)))
+        for name in ("validate_uneven_dtensor", "update_uneven_dtensor_chunk_metadata"):
+            seams.enter_context(mock.patch.object(param_and_grad_buffer, name,
+                                                  lambda dtensor: None))
+        seams.enter_context(mock.patch.object(dtensor_api, "check_tensor_meta",
+                                              lambda *args, **kwargs: None))
+        seams.enter_context(mock.patch.object(param_and_grad_buffer, "_coalescing_manager",
+                                              _uncoalesced))
+        seams.enter_context(mock.patch.object(param_and_grad_buffer, "_alloc_storage",
+                                              reported_alloc))
+        seams.enter_context(mock.patch.object(param_and_grad_buffer, "_free_storage",
+                                              reported_free))
+        yield
+
+
+@contextlib.contextmanager
+def _uncoalesced(group=None, device=None, async_ops=False):
+    """torch's ``_coalescing_manager`` that coalesces nothing: the collectives inside run as
+    issued (synchronously in the fake world); its handle's ``wait`` has nothing to wait for."""
+    from torch.distributed.distributed_c10d import _CoalescingManager
+
+    yield _CoalescingManager()
+
+
+def wrap_fake(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
+    """:func:`wrap` of a fake model inside :func:`fake_world_seams`, without its
+    ``module.to(device)`` (megatron_fsdp.py:201): the fake model is already on the CPU device,
+    and torch swaps each fake parameter for a new one, which the fake mode's weak references
+    refuse (on the GPU the trainer's model is already on its device too)."""
+    with mock.patch.object(module, "to", lambda device: module):
+        return wrap(config, ddp_config, module)

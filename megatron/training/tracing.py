@@ -92,6 +92,11 @@ def trainer_argv(request: TraceRequest) -> list[str]:
                       "overlap_cpu_optimizer_d2h_h2d": request.overlap_cpu_optimizer_d2h_h2d,
                       "no_pin_cpu_grads": not request.pin_cpu_grads,
                       "no_pin_cpu_params": not request.pin_cpu_params})
+    if request.megatron_fsdp:  # Megatron-LM's flags; Megatron-FSDP needs the last two
+        flags.update({"use_megatron_fsdp": True,
+                      "data_parallel_sharding_strategy": request.megatron_fsdp,
+                      "fsdp_double_buffer": request.fsdp_double_buffer,
+                      "use_distributed_optimizer": True, "ckpt_format": "fsdp_dtensor"})
     if request.recompute_granularity:
         flags["recompute_granularity"] = request.recompute_granularity
         if request.recompute_granularity == "full":
@@ -300,6 +305,9 @@ def trace_header(request: TraceRequest, args, coordinates: dict, constants,
                                                    if args.optimizer_cpu_offload else None),
                     "overlap_cpu_optimizer_d2h_h2d": bool(args.overlap_cpu_optimizer_d2h_h2d),
                     "grad_buffer_fp32": bool(args.accumulate_allreduce_grads_in_fp32),
+                    "megatron_fsdp": (args.data_parallel_sharding_strategy
+                                      if args.use_megatron_fsdp else None),
+                    "fsdp_double_buffer": bool(args.fsdp_double_buffer),
                     "warmup": warmup_mode(request),
                     "flash_workspace": request.flash_workspace,
                     # The CUDA tile kernel whose backward workspaces are declared.
@@ -397,7 +405,7 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
         DistributedDataParallelConfig,
     )
 
-    from megatron.training import gpt
+    from megatron.training import gpt, megatron_fsdp
     from memo_ext.attention import kernels
     from memo_ext.trace.cuda_rules import CudaTarget
     from memo_ext.trace import (
@@ -448,13 +456,16 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
         # FakeTensorMode's op cache costs more than it saves on DDP's thousands of one-off
         # views into the contiguous buffers (measured: 9.5 s -> 5.5 s for 7B).
         with uncached(fake_mode):
-            ddp = DistributedDataParallel(
-                config=config,
-                ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-                    overlap_grad_reduce=False,
-                    use_distributed_optimizer=args.use_distributed_optimizer),
-                module=model)
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=args.use_distributed_optimizer,
+                **(megatron_fsdp.ddp_config_fields(args) if args.use_megatron_fsdp else {}))
+            if args.use_megatron_fsdp:  # the trainer's wrap, with the fake world's seams
+                stack.enter_context(megatron_fsdp.fake_world_seams(recorder.follow_resize))
+                ddp = megatron_fsdp.wrap_fake(config, ddp_config, model)
+            else:
+                ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         ddp.train()
         forward_step, backward_done = make_forward_step(args, ddp, config)
         optimizer_states = _optimizer_states(args, ddp, recorder)

@@ -21,6 +21,8 @@ def persistent_tensors(model: torch.nn.Module) -> tuple[list, list]:
     contiguous parameter buffers (distributed optimizer) and fp32 gradient buffers
     (``main_grad``), the parameters themselves (their storage is the buffer's when it exists,
     and is then counted once), and module buffers."""
+    if hasattr(model, "param_and_grad_buffer"):
+        return _fsdp_persistent_tensors(model)
     params, grads = [], []
     buffers = list(getattr(model, "buffers", []) or [])
     buffers += list(getattr(model, "expert_parallel_buffers", []) or [])
@@ -35,6 +37,45 @@ def persistent_tensors(model: torch.nn.Module) -> tuple[list, list]:
     return params, grads
 
 
+#: megatron-core Megatron-FSDP's buffers of a parameter group, parameter-like then gradient.
+FSDP_PARAM_BUFFERS = ("model_weight_buffer", "transpose_weight_buffer", "main_weight_buffer",
+                      "hsdp_wbuf")
+FSDP_GRAD_BUFFERS = ("main_grad_buffer", "hsdp_gbuf")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (Megatron-FSDP's parameters are DTensors), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _fsdp_persistent_tensors(model: torch.nn.Module) -> tuple[list, list]:
+    """persistent_tensors of a model wrapped in megatron-core's Megatron-FSDP
+    (--use-megatron-fsdp): each parameter group's buffers as its ParamAndGradBuffer allocated
+    them (the weight shard or whole weights, fp32 main weights, main gradients, per
+    --data-parallel-sharding-strategy), the parameters' local shards (views into them) and
+    module buffers. A ZeRO-3 group's all-gather bucket is freed after construction (its storage
+    resized to 0): transient, not persistent."""
+    params, grads = [], []
+    for index, group in enumerate(model.param_and_grad_buffer.parameter_groups):
+        for kinds, found in ((FSDP_PARAM_BUFFERS, params), (FSDP_GRAD_BUFFERS, grads)):
+            for kind in kinds:
+                buffer = getattr(group, kind, None)
+                if buffer is not None and getattr(buffer, "data", None) is not None:
+                    found.append((f"fsdp.{kind}.{index}", buffer.data))
+    params += [(_clean_module_name(n), _local(p)) for n, p in model.named_parameters()]
+    params += [(_clean_module_name(n), b) for n, b in model.named_buffers()]
+    return params, grads
+
+
+def _fsdp_optimizer_shards(model: torch.nn.Module) -> list[tuple[str, int, torch.dtype]]:
+    """What megatron's DistributedOptimizer steps under Megatron-FSDP: its
+    ``optimizer_named_parameters``, DTensors over this rank's shard of the main (else model)
+    weight buffer; a shard may be empty on this rank."""
+    return [(_clean_module_name(name), _local(param).numel(), _local(param).dtype)
+            for name, param in model.param_and_grad_buffer.optimizer_named_parameters
+            if param.requires_grad and _local(param).numel() > 0]
+
+
 def allocate_optimizer_states(model: torch.nn.Module, use_distributed_optimizer: bool,
                               adam: bool = True) -> list[tuple[str, torch.Tensor]]:
     """Allocate what megatron's optimizer keeps per rank, in its order: fp32 master copies of
@@ -45,8 +86,12 @@ def allocate_optimizer_states(model: torch.nn.Module, use_distributed_optimizer:
     pairs the caller keeps alive."""
     shards: list[tuple[str, int, torch.dtype]] = []  # (name, numel, model param dtype)
     names = {p: _clean_module_name(n) for n, p in model.named_parameters()}
-    buffers = list(getattr(model, "buffers", []) or [])
-    if use_distributed_optimizer and buffers:
+    fsdp = hasattr(model, "param_and_grad_buffer")
+    buffers = [] if fsdp else list(getattr(model, "buffers", []) or [])
+    if fsdp:
+        # the master weights are Megatron-FSDP's main weight buffer (registered as a parameter)
+        shards = _fsdp_optimizer_shards(model)
+    elif use_distributed_optimizer and buffers:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         for buffer in buffers:

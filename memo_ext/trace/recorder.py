@@ -122,6 +122,7 @@ class AllocationRecorder(DeviceMemoryTracker):
         self.work = WorkCounter()
 
     def __enter__(self):
+        self._inside = True
         self._kernel_paths = contextlib.ExitStack()
         if self.rules is not None and self.rules.target.fuses_rms_norm:
             # rms_norm as CUDA runs it (cuda_rules.cuda_kernel_paths)
@@ -132,6 +133,7 @@ class AllocationRecorder(DeviceMemoryTracker):
         try:
             return super().__exit__(*exc_info)
         finally:
+            self._inside = False
             self._kernel_paths.close()
 
     # ------------------------------------------------------------------ context
@@ -316,6 +318,24 @@ class AllocationRecorder(DeviceMemoryTracker):
             pool = self._live[entry.token][8]
             self._emit_free(entry.token)
             self._emit_alloc(entry.token, entry.nbytes, pool)
+
+    def follow_resize(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage was resized in place outside any op the recorder sees
+        (megatron-core Megatron-FSDP's temporary buckets, ``untyped_storage().resize_``, made
+        before recording began): an untracked one is an allocation now, a shrink to 0 bytes a
+        free, a growth back from 0 an allocation. Outside the recorder's mode (the model's
+        construction) ignored, as the allocations made there are."""
+        if not getattr(self, "_inside", False):
+            return
+        st = storage_of(tensor)
+        with self._lock:
+            entry = self._live_entry(st)
+            if entry is None:
+                self._track(st, DEVICE, count_allocation=True)
+                return
+            self._maybe_resized(st)
+            if entry.nbytes and entry.token not in self._live:
+                self._emit_alloc(entry.token, entry.nbytes, POOL_DEVICE)
 
     def mark_host(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage as host memory (MEMO's offload slots): pool "host"."""

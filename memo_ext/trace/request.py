@@ -72,7 +72,8 @@ class TraceRequest:
     ``live`` tensors, the warm-up, the persistent state alone. Optimizer: the distributed
     optimizer and Megatron-LM's optimizer CPU offload (``optimizer_cpu_offload`` with
     ``optimizer_offload_fraction``, ``overlap_cpu_optimizer_d2h_h2d``, ``pin_cpu_grads``,
-    ``pin_cpu_params``: the trainer's flags, --use-precision-aware-optimizer implied)."""
+    ``pin_cpu_params``: the trainer's flags, --use-precision-aware-optimizer implied), and
+    Megatron-FSDP's sharding strategy (``megatron_fsdp``, with ``fsdp_double_buffer``)."""
 
     model: TracedModel
     seq_length: int
@@ -107,6 +108,10 @@ class TraceRequest:
     pin_cpu_grads: bool = True
     pin_cpu_params: bool = True
     grad_buffer_fp32: bool = True
+    # Megatron-FSDP (--use-megatron-fsdp) with this --data-parallel-sharding-strategy, or None
+    # (megatron-core's DDP); --fsdp-double-buffer.
+    megatron_fsdp: Optional[str] = None
+    fsdp_double_buffer: bool = False
     extra_trainer_argv: tuple = ()
     gpu: str = DEFAULT_GPU
     hardware_file: Optional[str] = None

@@ -51,6 +51,7 @@ from megatron.memo_tools.cli.quiet import (
 hide_library_warnings()  # before the first import of megatron.core (cli/quiet.py)
 
 from megatron.training.arguments import add_optimizer_offload_args  # noqa: E402
+from megatron.training.megatron_fsdp import add_megatron_fsdp_args  # noqa: E402
 from megatron.memo_tools.cli.trace import (  # noqa: E402
     TRACED_OFFLOAD_FLAGS,
     TRACED_OFFLOAD_VARIANTS,
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "as the trainer does.")
     add_optimizer_offload_args(optimizer, ("--optimizer-cpu-offload",
                                            "--optimizer-offload-fraction"))
+    add_megatron_fsdp_args(optimizer)  # traced: megatron-core's own Megatron-FSDP buffers
     parser.add_argument("--host-memory-gb", type=float, default=None,
                         help="host memory per node for MEMO's offload (default: the profile's)")
     parser.add_argument("--allocator", choices=("caching", "expandable", "arena"), default=None,
@@ -401,6 +403,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         fixed_layout = any(v is not None for v in _sizes(opts))
         searching = bool(opts.recommend or (opts.gpus and not fixed_layout))
         optimizer_offload = optimizer_offload_fraction(opts, searching)
+        fsdp_strategy = megatron_fsdp_strategy(opts, fixed_layout)
         if searching:
             if not opts.gpus:
                 raise UsageError("--recommend needs --gpus N")
@@ -544,7 +547,9 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                         offload_buffers=opts.memo_offload_buffers,
                         projection_tiles=opts.memo_attention_projection_tiles,
                         head_chunks=opts.memo_attention_head_chunks,
-                        optimizer_offload=optimizer_offload)
+                        optimizer_offload=optimizer_offload,
+                        megatron_fsdp=fsdp_strategy,
+                        fsdp_double_buffer=opts.fsdp_double_buffer)
         if cpu:
             hardware = cpu_hardware(layout, shape, opts.seq_length, say)
             device = int(hardware["device_memory_bytes"])
@@ -641,6 +646,40 @@ def searched_optimizer_offloads(opts: argparse.Namespace, given) -> tuple:
         raise UsageError(f"--optimizer-offload-fractions {opts.optimizer_offload_fractions}: "
                          "give each in [0, 1] (0: the optimizer on the device)")
     return tuple(dict.fromkeys(f or None for f in fractions))
+
+
+def megatron_fsdp_strategy(opts: argparse.Namespace, fixed_layout: bool):
+    """--data-parallel-sharding-strategy with --use-megatron-fsdp, else None; the trainer's rules
+    (megatron.training.megatron_fsdp.validate_megatron_fsdp, those a layout can break) and this
+    tool's: one layout, traced (not SPPO's analytic model), not with --optimizer-cpu-offload."""
+    if not opts.use_megatron_fsdp:
+        for flag, given in (("--data-parallel-sharding-strategy",
+                             opts.data_parallel_sharding_strategy != "no_shard"),
+                            ("--fsdp-double-buffer", opts.fsdp_double_buffer)):
+            if given:
+                raise UsageError(f"{flag} applies to --use-megatron-fsdp; add it or drop the "
+                                 "flag")
+        return None
+    if opts.data_parallel_sharding_strategy == "no_shard":
+        raise UsageError("--use-megatron-fsdp needs --data-parallel-sharding-strategy optim, "
+                         "optim_grads or optim_grads_params (the trainer refuses no_shard); "
+                         "add it")
+    if not opts.use_distributed_optimizer:
+        raise UsageError("--use-megatron-fsdp needs --use-distributed-optimizer (as the "
+                         "trainer); add it")
+    if opts.recommend or not fixed_layout:
+        raise UsageError("--use-megatron-fsdp is estimated for one layout: give its parallel "
+                         "sizes (--tensor-model-parallel-size, ...), not --recommend")
+    if (opts.pipeline_model_parallel_size or 1) > 1:
+        raise UsageError("--use-megatron-fsdp does not run with "
+                         "--pipeline-model-parallel-size > 1 (megatron-core 0.16.1); use PP=1")
+    if opts.policy == "sppo":
+        raise UsageError("--use-megatron-fsdp --policy sppo: SPPO's analytic model has no "
+                         "Megatron-FSDP; use another --policy")
+    if opts.optimizer_cpu_offload:
+        raise UsageError("--use-megatron-fsdp with --optimizer-cpu-offload is not estimated "
+                         "(its trace builds the offloaded optimizer over DDP's buffers); drop one")
+    return opts.data_parallel_sharding_strategy
 
 
 def check_cpu_question(opts: argparse.Namespace, shape: dict) -> None:

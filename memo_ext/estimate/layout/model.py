@@ -97,7 +97,9 @@ def optimizer_host_tensors(model: TracedModel, layout: Layout, hardware: dict,
     if layout.optimizer_offload is None:
         return None
     plain = Layout(layout.tp, layout.cp, layout.pp, layout.dp, "megatron-none",
-                   micro_batch=layout.micro_batch, optimizer_offload=layout.optimizer_offload)
+                   micro_batch=layout.micro_batch, optimizer_offload=layout.optimizer_offload,
+                   megatron_fsdp=layout.megatron_fsdp,
+                   fsdp_double_buffer=layout.fsdp_double_buffer)
     stages = {stage.index: stage for stage in layout.stages(microbatches)}
     per_node = min(int(hardware["gpus_per_node"]), layout.gpus)
     ranks = {rank for rank in range(per_node) if rank % layout.tp == 0}
@@ -184,7 +186,9 @@ class LayoutModel:
                 # optimizer state are the model's): one trace serves every policy of a layout.
                 plain = Layout(layout.tp, layout.cp, layout.pp, layout.dp, "megatron-none",
                                micro_batch=layout.micro_batch,
-                               optimizer_offload=layout.optimizer_offload)
+                               optimizer_offload=layout.optimizer_offload,
+                               megatron_fsdp=layout.megatron_fsdp,
+                               fsdp_double_buffer=layout.fsdp_double_buffer)
                 state = cache.trace(plain.trace_request(model, fit_seqs[0], hardware, stage)
                                     .replace(persistent_only=True))
                 trace = SymbolicTrace.from_traces(first, second, shape.copied, shape.period)

@@ -102,6 +102,10 @@ class Layout:
     # --optimizer-cpu-offload's --optimizer-offload-fraction (None: off; with the distributed
     # optimizer and --use-precision-aware-optimizer, Megatron-LM's requirements)
     optimizer_offload: Optional[float] = None
+    # --use-megatron-fsdp's --data-parallel-sharding-strategy (None: megatron-core's DDP) and
+    # --fsdp-double-buffer
+    megatron_fsdp: Optional[str] = None
+    fsdp_double_buffer: bool = False
 
     @property
     def gpus(self) -> int:
@@ -136,6 +140,9 @@ class Layout:
             # distributed optimizer
             fields.update(distributed_optimizer=True, optimizer_cpu_offload=True,
                           optimizer_offload_fraction=self.optimizer_offload)
+        if self.megatron_fsdp is not None:
+            fields.update(megatron_fsdp=self.megatron_fsdp,
+                          fsdp_double_buffer=self.fsdp_double_buffer)
         return TraceRequest(model=model, seq_length=seq, **fields)
 
     def without_optimizer_offload(self) -> "Layout":
@@ -216,6 +223,11 @@ class Layout:
         if self.optimizer_offload is not None:
             flags.update(use_precision_aware_optimizer=True, optimizer_cpu_offload=True,
                          optimizer_offload_fraction=f"{self.optimizer_offload:g}")
+        if self.megatron_fsdp is not None:
+            flags.update(use_megatron_fsdp=True,
+                         data_parallel_sharding_strategy=self.megatron_fsdp,
+                         fsdp_double_buffer=self.fsdp_double_buffer,
+                         ckpt_format="fsdp_dtensor")
         return render_flags(flags)
 
     def describe(self) -> str:

@@ -441,3 +441,27 @@ def test_optimizer_offload_flags_are_refused_in_one_line(tmp_path, capsys):
         assert run_estimate_cli(argv + bad)[0] == 2, bad
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("estimate.py: error: --optimizer-"), line
+
+
+FSDP_ESTIMATE_ARGV = ["--model", "7b", "--gpu", "a800", "--gpus", "8",
+                      "--tensor-model-parallel-size", "4", "--seq-length", "4096",
+                      "--use-distributed-optimizer"]
+FSDP_FLAGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+
+
+@pytest.mark.parametrize("bad, start", [
+    (FSDP_FLAGS[:1], "--use-megatron-fsdp needs --data-parallel-sharding-strategy"),
+    (FSDP_FLAGS[1:], "--data-parallel-sharding-strategy applies to --use-megatron-fsdp"),
+    (["--fsdp-double-buffer"], "--fsdp-double-buffer applies to --use-megatron-fsdp"),
+    (FSDP_FLAGS + ["--pipeline-model-parallel-size", "2"],
+     "--use-megatron-fsdp does not run with --pipeline-model-parallel-size > 1"),
+    (FSDP_FLAGS + ["--optimizer-cpu-offload"], "--use-megatron-fsdp with --optimizer-cpu-offload"),
+], ids=["no_strategy", "strategy_alone", "double_buffer_alone", "pipeline", "offload"])
+def test_megatron_fsdp_refusals_are_one_line(bad, start, capsys):
+    """The estimator's --use-megatron-fsdp refuses what the trainer or the trace cannot run,
+    before tracing anything, in one line naming the flag."""
+    assert run_estimate_cli(FSDP_ESTIMATE_ARGV + bad)[0] == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines and start in lines[-1], lines
+    assert run_estimate_cli([a for a in FSDP_ESTIMATE_ARGV if a != "--use-distributed-optimizer"]
+                            + FSDP_FLAGS)[0] == 2
