@@ -9,7 +9,7 @@ import json
 import os
 import tempfile
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +29,7 @@ class TraceCache:
         self._pool = None
         self._pool_lock = threading.Lock()
         self._pending: dict[str, Future] = {}
+        self._prefetcher: Optional[ThreadPoolExecutor] = None
         # Every project module the tracer imports, wherever installed, and the versions of
         # Python, torch and megatron-core (memo_ext.estimate.trace_key).
         self._sources_digest = tracer_digest()
@@ -42,9 +43,38 @@ class TraceCache:
     def close(self) -> None:
         """End the tracer processes (a later miss starts them again)."""
         with self._pool_lock:
+            prefetcher, self._prefetcher = self._prefetcher, None
+        if prefetcher is not None:
+            # The traces under way finish first, on the pool below: a prefetch still running
+            # after the pool is taken would start a new one that nobody closes.
+            prefetcher.shutdown(wait=True, cancel_futures=True)
+        with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+
+    def prefetch(self, requests: list[TraceRequest]) -> None:
+        """Start tracing ``requests`` now, in the background, so that the workers are busy
+        while the caller asks for them one at a time: a later :meth:`trace` of one waits for it
+        (a layout's few-layer traces, its persistent state and its check are independent, and
+        asked for in turn they would keep one worker of the pool busy and the others idle).
+        A background trace's error reaches the :meth:`trace` that waits for it, or is raised
+        again by the :meth:`trace` that asks after it failed."""
+        with self._pool_lock:
+            if self._prefetcher is None:
+                # As many as the pool can trace and as many waiting for a worker: more threads
+                # would only queue longer.
+                self._prefetcher = ThreadPoolExecutor(max_workers=2 * self.workers,
+                                                      thread_name_prefix="trace-prefetch")
+            prefetcher = self._prefetcher
+        for request in requests:
+            prefetcher.submit(self._trace_quietly, request)
+
+    def _trace_quietly(self, request: TraceRequest) -> None:
+        try:
+            self.trace(request)
+        except Exception:  # noqa: BLE001  (reported by the trace() that needs it)
+            pass
 
     def _traced(self, request: TraceRequest, output: Path) -> Trace:
         from memo_ext.estimate.tracer import TracerPool
