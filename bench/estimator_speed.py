@@ -111,8 +111,11 @@ OLD_SPELLINGS = {"--tensor-model-parallel-size": "--tp", "--context-parallel-siz
                  "--pipeline-model-parallel-size": "--pp"}
 
 
-def old_spelling(flags: str) -> str:
-    """``flags`` as the estimator of --old-commit reads them."""
+def old_spelling(flags: str, commit: str) -> str:
+    """``flags`` as the estimator of ``commit`` reads them: OLD_COMMIT's own parallel-size
+    spellings; a later commit takes the trainer's."""
+    if commit != OLD_COMMIT:
+        return flags
     return " ".join(OLD_SPELLINGS.get(flag, flag) for flag in flags.split())
 
 
@@ -136,7 +139,8 @@ def speed(cases: list[str], old_commit: Optional[str], timeout_s: float) -> list
                 for label in labels:
                     cache = workdir / f"cache-{case}-{label}"  # empty: nothing traced before
                     times[label] = _run(roots[label],
-                                        flags if label == "new" else old_spelling(flags),
+                                        flags if label == "new"
+                                        else old_spelling(flags, old_commit),
                                         cache, timeout_s)
                     shutil.rmtree(cache, ignore_errors=True)
                     print(f"{case} {label}: {times[label][0]:.1f} s, {times[label][1]}",
@@ -317,10 +321,12 @@ def main() -> int:
         command = (f"`python bench/estimator_speed.py --part speed --cases {','.join(cases)}"
                    + ("" if old_commit == OLD_COMMIT else f" --old-commit {opts.old_commit}")
                    + f" --timeout {opts.timeout:.0f}`")
-        compared = (f"each command run by the estimator of {old_commit} (before: two whole "
-                    "traces per stage, bisection with a replay per probe) and of "
-                    f"{commit} (now: symbolic traces, the solver), one after the other in this "
-                    "run" if old_commit else f"each command run by the estimator of {commit}")
+        before = (" (before: two whole traces per stage, bisection with a replay per probe)"
+                  if old_commit == OLD_COMMIT else "")
+        now = " (now: symbolic traces, the solver)" if old_commit == OLD_COMMIT else ""
+        compared = (f"each command run by the estimator of {old_commit}{before} and of "
+                    f"{commit}{now}, one after the other in this run" if old_commit
+                    else f"each command run by the estimator of {commit}")
         _write(RESULTS / "estimator_speed.md", [
             "# The estimator's time to answer, empty trace cache", "", machine, "",
             f"{command}, {time.perf_counter() - started:.0f} s: {compared}, each from an "

@@ -82,6 +82,11 @@ def validate_megatron_fsdp(args: argparse.Namespace) -> None:
              "megatron-core 0.16.1: its device mesh lays all ranks out as data-parallel x "
              "expert x tensor-parallel, without pipeline stages (mcore_fsdp_adapter.py:365-372: "
              "EinopsError); use PP=1")
+    _require(not args.optimizer_cpu_offload,
+             "--optimizer-cpu-offload does not run with --use-megatron-fsdp in megatron-core "
+             "0.16.1: its HybridDeviceOptimizer copies Megatron-FSDP's DTensor gradients into "
+             "plain host tensors at the first step (cpu_offloading/hybrid_optimizer.py:114, "
+             "'mixed torch.Tensor and DTensor'; Megatron-LM issue 1986); drop one of the two")
     _require(args.ckpt_format == "fsdp_dtensor",
              "--use-megatron-fsdp saves only --ckpt-format fsdp_dtensor (as in Megatron-LM; "
              "megatron-core 0.16.1 has no torch_dist layout for its DTensors); add it")

@@ -246,7 +246,8 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
               "without --use-distributed-optimizer, --ckpt-format fsdp_dtensor or a "
               "--data-parallel-sharding-strategy other than no_shard (Megatron-LM's default); "
               "with --pipeline-model-parallel-size > 1 (megatron-core 0.16.1's mesh has no "
-              "pipeline dimension)"),
+              "pipeline dimension) or --optimizer-cpu-offload (its hybrid optimizer cannot "
+              "take Megatron-FSDP's DTensor gradients)"),
     _honoured("--data-parallel-sharding-strategy",
               "with --use-megatron-fsdp: optim (optimizer states), optim_grads (and "
               "gradients) or optim_grads_params (and parameters) sharded over the "

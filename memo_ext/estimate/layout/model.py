@@ -127,6 +127,16 @@ def _max_of_lines(a: np.ndarray, b: np.ndarray, seqs: list[int]) -> np.ndarray:
 CHECK_SEQ = 2 * FIT_SEQS[1]
 
 
+def _check_request(model: TracedModel, layout: Layout, hardware: dict, stage: Stage,
+                   shape: SymbolicShape) -> TraceRequest:
+    """The real trace a symbolic stage is checked against (:meth:`LayoutModel.check`): two
+    layers (or a period) more than traced, at CHECK_SEQ tokens, without the optimizer's offload
+    (its activations are the layout's without it)."""
+    return layout.without_optimizer_offload().traced_layers_request(
+        model, CHECK_SEQ - CHECK_SEQ % layout.seq_multiple, hardware, stage,
+        shape.check_layers, shape.check_checkpoint_layers)
+
+
 @dataclass
 class LayoutModel:
     """Predictions for one layout at any sequence length (two traces per traced stage)."""
@@ -149,7 +159,8 @@ class LayoutModel:
               cache: TraceCache, allocator: Optional[str] = None,
               host_memory_gb_per_node: Optional[float] = None,
               fit_seqs: tuple[int, int] = FIT_SEQS, num_layers: Optional[int] = None,
-              symbolic: bool = True, exhaustive: bool = False) -> "LayoutModel":
+              symbolic: bool = True, exhaustive: bool = False,
+              prefetch_checks: bool = False) -> "LayoutModel":
         """``fit_seqs``: the two lengths traced (tokens). The line through them is exact at any
         length where every request grows linearly, and only there: a buffer capped by a chunk
         size (the chunked loss's logits, memo_ext.loss) is flat between two lengths above the
@@ -162,7 +173,8 @@ class LayoutModel:
         whole at the two lengths. A
         symbolic stage is not trusted before :meth:`check`. ``exhaustive``: no line at all,
         the whole stage traced at every length asked (the reference the others are compared
-        with; slow)."""
+        with; slow). ``prefetch_checks``: start each symbolic stage's check trace
+        (:meth:`check`) with its fit traces, for a caller that checks the model at once."""
         microbatches = max(1, global_batch // (layout.dp * layout.micro_batch))
         num_layers = num_layers or model.num_layers
         stage_layers = None if num_layers is None else num_layers // layout.pp
@@ -181,7 +193,7 @@ class LayoutModel:
             if symbolic and shape is not None and stage_layers > shape.check_layers:
                 few = activations.traced_layers_request(model, fit_seqs[0], hardware, stage,
                                                         shape.layers, shape.checkpoint_layers)
-                first, second = (cache.trace(few.replace(seq_length=seq)) for seq in fit_seqs)
+                fits = [few.replace(seq_length=seq) for seq in fit_seqs]
                 # The persistent state does not depend on the policy (weights, gradients and
                 # optimizer state are the model's): one trace serves every policy of a layout.
                 plain = Layout(layout.tp, layout.cp, layout.pp, layout.dp, "megatron-none",
@@ -189,8 +201,14 @@ class LayoutModel:
                                optimizer_offload=layout.optimizer_offload,
                                megatron_fsdp=layout.megatron_fsdp,
                                fsdp_double_buffer=layout.fsdp_double_buffer)
-                state = cache.trace(plain.trace_request(model, fit_seqs[0], hardware, stage)
-                                    .replace(persistent_only=True))
+                persistent = plain.trace_request(model, fit_seqs[0], hardware, stage).replace(
+                    persistent_only=True)
+                checks = [_check_request(model, layout, hardware, stage, shape)
+                          if prefetch_checks else None]
+                # The check first: the longest trace, it would otherwise start last and end last.
+                cache.prefetch([*filter(None, checks), *fits, persistent])
+                first, second = (cache.trace(request) for request in fits)
+                state = cache.trace(persistent)
                 trace = SymbolicTrace.from_traces(first, second, shape.copied, shape.period)
                 trace.coefficients(stage_layers, state)  # an expansion that fails, fails here
                 stages.append(StageModel(
@@ -220,10 +238,8 @@ class LayoutModel:
         for model in self.stages:
             if model.checked:
                 continue
-            deeper = self.layout.without_optimizer_offload().traced_layers_request(
-                self.model, CHECK_SEQ - CHECK_SEQ % self.multiple, self.hardware, model.stage,
-                model.shape.check_layers, model.shape.check_checkpoint_layers)
-            model.symbolic.check(cache.trace(deeper))
+            model.symbolic.check(cache.trace(_check_request(
+                self.model, self.layout, self.hardware, model.stage, model.shape)))
             model.checked = True
 
     def trusted(self, cache: TraceCache) -> tuple["LayoutModel", Optional[str]]:
@@ -267,9 +283,8 @@ class LayoutModel:
 
     @property
     def multiple(self) -> int:
-        """Lengths are rounded down to a multiple of this (CP's load-balanced chunks, TP's
-        sequence-parallel shards)."""
-        return 2 * self.layout.tp * self.layout.cp
+        """Lengths are rounded down to a multiple of this (Layout.seq_multiple)."""
+        return self.layout.seq_multiple
 
     def bound_fits(self, seqs: list[int]) -> np.ndarray:
         """Whether each of ``seqs`` passes the allocated-peak bounds (device, with the memory
@@ -333,7 +348,8 @@ def build_layout_model(model: TracedModel, layout: Layout, hardware: dict, *,
     """A trusted LayoutModel (:meth:`LayoutModel.trusted`) and why its symbolic trace was
     refused (None if it was not). ``options``: the keywords of :meth:`LayoutModel.build`."""
     try:
-        layout_model = LayoutModel.build(model, layout, hardware, cache=cache, **options)
+        layout_model = LayoutModel.build(model, layout, hardware, cache=cache,
+                                         prefetch_checks=True, **options)
     except SymbolicError as exc:  # the traces are not a pass over the layers
         options["symbolic"] = False
         return (LayoutModel.build(model, layout, hardware, cache=cache, **options),

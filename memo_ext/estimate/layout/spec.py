@@ -111,6 +111,12 @@ class Layout:
     def gpus(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
+    @property
+    def seq_multiple(self) -> int:
+        """Sequence lengths are multiples of this (CP's load-balanced chunks, TP's
+        sequence-parallel shards)."""
+        return 2 * self.tp * self.cp
+
     def stages(self, microbatches: int) -> list[Stage]:
         """The stages whose ranks are traced (module docstring: first and last), for
         ``microbatches`` micro-batches per iteration."""
