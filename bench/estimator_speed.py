@@ -321,9 +321,9 @@ def main() -> int:
         command = (f"`python bench/estimator_speed.py --part speed --cases {','.join(cases)}"
                    + ("" if old_commit == OLD_COMMIT else f" --old-commit {opts.old_commit}")
                    + f" --timeout {opts.timeout:.0f}`")
-        before = (" (before: two whole traces per stage, bisection with a replay per probe)"
-                  if old_commit == OLD_COMMIT else "")
-        now = " (now: symbolic traces, the solver)" if old_commit == OLD_COMMIT else ""
+        before, now = ((" (before: two whole traces per stage, bisection with a replay per "
+                        "probe)", " (now: symbolic traces, the solver)")
+                       if old_commit == OLD_COMMIT else ("", ""))
         compared = (f"each command run by the estimator of {old_commit}{before} and of "
                     f"{commit}{now}, one after the other in this run" if old_commit
                     else f"each command run by the estimator of {commit}")

@@ -40,13 +40,14 @@ from memo_ext.trace.tagging import (
 )
 from memo_ext.trace.work import WorkCounter
 
-#: ``torch.tensor(data)`` builds its tensor outside the dispatcher and then calls lift_fresh:
-#: with real tensors the output is that (unseen) tensor, under FakeTensorMode a new fake one.
-#: Either way it is a fresh allocation (a host-to-device copy on GPU), recorded in both modes.
 #: A query of a tensor's device, no data: the autograd engine and TensorIterator ask it of every
 #: fake tensor they touch, over half of a tiled MEMO trace's dispatched ops (82,223 of 146,612,
 #: 7B TP=4 CP=2, 16 MLP tiles, 64K tokens). It allocates, frees and computes nothing.
 _DEVICE_QUERY = torch.ops.prim.device.default
+
+#: ``torch.tensor(data)`` builds its tensor outside the dispatcher and then calls lift_fresh:
+#: with real tensors the output is that (unseen) tensor, under FakeTensorMode a new fake one.
+#: Either way it is a fresh allocation (a host-to-device copy on GPU), recorded in both modes.
 _FRESH_TENSOR_OPS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 #: The factories autograd formulas take the zeros they update in place from.

@@ -203,10 +203,10 @@ class LayoutModel:
                                fsdp_double_buffer=layout.fsdp_double_buffer)
                 persistent = plain.trace_request(model, fit_seqs[0], hardware, stage).replace(
                     persistent_only=True)
-                checks = [_check_request(model, layout, hardware, stage, shape)
-                          if prefetch_checks else None]
+                checks = ([_check_request(model, layout, hardware, stage, shape)]
+                          if prefetch_checks else [])
                 # The check first: the longest trace, it would otherwise start last and end last.
-                cache.prefetch([*filter(None, checks), *fits, persistent])
+                cache.prefetch([*checks, *fits, persistent])
                 first, second = (cache.trace(request) for request in fits)
                 state = cache.trace(persistent)
                 trace = SymbolicTrace.from_traces(first, second, shape.copied, shape.period)
