@@ -10,3 +10,5 @@ megatron/__init__.py):
 
 The tools import the trainer and memo_ext; the trainer imports nothing from here.
 """
+
+import memo_ext  # noqa: E402,F401  (defers megatron-core's torch.compile decorations: memo_ext.lazy_fusions)

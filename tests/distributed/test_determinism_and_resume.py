@@ -5,10 +5,12 @@ too), and SIGTERM saves a checkpoint, exits 0, and the run resumes from it."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,11 +22,23 @@ DROPOUT_TP2_ARGS = TINY_GPT_ARGS + ["--attention-dropout", "0.1", "--hidden-drop
      "--deterministic-mode", "--eval-interval", "5", "--eval-iters", "1"]
 
 
+RESUME_AT = 10
+
+
 @pytest.fixture(scope="module")
-def uninterrupted_losses(tmp_path_factory) -> dict[int, float]:
-    metrics = tmp_path_factory.mktemp("full") / "metrics.jsonl"
-    run_torchrun(2, DROPOUT_TP2_ARGS + ["--log-metrics-jsonl", str(metrics)])
-    return read_losses(metrics)
+def uninterrupted(tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """The uninterrupted 20 iterations: their losses, and the checkpoints they saved on the way
+    (every RESUME_AT iterations)."""
+    root = tmp_path_factory.mktemp("full")
+    metrics, checkpoints = root / "metrics.jsonl", root / "checkpoints"
+    run_torchrun(2, DROPOUT_TP2_ARGS + ["--log-metrics-jsonl", str(metrics), "--save",
+                                        str(checkpoints), "--save-interval", str(RESUME_AT)])
+    return read_losses(metrics), checkpoints
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(uninterrupted) -> dict[int, float]:
+    return uninterrupted[0]
 
 
 # Slow: test_resume_reproduces_uninterrupted_losses (default) runs the same command from scratch
@@ -37,13 +51,21 @@ def test_deterministic_mode_is_bitwise_reproducible(uninterrupted_losses, tmp_pa
     assert read_losses(metrics) == uninterrupted_losses
 
 
-def test_resume_reproduces_uninterrupted_losses(uninterrupted_losses, tmp_path):
+def test_resume_reproduces_uninterrupted_losses(uninterrupted, tmp_path):
+    """Resume from the checkpoint the uninterrupted run saved at iteration 10 (copied alone into
+    a fresh --load root) and train to 20: iterations 11..20 equal the uninterrupted run's
+    bitwise, dropout's RNG state included. (Stopping a run at a checkpoint with --exit-interval
+    is tested by tests/distributed/test_distributed_optimizer.py's resume.)"""
+    from megatron.training import checkpointing
+
+    losses, saved = uninterrupted
+    assert (saved / checkpointing.TRACKER_FILENAME).read_text() == "20"
+    assert not list(saved.glob("*.partial"))
     checkpoints = tmp_path / "checkpoints"
-    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
-    run_torchrun(2, DROPOUT_TP2_ARGS + ["--save", str(checkpoints), "--save-interval", "10",
-                                        "--exit-interval", "10", "--log-metrics-jsonl", str(first)])
-    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text() == "10"
-    assert not list(checkpoints.glob("*.partial"))
+    shutil.copytree(checkpointing.checkpoint_dir(saved, RESUME_AT),
+                    checkpointing.checkpoint_dir(checkpoints, RESUME_AT))
+    (checkpoints / checkpointing.TRACKER_FILENAME).write_text(str(RESUME_AT))
+    second = tmp_path / "second.jsonl"
     result = run_torchrun(2, DROPOUT_TP2_ARGS + [
         "--save", str(checkpoints), "--load", str(checkpoints), "--log-metrics-jsonl", str(second),
         "--tensorboard-dir", str(tmp_path / "tensorboard")])
@@ -52,10 +74,9 @@ def test_resume_reproduces_uninterrupted_losses(uninterrupted_losses, tmp_path):
     for field in ("lm loss:", "lr:", "tokens/s:", "MFU:", "peak_rss_mib:"):
         assert field in log_line, log_line
     resumed = read_losses(second)
-    assert sorted(resumed) == list(range(11, 21))
-    for iteration in range(11, 21):
-        assert resumed[iteration] == uninterrupted_losses[iteration], iteration
-    assert read_losses(first) == {i: uninterrupted_losses[i] for i in range(1, 11)}
+    assert sorted(resumed) == list(range(RESUME_AT + 1, 21))
+    for iteration in resumed:
+        assert resumed[iteration] == losses[iteration], iteration
 
 
 @pytest.mark.slow  # ~40 s; the default suite keeps the resume test
