@@ -41,9 +41,9 @@ def uninterrupted_losses(uninterrupted) -> dict[int, float]:
     return uninterrupted[0]
 
 
-# Slow: test_resume_reproduces_uninterrupted_losses (default) runs the same command from scratch
-# to iteration 10 and asserts those losses bitwise equal to the uninterrupted run's, and the
-# resumed iterations 11..20 bitwise equal too.
+# Slow: the default suite's test_resume_reproduces_uninterrupted_losses asserts iterations
+# 11..20 of another process (resumed at 10) bitwise equal to the uninterrupted run's; this one
+# re-runs all 20 iterations from scratch.
 @pytest.mark.slow
 def test_deterministic_mode_is_bitwise_reproducible(uninterrupted_losses, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
