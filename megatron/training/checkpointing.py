@@ -406,7 +406,11 @@ def load_checkpoint(args: argparse.Namespace, model: list, optimizer, scheduler)
     fresh = args.finetune or saved.get("weights_only", False)
     load_optimizer = not (args.no_load_optim or fresh)
     load_rng = not (args.no_load_rng or fresh) and saved["world_size"] == dist.get_world_size()
-    _check_checkpoint_format(args, directory)
+    saved_format = _check_checkpoint_format(args, directory, load_optimizer)
+    if saved_format != args.ckpt_format:  # torch_dist weights into Megatron-FSDP
+        fsdp_checkpointing.load_torch_dist_weights(directory, model)
+        rng = _load_torch_dist_rng(directory) if load_rng else None
+        return _loaded(args, common, directory, scheduler, load_optimizer, rng, fresh)
     if args.ckpt_format == "fsdp_dtensor":
         rng = fsdp_checkpointing.load(args, directory, model, optimizer, load_optimizer,
                                       load_rng, _rng_state())
@@ -457,16 +461,36 @@ def _loaded(args: argparse.Namespace, common: dict, directory: Path, scheduler,
     )
 
 
-def _check_checkpoint_format(args: argparse.Namespace, directory: Path) -> None:
-    """A checkpoint loads only in the --ckpt-format that wrote it (Megatron-FSDP's DTensors
-    with fsdp_dtensor, dist_checkpointing's shards with torch_dist)."""
+def _check_checkpoint_format(args: argparse.Namespace, directory: Path,
+                             load_optimizer: bool) -> str:
+    """The --ckpt-format that wrote ``directory``. A checkpoint loads in the format that wrote
+    it (Megatron-FSDP's DTensors with fsdp_dtensor, dist_checkpointing's shards with
+    torch_dist), except a torch_dist checkpoint's weights into a Megatron-FSDP run
+    (fsdp_checkpointing.load_torch_dist_weights): its optimizer state is laid out by the other
+    optimizer's buckets, so that run starts a fresh optimizer."""
     saved = "fsdp_dtensor" if fsdp_checkpointing.is_fsdp_dtensor_checkpoint(directory) \
         else "torch_dist"
-    if saved != args.ckpt_format:
+    if saved == args.ckpt_format:
+        return saved
+    if saved == "fsdp_dtensor":
         raise ArgumentValidationError(
-            f"--load {directory}: it was saved with --ckpt-format {saved}, this run has "
-            f"--ckpt-format {args.ckpt_format}; load it with the format it was saved in "
-            "(fsdp_dtensor goes with --use-megatron-fsdp)")
+            f"--load {directory}: it was saved with --ckpt-format fsdp_dtensor (Megatron-FSDP), "
+            f"this run has --ckpt-format {args.ckpt_format}; load it with --use-megatron-fsdp "
+            "--ckpt-format fsdp_dtensor")
+    if load_optimizer:
+        raise ArgumentValidationError(
+            f"--load {directory}: a torch_dist checkpoint's optimizer state does not load into "
+            "Megatron-FSDP (--ckpt-format fsdp_dtensor); pass --no-load-optim to load its "
+            "weights, RNG states and data position with a fresh optimizer, or --finetune")
+    return saved
+
+
+def _load_torch_dist_rng(directory: Path) -> dict:
+    """This rank's RNG states from a torch_dist checkpoint saved at this world size."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    template = {"rng_state": ShardedObject("rng_state", _rng_state(), (world_size,), (rank,),
+                                           replica_id=0)}
+    return dist_checkpointing.load(template, str(directory))["rng_state"]
 
 
 def load_weights(root: str | Path, module: torch.nn.Module,

@@ -20,6 +20,7 @@ the DCP files under a key of their own (the rank's), restored only at the same w
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -158,3 +159,91 @@ def _unprefixed(model_state: dict) -> dict:
     """FullyShardedDataParallel.load_state_dict adds MegatronFSDP's ``module.`` prefix to the
     keys its ``state_dict_for_save_checkpoint`` returned with it."""
     return {key.removeprefix("module."): value for key, value in model_state.items()}
+
+
+def _tensor_parallel_dim(param) -> Optional[int]:
+    """The dimension megatron-core splits ``param`` along over tensor-parallel ranks, or None."""
+    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+
+
+@contextlib.contextmanager
+def _unsharded_placeholders(module: torch.nn.Module):
+    """``module`` with each Megatron-FSDP parameter replaced, in the block, by a meta tensor of
+    the shape the parameter has on this tensor-parallel rank unsharded. megatron-core's
+    ``sharded_state_dict`` describes a parameter by its local tensor, and Megatron-FSDP's are
+    DTensors whose local tensor is this rank's shard (an empty one divides by zero in
+    SwiGLU's factory) and whose shape spans the tensor-parallel ranks too."""
+    from megatron.core import parallel_state
+    from torch.distributed.tensor import DTensor
+
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    swapped = []
+    for owner in module.modules():
+        for name, param in list(owner._parameters.items()):
+            if isinstance(param, DTensor):
+                shape = list(param.shape)
+                dim = _tensor_parallel_dim(param)
+                if dim is not None:
+                    shape[dim] //= tp_size
+                placeholder = torch.nn.Parameter(torch.empty(shape, dtype=param.dtype,
+                                                             device="meta"),
+                                                 requires_grad=param.requires_grad)
+                owner._parameters[name] = placeholder
+                swapped.append((owner, name, param))
+    try:
+        yield module
+    finally:
+        for owner, name, param in swapped:
+            owner._parameters[name] = param
+
+
+def load_torch_dist_weights(directory: Path, model: list) -> None:
+    """Load the weights of a torch_dist checkpoint (dist_checkpointing's: the trainer's without
+    --use-megatron-fsdp, tools/checkpoint's conversions) into Megatron-FSDP's sharded
+    parameters, at any data-parallel and tensor-parallel size.
+
+    Megatron-LM converts such a checkpoint offline first (its checkpoint_inspector's
+    ``convert-torch-dist-to-fsdp-dtensor``); here it loads directly, with megatron-core doing
+    the reading: the wrapped GPTModel's own ``sharded_state_dict`` names every weight as a
+    torch_dist checkpoint holds it (checkpoint keys, the layer axis, this rank's
+    tensor-parallel slice, SwiGLU's fc1 halves), each backed here by a host tensor of this
+    rank's unsharded (tensor-parallel-local) shape, which dist_checkpointing fills. Each rank
+    then keeps the part its Megatron-FSDP shard holds: the chunk that the same DTensors,
+    described as megatron-core describes them to DCP (uneven shards), occupy in the parameter.
+    One parameter's tensor at a time would need a loader of our own; this reads them all at
+    once, this tensor-parallel rank's unsharded model in host memory for the duration."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+    from megatron.core import dist_checkpointing, parallel_state
+
+    gpt = model[0].module.module
+    tp_dims = {name: _tensor_parallel_dim(param) for name, param in gpt.named_parameters()}
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    with _unsharded_placeholders(gpt):
+        template, _ = extract_sharded_tensors_and_factories(gpt.sharded_state_dict())
+    for entry in template.values():
+        shape = entry.local_shape if isinstance(entry, ShardedTensor) else entry.data.shape
+        assert isinstance(entry, (ShardedTensor, ShardedTensorFactory))
+        entry.data = torch.empty(shape, dtype=entry.data.dtype)
+    loaded = dist_checkpointing.load(template, str(directory))
+    raw = {"model": model[0].state_dict_for_save_checkpoint()}
+    preprocess_state_dict_for_uneven_dtensor(raw)
+    for name, shard in raw["model"].items():
+        if not isinstance(shard, torch.Tensor):
+            continue
+        name = name.removeprefix("module.")
+        full = loaded[name]
+        # the chunk's place in the parameter across tensor-parallel ranks, then in this rank's
+        (chunk,) = shard.__create_chunk_list__()
+        offsets = list(chunk.offsets)
+        if tp_dims[name] is not None:
+            offsets[tp_dims[name]] -= tp_rank * full.shape[tp_dims[name]]
+        index = tuple(slice(start, start + size) for start, size in zip(offsets, chunk.sizes))
+        part = full[index]
+        assert part.shape == tuple(chunk.sizes), (name, part.shape, chunk.sizes)
+        with torch.no_grad():
+            shard.to_local().copy_(part)
+    model[0].load_state_dict(_unprefixed(raw["model"]))

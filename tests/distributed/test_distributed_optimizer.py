@@ -19,7 +19,8 @@ The DP=2 checkpoint also resumes on one rank (megatron-core's dp_reshardable for
 the shards), to 1e-5 relative (measured: 8.1e-8).
 
 The plain runs are conftest.training_losses' (one per command line per session); the DP=2
-distributed run is shared by its agreement test and both resume tests.
+distributed run (tests/distributed/conftest.py) is shared by its agreement test, both resume
+tests and test_megatron_fsdp.py's torch_dist load.
 """
 
 from __future__ import annotations
@@ -30,17 +31,16 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun, training_losses
+from tests.distributed.conftest import DISTRIBUTED, SAVE_INTERVAL
 
 pytestmark = pytest.mark.distributed
 
-DISTRIBUTED = ["--use-distributed-optimizer"]
 # The slow layouts beside the default DP=2 (2 ranks): name -> (ranks, flags); each has DP=2.
 LAYOUTS = {
     "cp2_dp2": (4, ["--context-parallel-size", "2"]),
     "tp2_sp_dp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "dp2_memo": (2, ["--memo-offload", "--memo-alpha", "1"]),
 }
-SAVE_INTERVAL = 5
 RESUME_UNTIL = 10
 
 
@@ -49,17 +49,6 @@ def assert_losses_agree(distributed: dict[int, float], plain: dict[int, float]) 
     assert distributed[1] == plain[1]  # same initial weights, same first forward
     for iteration, loss in plain.items():
         assert distributed[iteration] == pytest.approx(loss, rel=1e-5, abs=0), iteration
-
-
-@pytest.fixture(scope="module")
-def dp2_distributed(tmp_path_factory) -> tuple[dict[int, float], Path]:
-    """The DP=2 distributed run: its losses and its checkpoints (every 5 iterations)."""
-    root = tmp_path_factory.mktemp("distributed_dp2")
-    checkpoints, metrics = root / "checkpoints", root / "metrics.jsonl"
-    run_torchrun(2, TINY_GPT_ARGS + DISTRIBUTED + [
-        "--save", str(checkpoints), "--save-interval", str(SAVE_INTERVAL),
-        "--log-metrics-jsonl", str(metrics)])
-    return read_losses(metrics), checkpoints
 
 
 def test_dp2_losses_equal_plain_optimizer(dp2_distributed, tmp_path_factory):

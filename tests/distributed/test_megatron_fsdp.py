@@ -1,7 +1,8 @@
 """Issue 44, Megatron-FSDP on CPU/gloo: 20 iterations of the tiny model with
 --use-megatron-fsdp give the losses of the plain optimizer -- at DP=2 with each sharding
 strategy, and with optim_grads_params at CP=2 x DP=2, TP=2+SP x DP=2 and DP=2 with MEMO -- and
-a run resumed from its fsdp_dtensor checkpoint reproduces the uninterrupted losses bit for bit.
+a run resumed from its fsdp_dtensor checkpoint reproduces the uninterrupted losses bit for bit;
+a torch_dist checkpoint's weights load into its shards (at DP=2, and at TP=2+SP from TP=1).
 
 What agreement to expect: iteration 1 is bitwise equal everywhere (same weights, same
 forward); after it the losses agree to 1e-5 relative, not bitwise: the gradient norm is summed
@@ -16,12 +17,14 @@ shared with test_distributed_optimizer.py) but the resume tests', which save and
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun, training_losses
 from tests.distributed.test_distributed_optimizer import (
+    DISTRIBUTED,
     SAVE_INTERVAL,
     assert_losses_agree,
     resume_from_iteration_5,
@@ -115,3 +118,52 @@ def test_swiglu_resume_reproduces_uninterrupted_losses(tmp_path):
     uninterrupted, resumed = train_and_resume(tmp_path, fsdp_flags() + ["--swiglu"])
     for iteration, loss in resumed.items():
         assert loss == uninterrupted[iteration], iteration
+
+
+def resumed_without_optimizer(checkpoints: Path, nproc: int, flags: list[str],
+                              root: Path) -> dict[int, float]:
+    """Iterations 6 and 7 of ``flags`` loaded from the iteration-5 checkpoint under
+    ``checkpoints`` with --no-load-optim (weights, RNG states and data position; a fresh
+    optimizer)."""
+    from megatron.training import checkpointing
+
+    load = root / "load"
+    shutil.copytree(checkpointing.checkpoint_dir(checkpoints, SAVE_INTERVAL),
+                    checkpointing.checkpoint_dir(load, SAVE_INTERVAL))
+    (load / checkpointing.TRACKER_FILENAME).write_text(str(SAVE_INTERVAL))
+    metrics = root / "resumed.jsonl"
+    run_torchrun(nproc, TINY_GPT_ARGS + flags + [
+        "--load", str(load), "--no-load-optim", "--exit-interval", str(SAVE_INTERVAL + 2),
+        "--log-metrics-jsonl", str(metrics)])
+    return read_losses(metrics)
+
+
+def test_torch_dist_weights_load_into_megatron_fsdp(dp2_distributed, tmp_path):
+    """A torch_dist checkpoint's weights (the distributed optimizer's DP=2 run) load into
+    Megatron-FSDP's uneven DP=2 shards: iteration 6 after the load is the uninterrupted run's
+    bit for bit (weights, data position, RNG states), and iteration 7 is what the distributed
+    optimizer gives resumed the same way (a fresh optimizer in both), so the optimizer's main
+    weights took the loaded values too."""
+    uninterrupted, checkpoints = dp2_distributed
+    fsdp = resumed_without_optimizer(checkpoints, 2, fsdp_flags(), tmp_path / "fsdp")
+    plain = resumed_without_optimizer(checkpoints, 2, DISTRIBUTED, tmp_path / "plain")
+    assert sorted(fsdp) == sorted(plain) == [6, 7]
+    assert fsdp[6] == plain[6] == uninterrupted[6]
+    assert fsdp[7] == pytest.approx(plain[7], rel=1e-5, abs=0)
+
+
+@pytest.mark.slow  # 4 ranks, and the SwiGLU run that saves (~35 s)
+def test_torch_dist_weights_load_at_another_tensor_parallel_size(tmp_path):
+    """A TP=1 SwiGLU checkpoint into Megatron-FSDP at TP=2+SP x DP=2: each rank reads its
+    tensor-parallel slice (each of SwiGLU's fc1 halves sliced) and keeps its shard of it.
+    Iteration 6 after the load is the uninterrupted run's to 1e-5 (TP=2 sums the row-parallel
+    products in another order; measured 3.9e-8)."""
+    metrics = tmp_path / "uninterrupted.jsonl"
+    run_torchrun(2, TINY_GPT_ARGS + DISTRIBUTED + [
+        "--swiglu", "--save", str(tmp_path / "checkpoints"), "--save-interval",
+        str(SAVE_INTERVAL), "--exit-interval", str(SAVE_INTERVAL + 1),
+        "--log-metrics-jsonl", str(metrics)])
+    tp2 = resumed_without_optimizer(
+        tmp_path / "checkpoints", 4, ["--swiglu", "--tensor-model-parallel-size", "2",
+                                      "--sequence-parallel"] + fsdp_flags(), tmp_path / "tp2")
+    assert tp2[6] == pytest.approx(read_losses(metrics)[6], rel=1e-5, abs=0)

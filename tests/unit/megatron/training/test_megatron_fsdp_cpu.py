@@ -85,7 +85,10 @@ def test_the_fsdp_mesh_is_built_on_the_cpu(megatron_world):
     assert shard.to_local().device.type == "cpu" and shard.shape == (2, 3)
 
 
-def test_a_checkpoint_loads_only_in_its_own_format(tmp_path):
+def test_which_checkpoint_formats_load(tmp_path):
+    """Each format loads in its own; a torch_dist checkpoint also into Megatron-FSDP, its
+    weights only (test_megatron_fsdp.py loads one); an fsdp_dtensor one only into
+    Megatron-FSDP."""
     import argparse
 
     from megatron.training.checkpointing import _check_checkpoint_format
@@ -95,12 +98,22 @@ def test_a_checkpoint_loads_only_in_its_own_format(tmp_path):
     fsdp.mkdir()
     dist_ckpt.mkdir()
     (fsdp / COMMON_FILE).write_bytes(b"")
-    _check_checkpoint_format(argparse.Namespace(ckpt_format="fsdp_dtensor"), fsdp)
-    _check_checkpoint_format(argparse.Namespace(ckpt_format="torch_dist"), dist_ckpt)
-    for directory, saved, run in ((fsdp, "fsdp_dtensor", "torch_dist"),
-                                  (dist_ckpt, "torch_dist", "fsdp_dtensor")):
-        with pytest.raises(ArgumentValidationError) as raised:
-            _check_checkpoint_format(argparse.Namespace(ckpt_format=run), directory)
-        assert str(raised.value).startswith(
-            f"--load {directory}: it was saved with --ckpt-format {saved}, this run has "
-            f"--ckpt-format {run}")
+
+    def saved_format(directory, run, load_optimizer=True):
+        return _check_checkpoint_format(argparse.Namespace(ckpt_format=run), directory,
+                                        load_optimizer)
+
+    assert saved_format(fsdp, "fsdp_dtensor") == "fsdp_dtensor"
+    assert saved_format(dist_ckpt, "torch_dist") == "torch_dist"
+    assert saved_format(dist_ckpt, "fsdp_dtensor", load_optimizer=False) == "torch_dist"
+    with pytest.raises(ArgumentValidationError) as raised:
+        saved_format(fsdp, "torch_dist", load_optimizer=False)
+    assert str(raised.value) == (
+        f"--load {fsdp}: it was saved with --ckpt-format fsdp_dtensor (Megatron-FSDP), this run "
+        "has --ckpt-format torch_dist; load it with --use-megatron-fsdp --ckpt-format "
+        "fsdp_dtensor")
+    with pytest.raises(ArgumentValidationError) as raised:
+        saved_format(dist_ckpt, "fsdp_dtensor")
+    assert str(raised.value).startswith(
+        f"--load {dist_ckpt}: a torch_dist checkpoint's optimizer state does not load into "
+        "Megatron-FSDP (--ckpt-format fsdp_dtensor); pass --no-load-optim")
