@@ -4,8 +4,9 @@ layouts on gloo ranks: its logits equal transformers' to 1e-5 relative, and the 
 that layout export back to the original tensors bit for bit (dist_checkpointing reshards both
 ways). All with -m slow: TP = 2, PP = 2 (the output layer on another stage than the embedding
 it is tied to) and TP = 2 x PP = 2. Slow too: at CP = 2 (a Llama with Llama 3.1 RoPE
-scaling) the logits and loss equal CP = 1's; and the commands end to end (convert, train 10
-iterations at TP = 2 with pretrain_gpt.py @model_flags.txt, export) against transformers."""
+scaling) the logits and loss equal CP = 1's; the commands end to end (convert, train 10
+iterations at TP = 2 with pretrain_gpt.py @model_flags.txt, export) against transformers; and
+the converted model trained under Megatron-FSDP at DP = 2 against the same without it."""
 
 from __future__ import annotations
 
@@ -214,3 +215,35 @@ def test_commands_convert_train_at_tp2_and_export(tmp_path):
     print(f"converted, trained at TP=2, exported: max relative logit error {error:.3g}")
     assert error <= TOLERANCE
     assert hf_oracle.relative_error(ours, hf_oracle.hf_logits(hf, ids)) > 1e-3  # it did train
+
+
+@pytest.mark.slow
+def test_converted_model_trains_under_megatron_fsdp(tmp_path):
+    """A converted Qwen2 (tied embeddings, query/key/value bias, GQA, a padded vocabulary) loads
+    into Megatron-FSDP at DP=2, each rank keeping its shard of the weights: its first losses
+    equal the same command's without Megatron-FSDP (iteration 1 bit for bit: the same weights
+    in the same forward; 2-3 to 1e-5, the gradient norm summed over shards in another order)."""
+    from tests.conftest import read_losses
+
+    hf = hf_oracle.save_tiny_model(tmp_path / "hf", "qwen2", vocab_size=VOCAB,
+                                   tie_word_embeddings=True)
+    checkpoint = tmp_path / "checkpoint"
+    _convert("--loader", "hf", "--saver", "core", "--load-dir", str(hf),
+             "--save-dir", str(checkpoint))
+    losses = {}
+    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+            "--ckpt-format", "fsdp_dtensor"]
+    for name, flags in (("ddp", []), ("fsdp", fsdp)):
+        metrics = tmp_path / f"{name}.jsonl"
+        result = run_torchrun(2, [f"@{checkpoint}/model_flags.txt", "--load", str(checkpoint),
+                                  "--use-distributed-optimizer", *flags, "--mock-data",
+                                  "--seq-length", "32", "--micro-batch-size", "2",
+                                  "--train-iters", "3", "--lr", "1e-3", "--eval-iters", "0",
+                                  "--log-interval", "1", "--log-metrics-jsonl", str(metrics)])
+        assert "holds weights only" in result.stdout
+        losses[name] = read_losses(metrics)
+    assert sorted(losses["fsdp"]) == sorted(losses["ddp"]) == [1, 2, 3]
+    assert losses["fsdp"][1] == losses["ddp"][1]
+    for iteration in (2, 3):
+        assert losses["fsdp"][iteration] == pytest.approx(losses["ddp"][iteration], rel=1e-5,
+                                                          abs=0), iteration
