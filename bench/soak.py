@@ -12,7 +12,7 @@ filling after the warm-up) from growth that goes on (a leak).
 Noise floor: the plain run's steady iterations are cut into four windows and a line is fitted to
 each; the floor is the largest |slope| of any window on any rank. Each row is judged by the plain
 run of its own layout: ``plain`` (TP=2+SP) for the model-parallel rows, ``plain-dp2`` for the
-data-parallel ones (distributed optimizer, optimizer offload, --overlap-param-gather). A shorter window gives a
+data-parallel ones (distributed optimizer, optimizer offload, --overlap-param-gather, Megatron-FSDP). A shorter window gives a
 noisier slope than the whole run, so the floor is generous: a mechanism is ``flat`` when its
 whole-run slope is at most the floor; ``settling`` when it is above but its second-half slope is
 within the floor; ``grows`` when both are above. (Issue 42's leak measured 0.36
@@ -132,6 +132,9 @@ MECHANISMS = (
     data_parallel("optimizer-offload-1.0", (*OFFLOAD, "1.0")),
     data_parallel("overlap-param-gather", (*DISTRIBUTED_OPTIMIZER, "--overlap-grad-reduce",
                                            "--overlap-param-gather")),
+    data_parallel("megatron-fsdp", (*DISTRIBUTED_OPTIMIZER, "--use-megatron-fsdp",
+                                    "--data-parallel-sharding-strategy", "optim_grads_params",
+                                    "--ckpt-format", "fsdp_dtensor")),
     Mechanism("timers", (*TP2_SP, "--timing-log-level", "2", "--log-timers-to-tensorboard",
                          "--tensorboard-dir", "{run}/tensorboard"), "TP=2+SP"),
     Mechanism("wandb-offline", (*TP2_SP, "--wandb-project", "soak", "--wandb-save-dir",
