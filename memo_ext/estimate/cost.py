@@ -210,6 +210,11 @@ def _collective_s(op: str, ranks, nbytes: int, calls: int, hardware: dict,
         + wire / (float(measured["gbps"]) * GB * efficiency.collective)
 
 
+def _single_rank_s(measured: dict, nbytes: int) -> float:
+    """Seconds of one in-place collective of ``nbytes`` over a group of one rank, as measured."""
+    return float(measured["latency_s"]) + nbytes / (float(measured["gbps"]) * GB)
+
+
 def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficiency, *,
                  global_batch: int, persistent: dict, reorganisations_per_iteration: float = 0.0
                  ) -> StepTime:
@@ -280,6 +285,14 @@ def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficienc
         wire = (dp - 1) / dp * (persistent["gradient"] + persistent["parameter"])
         data_parallel = wire / (_link_bytes_per_s(dp_ranks, hardware) * efficiency.collective)
     options = header.get("options", {})
+    # The distributed optimizer over a group of one rank: NCCL's in-place collectives do
+    # nothing; gloo's copy (the CPU profile's single_rank_ops). Its gradient reduce-scatter is
+    # the data-parallel step's, its parameter all-gather part of the optimizer's step.
+    parameter_gather = 0.0
+    single_rank = hardware.get("single_rank_ops")
+    if single_rank and dp * cp == 1 and options.get("use_distributed_optimizer"):
+        data_parallel += _single_rank_s(single_rank["reduce_scatter"], persistent["gradient"])
+        parameter_gather = _single_rank_s(single_rank["all_gather"], persistent["parameter"])
     host_shards = persistent.get("host_shards") if options.get("optimizer_cpu_offload") else None
     # the gradient read and parameter write of the optimizer's shard, on the device the part
     # it updates there (the host part is offload_step's)
@@ -293,6 +306,7 @@ def predict_step(work: dict, header: dict, hardware: dict, efficiency: Efficienc
         optimizer = offload_step_of(host_shards, optimizer, element, hardware, efficiency,
                                     tp * cp * pp * dp, bool(options.get(
                                         "overlap_cpu_optimizer_d2h_h2d"))).step_s
+    optimizer += parameter_gather
     reorganisation = reorganisations_per_iteration * efficiency.reorganisation_s
     step = microbatches * microbatch_s + bubble + data_parallel + optimizer + reorganisation
     gpus = tp * cp * pp * dp

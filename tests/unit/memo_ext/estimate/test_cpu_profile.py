@@ -56,7 +56,10 @@ def test_measurements_are_positive_and_give_finite_efficiencies(one_rank, two_ra
         rows = profile["kernels"]["gemm"] + profile["kernels"]["attention"]
         assert all(row["tflops"] > 0 for row in rows)
         assert profile["host_copy_overlap"] <= 1
-    assert one_rank["collective_ops"] == {}
+    assert one_rank["collective_ops"] == {} and two_ranks["single_rank_ops"] == {}
+    assert set(one_rank["single_rank_ops"]) == {"all_gather", "reduce_scatter"}
+    assert all(v["latency_s"] > 0 and v["gbps"] > 0
+               for v in one_rank["single_rank_ops"].values())
     assert set(two_ranks["collective_ops"]) == {"all_reduce", "all_gather", "reduce_scatter",
                                                 "send"}
     assert all(v["latency_s"] > 0 and v["gbps"] > 0
@@ -68,13 +71,15 @@ def test_measurements_are_positive_and_give_finite_efficiencies(one_rank, two_ra
         assert math.isfinite(value) and value > 0
 
 
-def _step(hardware: dict, work: dict):
-    header = {"layout": {"tp": 2, "cp": 1, "pp": 1, "dp": 1, "micro_batch_size": 1},
-              "model": {**TINY, "params_dtype": "torch.float32"}}
+def _step(hardware: dict, work: dict, *, dp: int = 1, options: dict | None = None,
+          persistent: dict | None = None):
+    header = {"layout": {"tp": 2, "cp": 1, "pp": 1, "dp": dp, "micro_batch_size": 1},
+              "model": {**TINY, "params_dtype": "torch.float32"}, "options": options or {}}
     efficiency = Efficiency(memory=1.0, collective=1.0, pcie=1.0, reorganisation_s=0.0,
                             gemm=1.0, attention_forward=1.0, attention_backward=1.0)
-    return predict_step(work, header, hardware, efficiency, global_batch=1,
-                        persistent={"parameter": 0, "gradient": 0, "optimizer": 0})
+    return predict_step(work, header, hardware, efficiency, global_batch=dp,
+                        persistent=persistent or {"parameter": 0, "gradient": 0,
+                                                  "optimizer": 0})
 
 
 def test_the_cost_model_reads_the_measured_copy_overlap_and_collectives():
@@ -90,6 +95,30 @@ def test_the_cost_model_reads_the_measured_copy_overlap_and_collectives():
                       "collective_ops": {"all_reduce": {"latency_s": 0.01, "gbps": 2.0}}}, work)
     assert measured.offload_exposed_s == pytest.approx(0.1)  # the copy hides nowhere
     assert measured.collectives_s == pytest.approx(10 * 0.01 + 0.5)
+
+
+def test_one_rank_distributed_optimizer_pays_gloos_copies_only_where_measured():
+    """The distributed optimizer over a data-parallel group of one rank: gloo copies its
+    buffers (the CPU profile measures it), NCCL in place does nothing (a GPU profile has no
+    single_rank_ops); the gradient reduce-scatter is the data-parallel term, the parameter
+    all-gather part of the optimizer's."""
+    hardware = {"bf16_tflops": 1.0, "hbm_gbps": 1.0, "pcie_gbps": 1.0, "nvlink_gbps": 1.0,
+                "ib_gbps": 1.0, "gpus_per_node": 2}
+    measured = {**hardware, "single_rank_ops": {
+        "all_gather": {"latency_s": 0.01, "gbps": 2.0},
+        "reduce_scatter": {"latency_s": 0.02, "gbps": 4.0}}}
+    work = {"phases": {}, "collectives": []}
+    state = {"parameter": 10 ** 9, "gradient": 2 * 10 ** 9, "optimizer": 0}
+    distributed = {"use_distributed_optimizer": True}
+    gpu = _step(hardware, work, options=distributed, persistent=state)
+    cpu = _step(measured, work, options=distributed, persistent=state)
+    assert cpu.data_parallel_s - gpu.data_parallel_s == pytest.approx(0.02 + 0.5)
+    assert cpu.optimizer_s - gpu.optimizer_s == pytest.approx(0.01 + 0.5)
+    plain = _step(measured, work, persistent=state)
+    assert (plain.data_parallel_s, plain.optimizer_s) == (gpu.data_parallel_s, gpu.optimizer_s)
+    two_ranks = _step(measured, work, dp=2, options=distributed, persistent=state)
+    assert two_ranks.step_s == pytest.approx(_step(hardware, work, dp=2, options=distributed,
+                                                   persistent=state).step_s)
 
 
 @pytest.mark.parametrize("flags, message", [
