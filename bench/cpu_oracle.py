@@ -74,8 +74,10 @@ TRACED_MODEL = traced_model(None, MODEL)
 GLOBAL_BATCH = 2
 ITERATIONS = 6
 WARMUP_ITERATIONS = 2  # page faults of first allocations, MKL and gloo start-up
-#: Runs of each micro-benchmark (the profile takes their median; ~25 s a profile).
-PROFILE_REPEATS = 5
+#: Runs of each micro-benchmark (the profile takes their median). 20: with 5, opt1's profile
+#: predicted its forward and backward between 0.73 and 1.05 s a micro-batch from run to run
+#: on the same quiet machine; with 20, 0.81-0.84 (2026-11-28). About 20 s a one-rank profile.
+PROFILE_REPEATS = 20
 #: Flags of the tracer that the trainer must not get: MEMO's host capacity and bandwidth
 #: stand-ins (the trainer measures both), each with its value.
 TRACE_ONLY_FLAGS = ("--memo-host-memory-gb", "--memo-pcie-gbps")
