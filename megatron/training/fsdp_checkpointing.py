@@ -212,7 +212,6 @@ def load_torch_dist_weights(directory: Path, model: list) -> None:
     described as megatron-core describes them to DCP (uneven shards), occupy in the parameter.
     One parameter's tensor at a time would need a loader of our own; this reads them all at
     once, this tensor-parallel rank's unsharded model in host memory for the duration."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
         preprocess_state_dict_for_uneven_dtensor,
@@ -224,10 +223,8 @@ def load_torch_dist_weights(directory: Path, model: list) -> None:
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with _unsharded_placeholders(gpt):
         template, _ = extract_sharded_tensors_and_factories(gpt.sharded_state_dict())
-    for entry in template.values():
-        shape = entry.local_shape if isinstance(entry, ShardedTensor) else entry.data.shape
-        assert isinstance(entry, (ShardedTensor, ShardedTensorFactory))
-        entry.data = torch.empty(shape, dtype=entry.data.dtype)
+    for entry in template.values():  # ShardedTensors and SwiGLU's factories, on placeholders
+        entry.data = torch.empty(entry.data.shape, dtype=entry.data.dtype)
     loaded = dist_checkpointing.load(template, str(directory))
     raw = {"model": model[0].state_dict_for_save_checkpoint()}
     preprocess_state_dict_for_uneven_dtensor(raw)
