@@ -229,7 +229,8 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
     _honoured("--ckpt-format",
               "torch_dist: megatron-core dist_checkpointing, what --save writes; "
               "fsdp_dtensor: Megatron-FSDP's DTensors through torch.distributed.checkpoint "
-              "(with --use-megatron-fsdp, which needs it)",
+              "(with --use-megatron-fsdp, which needs it; it loads a torch_dist checkpoint's "
+              "weights too, with --no-load-optim or --finetune)",
               "torch and torch_dcp; fsdp_dtensor without --use-megatron-fsdp and torch_dist "
               "with it", refused_values=("torch", "torch_dcp")),
     _honoured("--distributed-timeout-minutes", "torch.distributed process-group timeout"),
