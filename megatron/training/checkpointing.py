@@ -197,11 +197,14 @@ def _sharded_state_dict(args: argparse.Namespace, model: list, optimizer, includ
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
                                                           **extra)
     if include_rng:
-        world_size, rank = dist.get_world_size(), dist.get_rank()
-        state["rng_state"] = ShardedObject(
-            "rng_state", _rng_state(), (world_size,), (rank,), replica_id=0
-        )
+        state["rng_state"] = _rng_sharded_object()
     return state
+
+
+def _rng_sharded_object() -> ShardedObject:
+    """This rank's RNG states as a torch_dist checkpoint holds them (one object per rank)."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    return ShardedObject("rng_state", _rng_state(), (world_size,), (rank,), replica_id=0)
 
 
 def _write_tracker(root: Path, iteration: int) -> None:
@@ -487,10 +490,8 @@ def _check_checkpoint_format(args: argparse.Namespace, directory: Path,
 
 def _load_torch_dist_rng(directory: Path) -> dict:
     """This rank's RNG states from a torch_dist checkpoint saved at this world size."""
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    template = {"rng_state": ShardedObject("rng_state", _rng_state(), (world_size,), (rank,),
-                                           replica_id=0)}
-    return dist_checkpointing.load(template, str(directory))["rng_state"]
+    return dist_checkpointing.load({"rng_state": _rng_sharded_object()},
+                                   str(directory))["rng_state"]
 
 
 def load_weights(root: str | Path, module: torch.nn.Module,
