@@ -23,6 +23,7 @@ import argparse
 import contextlib
 from pathlib import Path
 from typing import Optional
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -48,12 +49,18 @@ def _raw(args: argparse.Namespace, model: list, optimizer, include_optimizer: bo
     parameters' and states' own shards (a load writes into them)."""
     state = {"model": model[0].state_dict_for_save_checkpoint()}
     if include_optimizer:
-        if is_loading:  # what sharded_state_dict does first, so that the states exist to fill
-            # (it steps on zero gradients once more inside; the load overwrites both steps)
+        if is_loading:  # so that the states exist to fill (the load overwrites them)
             optimizer._init_optimizer_states_with_dummy_values()
+        if hasattr(optimizer.optimizer, "state_as_dtensors"):  # --optimizer-cpu-offload
+            optimizer.optimizer.state_as_dtensors()
         _give_empty_shards_states(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
+        # sharded_state_dict's own dummy step (distrib_optimizer.py:1356) is the one above:
+        # with --optimizer-cpu-offload a step rebuilds the state from the sub-optimizers,
+        # which would undo the two preparations
+        with mock.patch.object(optimizer, "_init_optimizer_states_with_dummy_values",
+                               lambda: None):
+            state["optimizer"] = optimizer.sharded_state_dict(
+                state, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
     return state
 
 

@@ -82,11 +82,6 @@ def validate_megatron_fsdp(args: argparse.Namespace) -> None:
              "megatron-core 0.16.1: its device mesh lays all ranks out as data-parallel x "
              "expert x tensor-parallel, without pipeline stages (mcore_fsdp_adapter.py:365-372: "
              "EinopsError); use PP=1")
-    _require(not args.optimizer_cpu_offload,
-             "--optimizer-cpu-offload does not run with --use-megatron-fsdp in megatron-core "
-             "0.16.1: its HybridDeviceOptimizer copies Megatron-FSDP's DTensor gradients into "
-             "plain host tensors at the first step (cpu_offloading/hybrid_optimizer.py:114, "
-             "'mixed torch.Tensor and DTensor'; Megatron-LM issue 1986); drop one of the two")
     _require(args.ckpt_format == "fsdp_dtensor",
              "--use-megatron-fsdp saves only --ckpt-format fsdp_dtensor (as in Megatron-LM; "
              "megatron-core 0.16.1 has no torch_dist layout for its DTensors); add it")
@@ -127,15 +122,23 @@ def _without_transformer_engine_no_module_is_te_linear() -> None:
         mcore_fsdp_adapter.TELinear = NoTransformerEngineLinear
 
 
-def wrap(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
+def wrap(config, ddp_config, module: torch.nn.Module,
+         precision_aware_optimizer: bool = False) -> torch.nn.Module:
     """``module`` in megatron-core's FullyShardedDataParallel, on the current CUDA device (its
-    default) or, without CUDA, on the CPU."""
+    default) or, without CUDA, on the CPU; with ``precision_aware_optimizer``
+    (--use-precision-aware-optimizer, which --optimizer-cpu-offload needs) its gradients are
+    handed to the optimizer as ``decoupled_grad`` (megatron.training.fsdp_optimizer_offload)."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    from megatron.training.fsdp_optimizer_offload import hand_gradients_as_decoupled
 
     _without_transformer_engine_no_module_is_te_linear()
     device = None if torch.cuda.is_available() else torch.device("cpu")
-    return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
-                                    device=device)
+    wrapped = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                       device=device)
+    if precision_aware_optimizer:
+        hand_gradients_as_decoupled(wrapped)
+    return wrapped
 
 
 @contextlib.contextmanager
@@ -217,10 +220,11 @@ def _uncoalesced(group=None, device=None, async_ops=False):
     yield _CoalescingManager()
 
 
-def wrap_fake(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
+def wrap_fake(config, ddp_config, module: torch.nn.Module,
+              precision_aware_optimizer: bool = False) -> torch.nn.Module:
     """:func:`wrap` of a fake model inside :func:`fake_world_seams`, without its
     ``module.to(device)`` (megatron_fsdp.py:201): the fake model is already on the CPU device,
     and torch swaps each fake parameter for a new one, which the fake mode's weak references
     refuse (on the GPU the trainer's model is already on its device too)."""
     with mock.patch.object(module, "to", lambda device: module):
-        return wrap(config, ddp_config, module)
+        return wrap(config, ddp_config, module, precision_aware_optimizer)

@@ -45,6 +45,7 @@ def build_offloaded_optimizer(args: argparse.Namespace, ddp: torch.nn.Module):
         _get_param_groups_and_buffers,
     )
 
+    from megatron.training.fsdp_optimizer_offload import building_sharded_offload
     from megatron.training.training import optimizer_config
 
     config = optimizer_config(args)
@@ -52,11 +53,12 @@ def build_offloaded_optimizer(args: argparse.Namespace, ddp: torch.nn.Module):
         param_groups, buffers = _get_param_groups_and_buffers(
             [ddp], model_chunk_offset=0, config=config, config_overrides=None,
             filter_fn=lambda group: not group["is_expert_parallel"], buffer_name="buffers")
-    return _get_megatron_optimizer_based_on_param_groups(
-        config, [ddp], param_groups, per_model_buffers=buffers,
-        model_parallel_group=parallel_state.get_model_parallel_group(),
-        data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-        data_parallel_group_idx=parallel_state.get_model_parallel_group().rank())
+    with building_sharded_offload():
+        return _get_megatron_optimizer_based_on_param_groups(
+            config, [ddp], param_groups, per_model_buffers=buffers,
+            model_parallel_group=parallel_state.get_model_parallel_group(),
+            data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+            data_parallel_group_idx=parallel_state.get_model_parallel_group().rank())
 
 
 def offload_split(optimizer) -> OptimizerOffload:

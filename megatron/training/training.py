@@ -32,6 +32,7 @@ from memo_ext.estimate.flops import gpt_shape, model_flops_per_sequence, paramet
 
 from megatron.training import checkpointing, megatron_fsdp, metrics
 from megatron.training.arguments import ArgumentValidationError, core_transformer_config_from_args
+from megatron.training.fsdp_optimizer_offload import building_sharded_offload
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import initialize_megatron
 from megatron.training.mechanisms import Mechanisms, build_mechanisms, build_planner_mechanism
@@ -102,7 +103,8 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
         **(megatron_fsdp.ddp_config_fields(args) if args.use_megatron_fsdp else {}),
     )
     if args.use_megatron_fsdp:
-        model = [megatron_fsdp.wrap(config, ddp_config, model)]
+        model = [megatron_fsdp.wrap(config, ddp_config, model,
+                                    args.use_precision_aware_optimizer)]
     else:
         model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
     mechanisms.attach(model)  # last: moving to CUDA, casting and DDP's buffers replace storages
@@ -144,7 +146,8 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 def build_optimizer(args: argparse.Namespace, model: list):
     """megatron.core optimizer (torch AdamW/SGD without apex/TE; with --optimizer-cpu-offload its
     HybridDeviceOptimizer inside the distributed optimizer) and its LR/WD scheduler."""
-    optimizer = get_megatron_optimizer(optimizer_config(args), model)
+    with building_sharded_offload():
+        optimizer = get_megatron_optimizer(optimizer_config(args), model)
     samples = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,

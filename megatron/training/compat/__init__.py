@@ -12,7 +12,7 @@ megatron.core symbol it replaces:
   parameters by their ``type()``, whose names it expects to be CUDA's).
 - hybrid_optimizer.py: optimizer.cpu_offloading.HybridDeviceOptimizer (--optimizer-cpu-offload:
   its device/host split asks ``is_cuda`` and pins its host copies), optimizer_config's
-  ``is_te_min_version`` (raises without Transformer Engine), and the three places where the
+  ``is_te_min_version`` (raises without Transformer Engine), and the two places where the
   offload path assumes 16-bit parameters.
 - megatron_fsdp.py: distributed.fsdp.mcore_fsdp_adapter's ``DeviceMesh`` (--use-megatron-fsdp
   builds its mesh with device type 'cuda'); devices.py's ``torch.device`` answers its

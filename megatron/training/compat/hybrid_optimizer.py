@@ -14,7 +14,7 @@ applied by compat.apply_cpu_shims, so on CUDA none of them applies.
   decides the split by ``param.is_cuda`` and makes the host copies with ``.cpu().pin_memory()``.
 - :func:`answer_te_version_without_te` -- OptimizerConfig.__post_init__ (every
   --use-precision-aware-optimizer, which offload needs) compares Transformer Engine's version.
-- :func:`offload_fp32_parameters` -- three places where 0.16.1's offload path assumes 16-bit
+- :func:`offload_fp32_parameters` -- two places where 0.16.1's offload path assumes 16-bit
   parameters; on CPU parameters are fp32 (no mixed precision without CUDA).
 
 The streams and events HybridDeviceOptimizer synchronises its copies with are compat.devices'
@@ -97,8 +97,10 @@ def split_as_on_the_gpu_build() -> None:
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
     from megatron.training.compat.distrib_optimizer import run_within
+    from megatron.training.fsdp_optimizer_offload import ShardedHybridDeviceOptimizer
 
-    run_within(HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", HostAndDevice)
+    for cls in (HybridDeviceOptimizer, ShardedHybridDeviceOptimizer):
+        run_within(cls, "_get_sub_optimizer_param_groups", HostAndDevice)
 
 
 def answer_te_version_without_te() -> None:
@@ -142,7 +144,7 @@ def offload_fp32_parameters() -> None:
 
     Upstream, --optimizer-cpu-offload is a path for 16-bit parameters: Megatron-LM pairs it
     with --bf16. On CPU there is no mixed precision, and with fp32 parameters 0.16.1 fails in
-    three places, each fixed here without changing what happens to 16-bit parameters:
+    two places, each fixed here without changing what happens to 16-bit parameters:
 
     1. DistributedOptimizer._build_model_and_main_param_groups hands the optimizer fp32 shards
        as views of the model's parameters (``model_param.view(-1)[start:end]``, with autograd
@@ -156,9 +158,9 @@ def offload_fp32_parameters() -> None:
        gradients in ``.decoupled_grad``, so a native fp32 parameter kept on the device would
        never be updated. After it, each such parameter's ``.grad`` is its ``.decoupled_grad``
        (the host part is copied from ``.decoupled_grad`` by megatron-core already).
-    3. HybridDeviceOptimizer._update_fp32_params_by_new_state (every load_state_dict) looks up
-       an fp32 copy for every parameter and raises KeyError for a native fp32 one; it now
-       refreshes the copies that exist (Megatron-LM made the same change after 0.16.1)."""
+    (A third, HybridDeviceOptimizer._update_fp32_params_by_new_state raising KeyError for fp32
+    parameters after a load, fails on the GPU too: the trainer builds
+    megatron.training.fsdp_optimizer_offload.ShardedHybridDeviceOptimizer, which fixes it.)"""
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -195,18 +197,6 @@ def offload_fp32_parameters() -> None:
                     param.grad = getattr(param, "decoupled_grad", param.grad)
 
     HybridDeviceOptimizer._set_sub_optimizer_grads = set_grads_of_fp32_parameters_too
-
-    def update_existing_fp32_copies(self):
-        if not self.param_update_in_fp32:
-            return
-        for param, state in self.state.items():
-            fp32_copy = self.param_to_fp32_param.get(param)
-            if fp32_copy is not None:
-                fp32_copy.data.copy_(state["master_param"])
-
-    functools.update_wrapper(update_existing_fp32_copies,
-                             HybridDeviceOptimizer._update_fp32_params_by_new_state)
-    HybridDeviceOptimizer._update_fp32_params_by_new_state = update_existing_fp32_copies
 
 
 def apply() -> None:

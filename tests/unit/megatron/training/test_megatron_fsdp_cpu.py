@@ -45,9 +45,6 @@ REFUSALS = {
                             "--fsdp-double-buffer applies to --use-megatron-fsdp"),
     "fsdp_dtensor_alone": (["--ckpt-format", "fsdp_dtensor"],
                            "--ckpt-format fsdp_dtensor is Megatron-FSDP's format"),
-    "optimizer_cpu_offload": (FSDP + ["--optimizer-cpu-offload",
-                                      "--use-precision-aware-optimizer"],
-                              "--optimizer-cpu-offload does not run with --use-megatron-fsdp"),
     "nccl_ub": (FSDP + ["--use-nccl-ub"], "--use-nccl-ub: NCCL user-buffer registration"),
 }
 
