@@ -102,6 +102,10 @@ OFFLOAD_CONFIGS = [
            "TP=2 + SP, MEMO alpha 0.25, --optimizer-offload-fraction 0.5"),
     Config("cp2-opt05", Layout(1, 2, 1, 1, "megatron-none", optimizer_offload=0.5), 2,
            "CP=2, no recompute, --optimizer-offload-fraction 0.5"),
+    Config("dp2-fsdp-opt05", Layout(1, 1, 1, 2, "megatron-none", optimizer_offload=0.5,
+                                    megatron_fsdp="optim_grads_params"), 2,
+           "DP=2, Megatron-FSDP optim_grads_params, no recompute, "
+           "--optimizer-offload-fraction 0.5"),
 ]
 OFFLOAD_LINE = re.compile(r"> optimizer CPU offload host tensors \[rank (\d+), after iteration "
                           r"1\]: (\d+) storages, (\d+) B")

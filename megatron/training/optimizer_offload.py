@@ -65,6 +65,8 @@ def offload_split(optimizer) -> OptimizerOffload:
     """The shards of a built DistributedOptimizer with HybridDeviceOptimizer inside, in the
     latter's order, each with its parameter's name and whether it is offloaded."""
     hybrid = optimizer.optimizer
+    if optimizer.ddp_config.use_megatron_fsdp:
+        return _fsdp_offload_split(optimizer)
     model_param_of = {}
     for model_groups, shard_groups in ((optimizer.model_float16_groups,
                                         optimizer.shard_float16_groups),
@@ -85,6 +87,25 @@ def offload_split(optimizer) -> OptimizerOffload:
                                          model_param.dtype,
                                          shard in hybrid.gpu_params_map_cpu_copy))
     return OptimizerOffload(tuple(shards), pin_cpu_grads=hybrid.pin_cpu_grads)
+
+
+def _fsdp_offload_split(optimizer) -> OptimizerOffload:
+    """:func:`offload_split` under Megatron-FSDP: HybridDeviceOptimizer steps the DTensors of
+    its ``optimizer_named_parameters`` (this rank's shards of the fp32 main weights), split on
+    their local shards (megatron.training.fsdp_optimizer_offload); a shard's dtype is its own
+    (no 16-bit parameter reaches the optimizer). A shard with no elements on this rank gets
+    no gradient (megatron_fsdp/param_and_grad_buffer.py:2669-2670), so no state, and holds
+    nothing: it is left out, as without offload (memo_ext.trace.model_state)."""
+    from memo_ext.trace.model_state import _local
+
+    hybrid = optimizer.optimizer
+    names = {param: _clean_module_name(name) for model_chunk in optimizer.model_chunks
+             for name, param in model_chunk.param_and_grad_buffer.optimizer_named_parameters}
+    shards = tuple(OptimizerShard(names.get(param, "?"), _local(param).numel(), param.dtype,
+                                  param in hybrid.gpu_params_map_cpu_copy)
+                   for group in hybrid.param_groups for param in group["params"]
+                   if _local(param).numel() > 0)
+    return OptimizerOffload(shards, pin_cpu_grads=hybrid.pin_cpu_grads)
 
 
 def traced_offload_split(args: argparse.Namespace, ddp: torch.nn.Module) -> OptimizerOffload:

@@ -244,10 +244,13 @@ def _tracing_memo(args, recorder, stack: contextlib.ExitStack, microbatches_in_f
 
 def warmup_mode(request: TraceRequest) -> str:
     """The warm-up record_iteration runs: MEMO's rounding buffers and host slots need a whole
-    iteration to reach their steady state; everything else is created in forward."""
+    iteration to reach their steady state, and so do Megatron-FSDP's gathered-weight buckets
+    (a forward leaves the next units' buckets allocated for the backward, which frees them:
+    after a forward warm-up the recorded iteration would free "persistent" memory);
+    everything else is created in forward."""
     if request.warmup != "auto":
         return request.warmup
-    return "iteration" if request.memo_offload else "forward"
+    return "iteration" if request.memo_offload or request.megatron_fsdp else "forward"
 
 
 def traced_attention_kernel(request: TraceRequest, args: argparse.Namespace, target) -> str:

@@ -651,7 +651,7 @@ def searched_optimizer_offloads(opts: argparse.Namespace, given) -> tuple:
 def megatron_fsdp_strategy(opts: argparse.Namespace, fixed_layout: bool):
     """--data-parallel-sharding-strategy with --use-megatron-fsdp, else None; the trainer's rules
     (megatron.training.megatron_fsdp.validate_megatron_fsdp, those a layout can break) and this
-    tool's: one layout, traced (not SPPO's analytic model), not with --optimizer-cpu-offload."""
+    tool's: one layout, traced (not SPPO's analytic model)."""
     if not opts.use_megatron_fsdp:
         for flag, given in (("--data-parallel-sharding-strategy",
                              opts.data_parallel_sharding_strategy != "no_shard"),
@@ -676,9 +676,6 @@ def megatron_fsdp_strategy(opts: argparse.Namespace, fixed_layout: bool):
     if opts.policy == "sppo":
         raise UsageError("--use-megatron-fsdp --policy sppo: SPPO's analytic model has no "
                          "Megatron-FSDP; use another --policy")
-    if opts.optimizer_cpu_offload:
-        raise UsageError("--use-megatron-fsdp with --optimizer-cpu-offload is not estimated "
-                         "(its trace builds the offloaded optimizer over DDP's buffers); drop one")
     return opts.data_parallel_sharding_strategy
 
 

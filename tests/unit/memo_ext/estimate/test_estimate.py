@@ -455,8 +455,7 @@ FSDP_FLAGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim
     (["--fsdp-double-buffer"], "--fsdp-double-buffer applies to --use-megatron-fsdp"),
     (FSDP_FLAGS + ["--pipeline-model-parallel-size", "2"],
      "--use-megatron-fsdp does not run with --pipeline-model-parallel-size > 1"),
-    (FSDP_FLAGS + ["--optimizer-cpu-offload"], "--use-megatron-fsdp with --optimizer-cpu-offload"),
-], ids=["no_strategy", "strategy_alone", "double_buffer_alone", "pipeline", "offload"])
+], ids=["no_strategy", "strategy_alone", "double_buffer_alone", "pipeline"])
 def test_megatron_fsdp_refusals_are_one_line(bad, start, capsys):
     """The estimator's --use-megatron-fsdp refuses what the trainer or the trace cannot run,
     before tracing anything, in one line naming the flag."""
