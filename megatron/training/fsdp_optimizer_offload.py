@@ -175,9 +175,14 @@ def hand_gradients_as_decoupled(fsdp_model) -> None:
 
 @contextlib.contextmanager
 def building_sharded_offload():
-    """megatron-core's optimizer factory builds :class:`ShardedHybridDeviceOptimizer` where it
-    builds HybridDeviceOptimizer (megatron/core/optimizer/__init__.py:336)."""
+    """megatron-core builds :class:`ShardedHybridDeviceOptimizer` where it builds
+    HybridDeviceOptimizer: in its optimizer factory (megatron/core/optimizer/__init__.py:336)
+    and again inside DistributedOptimizer (distrib_optimizer.py:603, which rebuilds it over
+    its shards)."""
     from megatron.core import optimizer
+    from megatron.core.optimizer import distrib_optimizer
 
-    with mock.patch.object(optimizer, "HybridDeviceOptimizer", ShardedHybridDeviceOptimizer):
+    with mock.patch.object(optimizer, "HybridDeviceOptimizer", ShardedHybridDeviceOptimizer), \
+            mock.patch.object(distrib_optimizer, "HybridDeviceOptimizer",
+                              ShardedHybridDeviceOptimizer):
         yield
