@@ -41,6 +41,12 @@ def add_megatron_fsdp_args(group) -> None:
         help="With --use-megatron-fsdp: allocate the all-gather and reduce-scatter buckets "
         "once, as two persistent buffers, instead of per communication.",
     )
+    group.add_argument(
+        "--suggested-communication-unit-size", type=int, default=None, metavar="ELEMENTS",
+        help="With --use-megatron-fsdp: elements reduce-scattered at once (the gradient "
+        "buckets queued) and, halved, all-gathered ahead (the weights prefetched). Default "
+        "megatron-core's: at least 1e9, which at 7-8B holds several layers' buckets.",
+    )
 
 
 def _require(condition: bool, message: str) -> None:
@@ -57,7 +63,9 @@ def validate_megatron_fsdp(args: argparse.Namespace) -> None:
         unused = [flag for flag, given in (
             ("--data-parallel-sharding-strategy", args.data_parallel_sharding_strategy
              != "no_shard"),
-            ("--fsdp-double-buffer", args.fsdp_double_buffer)) if given]
+            ("--fsdp-double-buffer", args.fsdp_double_buffer),
+            ("--suggested-communication-unit-size",
+             args.suggested_communication_unit_size is not None)) if given]
         _require(not unused, f"{unused[0] if unused else ''} applies to --use-megatron-fsdp; "
                  "add it or drop the flag")
         _require(args.ckpt_format != "fsdp_dtensor",
@@ -73,6 +81,10 @@ def validate_megatron_fsdp(args: argparse.Namespace) -> None:
     _require(importlib.util.find_spec("einops") is not None,
              "--use-megatron-fsdp needs the einops package (megatron-core 0.16.1's "
              "mcore_fsdp_adapter builds its device mesh with it); pip install 'einops~=0.8'")
+    _require(args.suggested_communication_unit_size is None
+             or args.suggested_communication_unit_size > 0,
+             f"--suggested-communication-unit-size must be positive, got "
+             f"{args.suggested_communication_unit_size}")
     _require(args.use_distributed_optimizer,
              "--use-megatron-fsdp needs --use-distributed-optimizer (megatron-core's "
              "Megatron-FSDP is stepped by its DistributedOptimizer; with the plain optimizer "
@@ -99,6 +111,7 @@ def ddp_config_fields(args: argparse.Namespace) -> dict:
         "use_megatron_fsdp": args.use_megatron_fsdp,
         "data_parallel_sharding_strategy": args.data_parallel_sharding_strategy,
         "fsdp_double_buffer": args.fsdp_double_buffer,
+        "suggested_communication_unit_size": args.suggested_communication_unit_size,
         "gradient_reduce_div_fusion": torch.cuda.is_available(),
     }
 

@@ -96,6 +96,7 @@ def trainer_argv(request: TraceRequest) -> list[str]:
         flags.update({"use_megatron_fsdp": True,
                       "data_parallel_sharding_strategy": request.megatron_fsdp,
                       "fsdp_double_buffer": request.fsdp_double_buffer,
+                      "suggested_communication_unit_size": request.fsdp_unit_size,
                       "use_distributed_optimizer": True, "ckpt_format": "fsdp_dtensor"})
     if request.recompute_granularity:
         flags["recompute_granularity"] = request.recompute_granularity
@@ -311,6 +312,7 @@ def trace_header(request: TraceRequest, args, coordinates: dict, constants,
                     "megatron_fsdp": (args.data_parallel_sharding_strategy
                                       if args.use_megatron_fsdp else None),
                     "fsdp_double_buffer": bool(args.fsdp_double_buffer),
+                    "fsdp_unit_size": args.suggested_communication_unit_size,
                     "warmup": warmup_mode(request),
                     "flash_workspace": request.flash_workspace,
                     # The CUDA tile kernel whose backward workspaces are declared.

@@ -282,6 +282,11 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
 
 #: Further Megatron-LM flags issue 45 names (not in the reference scripts at their commit).
 EXTRA_FLAGS: tuple[UpstreamFlag, ...] = (
+    _honoured("--suggested-communication-unit-size",
+              "with --use-megatron-fsdp: the elements reduce-scattered at once and, halved, "
+              "all-gathered ahead (megatron-core's default: at least 1e9); the estimator "
+              "traces its buckets", "without --use-megatron-fsdp",
+              requires="--use-megatron-fsdp"),
     _always("--use-flash-attn", "no effect, as in Megatron-LM, where nothing reads it at the "
             "reference commit; the kernel is --attention-backend's (flash: FlashAttention-2)"),
     _honoured("--use-rotary-position-embeddings",

@@ -109,9 +109,10 @@ class TraceRequest:
     pin_cpu_params: bool = True
     grad_buffer_fp32: bool = True
     # Megatron-FSDP (--use-megatron-fsdp) with this --data-parallel-sharding-strategy, or None
-    # (megatron-core's DDP); --fsdp-double-buffer.
+    # (megatron-core's DDP); --fsdp-double-buffer; --suggested-communication-unit-size.
     megatron_fsdp: Optional[str] = None
     fsdp_double_buffer: bool = False
+    fsdp_unit_size: Optional[int] = None
     extra_trainer_argv: tuple = ()
     gpu: str = DEFAULT_GPU
     hardware_file: Optional[str] = None

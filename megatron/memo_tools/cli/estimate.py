@@ -549,7 +549,8 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                         head_chunks=opts.memo_attention_head_chunks,
                         optimizer_offload=optimizer_offload,
                         megatron_fsdp=fsdp_strategy,
-                        fsdp_double_buffer=opts.fsdp_double_buffer)
+                        fsdp_double_buffer=opts.fsdp_double_buffer,
+                        fsdp_unit_size=opts.suggested_communication_unit_size)
         if cpu:
             hardware = cpu_hardware(layout, shape, opts.seq_length, say)
             device = int(hardware["device_memory_bytes"])
@@ -655,7 +656,9 @@ def megatron_fsdp_strategy(opts: argparse.Namespace, fixed_layout: bool):
     if not opts.use_megatron_fsdp:
         for flag, given in (("--data-parallel-sharding-strategy",
                              opts.data_parallel_sharding_strategy != "no_shard"),
-                            ("--fsdp-double-buffer", opts.fsdp_double_buffer)):
+                            ("--fsdp-double-buffer", opts.fsdp_double_buffer),
+                            ("--suggested-communication-unit-size",
+                             opts.suggested_communication_unit_size is not None)):
             if given:
                 raise UsageError(f"{flag} applies to --use-megatron-fsdp; add it or drop the "
                                  "flag")

@@ -102,7 +102,8 @@ def optimizer_host_tensors(model: TracedModel, layout: Layout, hardware: dict,
     plain = Layout(layout.tp, layout.cp, layout.pp, layout.dp, "megatron-none",
                    micro_batch=layout.micro_batch, optimizer_offload=layout.optimizer_offload,
                    megatron_fsdp=layout.megatron_fsdp,
-                   fsdp_double_buffer=layout.fsdp_double_buffer)
+                   fsdp_double_buffer=layout.fsdp_double_buffer,
+                   fsdp_unit_size=layout.fsdp_unit_size)
     stages = {stage.index: stage for stage in layout.stages(microbatches)}
     per_node = min(int(hardware["gpus_per_node"]), layout.gpus)
     ranks = {rank for rank in range(per_node) if rank % layout.tp == 0}
@@ -203,7 +204,8 @@ class LayoutModel:
                                micro_batch=layout.micro_batch,
                                optimizer_offload=layout.optimizer_offload,
                                megatron_fsdp=layout.megatron_fsdp,
-                               fsdp_double_buffer=layout.fsdp_double_buffer)
+                               fsdp_double_buffer=layout.fsdp_double_buffer,
+                               fsdp_unit_size=layout.fsdp_unit_size)
                 persistent = plain.trace_request(model, fit_seqs[0], hardware, stage).replace(
                     persistent_only=True)
                 checks = ([_check_request(model, layout, hardware, stage, shape)]

@@ -106,6 +106,8 @@ class Layout:
     # --fsdp-double-buffer
     megatron_fsdp: Optional[str] = None
     fsdp_double_buffer: bool = False
+    # --suggested-communication-unit-size (None: megatron-core's default)
+    fsdp_unit_size: Optional[int] = None
 
     @property
     def gpus(self) -> int:
@@ -148,7 +150,8 @@ class Layout:
                           optimizer_offload_fraction=self.optimizer_offload)
         if self.megatron_fsdp is not None:
             fields.update(megatron_fsdp=self.megatron_fsdp,
-                          fsdp_double_buffer=self.fsdp_double_buffer)
+                          fsdp_double_buffer=self.fsdp_double_buffer,
+                          fsdp_unit_size=self.fsdp_unit_size)
         return TraceRequest(model=model, seq_length=seq, **fields)
 
     def without_optimizer_offload(self) -> "Layout":
@@ -233,6 +236,7 @@ class Layout:
             flags.update(use_megatron_fsdp=True,
                          data_parallel_sharding_strategy=self.megatron_fsdp,
                          fsdp_double_buffer=self.fsdp_double_buffer,
+                         suggested_communication_unit_size=self.fsdp_unit_size,
                          ckpt_format="fsdp_dtensor")
         return render_flags(flags)
 

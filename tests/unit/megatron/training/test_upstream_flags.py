@@ -87,6 +87,8 @@ STILL_REFUSED = {
     "--data-parallel-sharding-strategy": (["--data-parallel-sharding-strategy", "optim"],
                                           False),
     "--fsdp-double-buffer": (["--fsdp-double-buffer"], False),
+    "--suggested-communication-unit-size": (["--suggested-communication-unit-size", "1000"],
+                                            False),
     "--train-samples": (["--train-samples", "40"], False),  # with BASE's --train-iters
     "--lr-decay-samples": (["--lr-decay-samples", "5"], False),
     "--lr-warmup-samples": (["--lr-warmup-samples", "5"], False),
@@ -215,4 +217,4 @@ def test_the_flag_table_is_generated_from_the_registry():
         "docs/megatron_flags.md is stale: run python -m megatron.training.upstream_flags_doc")
     for entry in UPSTREAM_FLAGS:
         assert f"| `{entry.flag}` | {entry.status} |" in text
-    assert len(SCRIPT_FLAGS) == 96 and len(EXTRA_FLAGS) == 11
+    assert len(SCRIPT_FLAGS) == 96 and len(EXTRA_FLAGS) == 12
