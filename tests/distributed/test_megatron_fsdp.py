@@ -72,10 +72,12 @@ def test_losses_equal_plain_optimizer(layout, tmp_path_factory):
 
 @pytest.mark.slow  # one more DP=2 run each (~30 s); the script test trains with both, 3 iterations
 @pytest.mark.parametrize("flags", [["--fsdp-double-buffer"],
-                                   ["--overlap-grad-reduce", "--overlap-param-gather"]],
-                         ids=["double_buffer", "overlap"])
+                                   ["--overlap-grad-reduce", "--overlap-param-gather"],
+                                   ["--suggested-communication-unit-size", "20000"]],
+                         ids=["double_buffer", "overlap", "unit_size"])
 def test_buffers_and_overlap_change_no_bit(flags, tmp_path_factory):
-    """Where the buckets live and when the collectives run leave the arithmetic alone."""
+    """Where the buckets live, when the collectives run and how many elements each carries
+    (20,000: less than one layer's ~50,000, so no prefetch) leave the arithmetic alone."""
     base = training_losses(2, TINY_GPT_ARGS + fsdp_flags(), tmp_path_factory)
     assert sorted(base) == list(range(1, 21))
     assert training_losses(2, TINY_GPT_ARGS + fsdp_flags() + flags, tmp_path_factory) == base
