@@ -100,6 +100,8 @@ MEMO = (*TP2_SP, "--memo-offload", "--memo-alpha")
 DISTRIBUTED_OPTIMIZER = ("--use-distributed-optimizer",)
 OFFLOAD = (*DISTRIBUTED_OPTIMIZER, "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
            "--optimizer-offload-fraction")
+FSDP = (*DISTRIBUTED_OPTIMIZER, "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+        "optim_grads_params", "--ckpt-format", "fsdp_dtensor")
 
 
 def data_parallel(name: str, flags: tuple[str, ...]) -> Mechanism:
@@ -132,9 +134,8 @@ MECHANISMS = (
     data_parallel("optimizer-offload-1.0", (*OFFLOAD, "1.0")),
     data_parallel("overlap-param-gather", (*DISTRIBUTED_OPTIMIZER, "--overlap-grad-reduce",
                                            "--overlap-param-gather")),
-    data_parallel("megatron-fsdp", (*DISTRIBUTED_OPTIMIZER, "--use-megatron-fsdp",
-                                    "--data-parallel-sharding-strategy", "optim_grads_params",
-                                    "--ckpt-format", "fsdp_dtensor")),
+    data_parallel("megatron-fsdp", FSDP),
+    data_parallel("megatron-fsdp-offload-0.5", (*FSDP, *OFFLOAD[1:], "0.5")),
     Mechanism("timers", (*TP2_SP, "--timing-log-level", "2", "--log-timers-to-tensorboard",
                          "--tensorboard-dir", "{run}/tensorboard"), "TP=2+SP"),
     Mechanism("wandb-offline", (*TP2_SP, "--wandb-project", "soak", "--wandb-save-dir",
