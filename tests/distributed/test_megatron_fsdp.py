@@ -175,6 +175,17 @@ def test_whole_optimizer_offload_losses_and_resume(tmp_path, tmp_path_factory):
     assert resumed == {iteration: losses[iteration] for iteration in resumed}
 
 
+@pytest.mark.slow  # one 2-4 rank run a layout (35-90 s); the plain runs are shared
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_optimizer_offload_losses_equal_plain_optimizer(layout, tmp_path_factory):
+    """ZeRO-3 with half the optimizer on the host composed with CP, TP+SP and MEMO."""
+    nproc, flags = LAYOUTS[layout]
+    plain = training_losses(nproc, TINY_GPT_ARGS + flags, tmp_path_factory)
+    offloaded = training_losses(nproc, TINY_GPT_ARGS + flags + offload_flags(0.5),
+                                tmp_path_factory)
+    assert_losses_agree(offloaded, plain)
+
+
 def resumed_without_optimizer(checkpoints: Path, nproc: int, flags: list[str],
                               root: Path) -> dict[int, float]:
     """Iterations 6 and 7 of ``flags`` loaded from the iteration-5 checkpoint under
