@@ -97,6 +97,11 @@ def validate_megatron_fsdp(args: argparse.Namespace) -> None:
     _require(args.ckpt_format == "fsdp_dtensor",
              "--use-megatron-fsdp saves only --ckpt-format fsdp_dtensor (as in Megatron-LM; "
              "megatron-core 0.16.1 has no torch_dist layout for its DTensors); add it")
+    _require(args.data_parallel_size * args.context_parallel_size > 1,
+             "--use-megatron-fsdp shards over the data-parallel x context-parallel ranks, and "
+             "there is one: it would shard nothing, and with megatron-core 0.16.1 the gradients "
+             "come out wrong (measured: twice the plain optimizer's for one micro-batch, in "
+             "another direction for two); drop --use-megatron-fsdp or use more ranks")
 
 
 def ddp_config_fields(args: argparse.Namespace) -> dict:

@@ -247,7 +247,8 @@ SCRIPT_FLAGS: tuple[UpstreamFlag, ...] = (
               "without --use-distributed-optimizer, --ckpt-format fsdp_dtensor or a "
               "--data-parallel-sharding-strategy other than no_shard (Megatron-LM's default); "
               "with --pipeline-model-parallel-size > 1 (megatron-core 0.16.1's mesh has no "
-              "pipeline dimension); with --optimizer-cpu-offload its hybrid optimizer steps "
+              "pipeline dimension) or at data-parallel x context-parallel size 1 (wrong "
+              "gradients); with --optimizer-cpu-offload its hybrid optimizer steps "
               "the DTensors' local shards (megatron/training/fsdp_optimizer_offload.py)"),
     _honoured("--data-parallel-sharding-strategy",
               "with --use-megatron-fsdp: optim (optimizer states), optim_grads (and "

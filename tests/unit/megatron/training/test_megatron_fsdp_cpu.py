@@ -58,6 +58,17 @@ def test_refusals_are_one_line_naming_the_flag(case):
     assert "\n" not in str(raised.value)
 
 
+def test_one_data_parallel_rank_is_refused():
+    """At DP x CP = 1 Megatron-FSDP shards nothing, and megatron-core 0.16.1's gradients come
+    out wrong there (docs/training.md): refused in one line; CP=2 alone is a sharding group."""
+    with pytest.raises(ArgumentValidationError) as raised:
+        parse_args(TINY_GPT_ARGS + FSDP, world_size=1, cuda_available=False)
+    assert str(raised.value).startswith("--use-megatron-fsdp shards over the data-parallel x "
+                                        "context-parallel ranks, and there is one")
+    parse_args(TINY_GPT_ARGS + FSDP + ["--context-parallel-size", "2"], world_size=2,
+               cuda_available=False)
+
+
 def test_torch_device_naming_cuda_is_the_cpu_for_megatron_core():
     from megatron.training.compat.devices import CPU_TORCH
 
