@@ -175,6 +175,19 @@ def test_whole_optimizer_offload_losses_and_resume(tmp_path, tmp_path_factory):
     assert resumed == {iteration: losses[iteration] for iteration in resumed}
 
 
+@pytest.mark.slow  # a DP=2 run that saves, and its checkpoint resumed on 4 ranks (~70 s)
+def test_optimizer_offload_checkpoint_resumes_at_another_data_parallel_size(tmp_path):
+    """The host states saved as DTensors reshard as the device ones do: the DP=2 run's
+    iteration-5 checkpoint resumed at DP=4 (half offloaded there too) gives iterations 6..10
+    of the uninterrupted DP=2 run to 1e-5 (measured by hand from iteration 10: 4.1e-8, and
+    bitwise what Megatron-FSDP without offload gives from its own DP=2 checkpoint)."""
+    flags = offload_flags(0.5)
+    losses, checkpoints = train_saving(tmp_path, flags)
+    resumed = resume_from_iteration_5(checkpoints, 4, tmp_path / "resume", flags=flags)
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(losses[iteration], rel=1e-5, abs=0), iteration
+
+
 @pytest.mark.slow  # one 2-4 rank run a layout (35-90 s); the plain runs are shared
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_optimizer_offload_losses_equal_plain_optimizer(layout, tmp_path_factory):
