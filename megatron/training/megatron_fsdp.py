@@ -141,11 +141,12 @@ def _without_transformer_engine_no_module_is_te_linear() -> None:
 
 
 def wrap(config, ddp_config, module: torch.nn.Module,
-         precision_aware_optimizer: bool = False) -> torch.nn.Module:
+         optimizer_cpu_offload: bool = False) -> torch.nn.Module:
     """``module`` in megatron-core's FullyShardedDataParallel, on the current CUDA device (its
-    default) or, without CUDA, on the CPU; with ``precision_aware_optimizer``
-    (--use-precision-aware-optimizer, which --optimizer-cpu-offload needs) its gradients are
-    handed to the optimizer as ``decoupled_grad`` (megatron.training.fsdp_optimizer_offload)."""
+    default) or, without CUDA, on the CPU; with ``optimizer_cpu_offload`` its gradients are
+    handed to the optimizer as ``decoupled_grad`` too (megatron.training.fsdp_optimizer_offload;
+    the precision-aware path without offload, Transformer Engine's, is left as megatron-core
+    wires it: no GPU has run it here)."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
     from megatron.training.fsdp_optimizer_offload import hand_gradients_as_decoupled
@@ -154,7 +155,7 @@ def wrap(config, ddp_config, module: torch.nn.Module,
     device = None if torch.cuda.is_available() else torch.device("cpu")
     wrapped = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                        device=device)
-    if precision_aware_optimizer:
+    if optimizer_cpu_offload:
         hand_gradients_as_decoupled(wrapped)
     return wrapped
 
@@ -238,11 +239,10 @@ def _uncoalesced(group=None, device=None, async_ops=False):
     yield _CoalescingManager()
 
 
-def wrap_fake(config, ddp_config, module: torch.nn.Module,
-              precision_aware_optimizer: bool = False) -> torch.nn.Module:
+def wrap_fake(config, ddp_config, module: torch.nn.Module) -> torch.nn.Module:
     """:func:`wrap` of a fake model inside :func:`fake_world_seams`, without its
     ``module.to(device)`` (megatron_fsdp.py:201): the fake model is already on the CPU device,
     and torch swaps each fake parameter for a new one, which the fake mode's weak references
     refuse (on the GPU the trainer's model is already on its device too)."""
     with mock.patch.object(module, "to", lambda device: module):
-        return wrap(config, ddp_config, module, precision_aware_optimizer)
+        return wrap(config, ddp_config, module)

@@ -103,8 +103,7 @@ def build_model(args: argparse.Namespace, config, model_provider: ModelProvider,
         **(megatron_fsdp.ddp_config_fields(args) if args.use_megatron_fsdp else {}),
     )
     if args.use_megatron_fsdp:
-        model = [megatron_fsdp.wrap(config, ddp_config, model,
-                                    args.use_precision_aware_optimizer)]
+        model = [megatron_fsdp.wrap(config, ddp_config, model, args.optimizer_cpu_offload)]
     else:
         model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
     mechanisms.attach(model)  # last: moving to CUDA, casting and DDP's buffers replace storages
