@@ -176,9 +176,9 @@ def hand_gradients_as_decoupled(fsdp_model) -> None:
 @contextlib.contextmanager
 def building_sharded_offload():
     """megatron-core builds :class:`ShardedHybridDeviceOptimizer` where it builds
-    HybridDeviceOptimizer: in its optimizer factory (megatron/core/optimizer/__init__.py:336)
-    and again inside DistributedOptimizer (distrib_optimizer.py:603, which rebuilds it over
-    its shards)."""
+    HybridDeviceOptimizer: in its optimizer factory (megatron.core.optimizer, line 336 of its
+    __init__) and again inside DistributedOptimizer (distrib_optimizer.py:603, which rebuilds
+    it over its shards)."""
     from megatron.core import optimizer
     from megatron.core.optimizer import distrib_optimizer
 
