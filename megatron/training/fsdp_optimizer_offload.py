@@ -1,5 +1,7 @@
 """Optimizer CPU offload of Megatron-FSDP's shards (``--use-megatron-fsdp
---optimizer-cpu-offload``): ZeRO-3 with Adam's states and main weights on the host.
+--optimizer-cpu-offload``): ZeRO-3 with Adam's states and the fp32 master weights stepped on
+the host (the device keeps Megatron-FSDP's own fp32 main-weight shard, which the host step is
+copied back into: megatron-core 0.16.1 has no switch to drop it).
 
 megatron-core 0.16.1 builds its HybridDeviceOptimizer (``--optimizer-cpu-offload``) over
 whatever parameters the distributed optimizer hands it. Under Megatron-FSDP those are DTensors
@@ -20,7 +22,7 @@ DTensor's local shard: the same rule (parameters in order until ``offload_fracti
 rank's elements), a host copy of the local shard, and, as the device counterpart its gradient
 copy and copy back use, the shard itself (:class:`LocalShard`). Everything else -- the
 sub-optimizers, streams, state syncing -- is megatron-core's. The optimizer states of the host
-part are then plain host tensors of the local shard's shape; :func:`state_as_dtensors` gives
+part are then plain host tensors of the local shard's shape; :meth:`~ShardedHybridDeviceOptimizer.state_as_dtensors` gives
 the fsdp_dtensor checkpoint each one as a DTensor laid out like its parameter (what Adam's
 states of the device part already are), without a device copy.
 
