@@ -96,9 +96,7 @@ class ShardedHybridDeviceOptimizer(HybridDeviceOptimizer):
             for param in group["params"]:
                 inner, host_copy = param, False
                 if offloaded < offload_threshold and param.is_cuda:
-                    inner = _local(param).detach().clone().cpu()
-                    if self.pin_cpu_params:
-                        inner = inner.pin_memory()
+                    inner = _local(param).detach().clone().cpu().pin_memory()
                     offloaded += inner.numel()
                     host_copy = True
                 if self.param_update_in_fp32 and inner.dtype != torch.float32:
