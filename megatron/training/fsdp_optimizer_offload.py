@@ -22,9 +22,10 @@ DTensor's local shard: the same rule (parameters in order until ``offload_fracti
 rank's elements), a host copy of the local shard, and, as the device counterpart its gradient
 copy and copy back use, the shard itself (:class:`LocalShard`). Everything else -- the
 sub-optimizers, streams, state syncing -- is megatron-core's. The optimizer states of the host
-part are then plain host tensors of the local shard's shape; :meth:`~ShardedHybridDeviceOptimizer.state_as_dtensors` gives
-the fsdp_dtensor checkpoint each one as a DTensor laid out like its parameter (what Adam's
-states of the device part already are), without a device copy.
+part are then plain host tensors of the local shard's shape;
+:meth:`~ShardedHybridDeviceOptimizer.state_as_dtensors` gives the fsdp_dtensor checkpoint each
+one as a DTensor laid out like its parameter (what Adam's states of the device part already
+are), without a device copy.
 
 Megatron-FSDP's gradients reach the optimizer in two attributes at once here. Its buffer
 attaches each reduced gradient shard as ``.grad`` (param_and_grad_buffer.py:2674-2678; its
@@ -47,10 +48,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
-
-
-def _local(tensor):
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+from megatron.core.utils import to_local_if_dtensor as _local
 
 
 class LocalShard:
@@ -149,7 +147,7 @@ class ShardedHybridDeviceOptimizer(HybridDeviceOptimizer):
         def as_dtensor(param, value):
             if isinstance(value, DTensor) or not isinstance(param, DTensor) or value.dim() == 0:
                 return value
-            return DTensor(value.view(param._local_tensor.shape), param._spec,
+            return DTensor(value.view(_local(param).shape), param._spec,
                            requires_grad=False)
 
         self.state = defaultdict(dict, {

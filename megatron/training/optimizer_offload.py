@@ -96,7 +96,7 @@ def _fsdp_offload_split(optimizer) -> OptimizerOffload:
     (no 16-bit parameter reaches the optimizer). A shard with no elements on this rank gets
     no gradient (megatron_fsdp/param_and_grad_buffer.py:2669-2670), so no state, and holds
     nothing: it is left out, as without offload (memo_ext.trace.model_state)."""
-    from memo_ext.trace.model_state import _local
+    from megatron.core.utils import to_local_if_dtensor as _local
 
     hybrid = optimizer.optimizer
     names = {param: _clean_module_name(name) for model_chunk in optimizer.model_chunks

@@ -99,11 +99,7 @@ def optimizer_host_tensors(model: TracedModel, layout: Layout, hardware: dict,
     ranks of later nodes take their stage's first rank's. None without offload."""
     if layout.optimizer_offload is None:
         return None
-    plain = Layout(layout.tp, layout.cp, layout.pp, layout.dp, "megatron-none",
-                   micro_batch=layout.micro_batch, optimizer_offload=layout.optimizer_offload,
-                   megatron_fsdp=layout.megatron_fsdp,
-                   fsdp_double_buffer=layout.fsdp_double_buffer,
-                   fsdp_unit_size=layout.fsdp_unit_size)
+    plain = layout.persistent_state()
     stages = {stage.index: stage for stage in layout.stages(microbatches)}
     per_node = min(int(hardware["gpus_per_node"]), layout.gpus)
     ranks = {rank for rank in range(per_node) if rank % layout.tp == 0}
@@ -198,16 +194,8 @@ class LayoutModel:
                 few = activations.traced_layers_request(model, fit_seqs[0], hardware, stage,
                                                         shape.layers, shape.checkpoint_layers)
                 fits = [few.replace(seq_length=seq) for seq in fit_seqs]
-                # The persistent state does not depend on the policy (weights, gradients and
-                # optimizer state are the model's): one trace serves every policy of a layout.
-                plain = Layout(layout.tp, layout.cp, layout.pp, layout.dp, "megatron-none",
-                               micro_batch=layout.micro_batch,
-                               optimizer_offload=layout.optimizer_offload,
-                               megatron_fsdp=layout.megatron_fsdp,
-                               fsdp_double_buffer=layout.fsdp_double_buffer,
-                               fsdp_unit_size=layout.fsdp_unit_size)
-                persistent = plain.trace_request(model, fit_seqs[0], hardware, stage).replace(
-                    persistent_only=True)
+                persistent = layout.persistent_state().trace_request(
+                    model, fit_seqs[0], hardware, stage).replace(persistent_only=True)
                 checks = ([_check_request(model, layout, hardware, stage, shape)]
                           if prefetch_checks else [])
                 # The check first: the longest trace, it would otherwise start last and end last.

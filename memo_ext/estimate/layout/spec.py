@@ -154,6 +154,16 @@ class Layout:
                           fsdp_unit_size=self.fsdp_unit_size)
         return TraceRequest(model=model, seq_length=seq, **fields)
 
+    def persistent_state(self) -> "Layout":
+        """The layout whose persistent-only trace this one's persistent state is: the
+        parallel sizes, micro-batch and model-state options, none of the policy's (weights,
+        gradients and optimizer state do not depend on it: one trace serves every policy)."""
+        return Layout(self.tp, self.cp, self.pp, self.dp, "megatron-none",
+                      micro_batch=self.micro_batch, optimizer_offload=self.optimizer_offload,
+                      megatron_fsdp=self.megatron_fsdp,
+                      fsdp_double_buffer=self.fsdp_double_buffer,
+                      fsdp_unit_size=self.fsdp_unit_size)
+
     def without_optimizer_offload(self) -> "Layout":
         """This layout with its optimizer on the device: the one whose activation traces it
         shares (LayoutModel.build)."""
