@@ -412,6 +412,7 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
 
     from megatron.training import gpt, megatron_fsdp
     from memo_ext.attention import kernels
+    from memo_ext.tile_loop import repeated_by
     from memo_ext.trace.cuda_rules import CudaTarget
     from memo_ext.trace import (
         AllocationRecorder,
@@ -447,6 +448,8 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
                                              request.pp, request.cp))
         coordinates = rank_coordinates(request.rank)
         fake_mode = None if request.live else stack.enter_context(fake_tensors())
+        if fake_mode is not None:  # skipped tiles compute nothing: fake tensors only
+            stack.enter_context(repeated_by(recorder.repeat_tiles))
         memo = None
         if request.memo_offload:
             memo = _tracing_memo(args, recorder, stack, request.microbatches_in_flight)

@@ -41,6 +41,7 @@ from memo_ext.attention.ring import Ring
 from memo_ext.attention.ring_attention import (RingAttention, dropout_seeds, pack_key_value,
                                                _heads_first)
 from memo_ext.attention.zigzag import ZigzagLayout
+from memo_ext.tile_loop import tile_indices
 
 
 def own_storage(tensor: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,8 @@ class _CoreAttentionFunction(torch.autograd.Function):
                                   dtype=torch.float32)
             per_chunk = len(seeds) // chunks
             slices = _head_chunks(query.shape[2], key.shape[2], chunks)
-            for index, (heads, groups) in enumerate(slices):
+            for index in tile_indices(chunks):
+                heads, groups = slices[index]
                 chunk_out, chunk_lse = _attend(
                     query[:, :, heads], key[:, :, groups], value[:, :, groups], attention,
                     causal, seeds[index * per_chunk:(index + 1) * per_chunk])
@@ -125,8 +127,9 @@ class _CoreAttentionFunction(torch.autograd.Function):
             return dq, dk, dv, None, None, None, None
         dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
         per_chunk = len(seeds) // chunks
-        for index, (heads, groups) in enumerate(_head_chunks(query.shape[2], key.shape[2],
-                                                             chunks)):
+        slices = _head_chunks(query.shape[2], key.shape[2], chunks)
+        for index in tile_indices(chunks):
+            heads, groups = slices[index]
             grads = _attend_backward(
                 grad_out[:, :, heads], query[:, :, heads], key[:, :, groups],
                 value[:, :, groups], out[:, :, heads], lse[:, heads], attention, causal,

@@ -33,6 +33,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from memo_ext.tile_loop import tile_indices
+
 TileFunction = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -67,7 +69,8 @@ def _run_tiles(function: TileFunction, hidden: torch.Tensor, tile_rows: int,
     if len(bounds) == 1:
         return function(hidden)
     output = None
-    for start, stop in bounds:
+    for index in tile_indices(len(bounds)):
+        start, stop = bounds[index]
         tile_output = function(_tile_of(hidden, input_blocks, start, stop))
         if tile_output.size(0) != output_blocks * (stop - start):
             raise ValueError(f"tiled function returned {tile_output.size(0)} rows for a tile of "
@@ -96,7 +99,9 @@ class _TiledRecompute(torch.autograd.Function):
         input_blocks, output_blocks = ctx.blocks
         grad_hidden = torch.empty_like(hidden) if ctx.hidden_needs_grad else None
         rows = hidden.size(0) // input_blocks
-        for start, stop in tile_bounds(rows, ctx.tile_rows):
+        bounds = tile_bounds(rows, ctx.tile_rows)
+        for index in tile_indices(len(bounds)):
+            start, stop = bounds[index]
             tile = _tile_of(hidden, input_blocks, start, stop).detach()
             tile.requires_grad_(grad_hidden is not None)
             with torch.enable_grad():

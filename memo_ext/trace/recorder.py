@@ -38,6 +38,7 @@ from memo_ext.trace.tagging import (
     _tensors_in,
     tagged_allocations,
 )
+from memo_ext.trace.tile_copies import repeat_tiles
 from memo_ext.trace.work import WorkCounter
 
 #: A query of a tensor's device, no data: the autograd engine and TensorIterator ask it of every
@@ -187,6 +188,12 @@ class AllocationRecorder(DeviceMemoryTracker):
         else:
             self._last_backward_tag = tag
         return BACKWARD, tag[0], tag[1]
+
+    def repeat_tiles(self, count: int):
+        """The iterations a loop over ``count`` equal tiles runs while this recorder records
+        fake tensors, the middle ones recorded as copies (memo_ext.trace.tile_copies; install
+        with memo_ext.tile_loop.repeated_by)."""
+        return repeat_tiles(self, count)
 
     # ------------------------------------------------------------------ hooks
     def attach(self, model: torch.nn.Module) -> None:

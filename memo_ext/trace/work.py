@@ -182,6 +182,28 @@ class WorkCounter:
                 moved += _nbytes(tensor)
         self._add(phase, layer, "memory_bytes", moved)
 
+    def snapshot(self) -> "WorkCounter":
+        """A copy of the counts so far (for :meth:`add_since`)."""
+        copy = WorkCounter()
+        copy.phases = {phase: dict(totals) for phase, totals in self.phases.items()}
+        copy.collectives = {key: list(entry) for key, entry in self.collectives.items()}
+        copy.layers = {layer: counter.snapshot() for layer, counter in self.layers.items()}
+        return copy
+
+    def add_since(self, before: "WorkCounter", times: int) -> None:
+        """Count what was counted since ``before`` (a :meth:`snapshot`) ``times`` more times
+        (memo_ext.trace.tile_copies: the copied tiles' work)."""
+        for phase, totals in self.phases.items():
+            earlier = before.phases.get(phase, {})
+            for field, value in totals.items():
+                totals[field] += times * (value - earlier.get(field, 0))
+        for key, entry in self.collectives.items():
+            earlier = before.collectives.get(key, [0, 0])
+            entry[0] += times * (entry[0] - earlier[0])
+            entry[1] += times * (entry[1] - earlier[1])
+        for layer, counter in self.layers.items():
+            counter.add_since(before.layers.get(layer, WorkCounter()), times)
+
     def as_dict(self) -> dict:
         """{"phases": {phase: {field: int}}, "collectives": [{phase, op, ranks, bytes, calls}],
         "layers": {layer: {"phases": ..., "collectives": ...}}} (layers only in the total)."""
