@@ -40,6 +40,8 @@ if str(REPO_ROOT) not in sys.path:
 from bench.common import seq_label  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
+#: Each speed run's output (tools/estimate.py's progress: traced, pruned, solved).
+LOGS = RESULTS / "estimator_speed_logs"
 #: The estimator before symbolic traces (the issue's measurements were of it).
 OLD_COMMIT = "ff4ab63"
 #: name -> tools/estimate.py flags (issue 24's cases, and each model at one fixed layout).
@@ -62,8 +64,10 @@ TARGET_S = {"7b-memo": 30, "65b-memo": 30, "7b-recommend": 120, "30b-search": 12
 _ANSWER = re.compile(r"max sequence length: (\d+) tokens, predicted MFU ([\d.]+%|n/a)")
 
 
-def _run(root: Path, flags: str, cache: Path, timeout_s: float) -> tuple[float, str]:
-    """(seconds, the answer line) of one estimate run from checkout ``root``."""
+def _run(root: Path, flags: str, cache: Path, timeout_s: float,
+         log: Optional[Path] = None) -> tuple[float, str]:
+    """(seconds, the answer line) of one estimate run from checkout ``root``; its output
+    (what it traced, pruned and solved, with the answers as they came) written to ``log``."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     started = time.perf_counter()
     # A session of its own: a run stopped at the time limit takes its tracer processes with it
@@ -76,11 +80,15 @@ def _run(root: Path, flags: str, cache: Path, timeout_s: float) -> tuple[float, 
         stdout, stderr = run.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(run.pid, signal.SIGKILL)
-        run.communicate()
+        stdout, stderr = run.communicate()
+        if log is not None:
+            log.write_text(stdout + stderr)
         return time.perf_counter() - started, f"stopped after {timeout_s:.0f} s"
     finally:
         _end_session(run.pid)
     seconds = time.perf_counter() - started
+    if log is not None:
+        log.write_text(stdout + stderr)
     found = _ANSWER.search(stdout)
     if run.returncode != 0 or found is None:
         last = (stderr.strip().splitlines() or ["?"])[-1]
@@ -138,10 +146,11 @@ def speed(cases: list[str], old_commit: Optional[str], timeout_s: float) -> list
                 times = {}
                 for label in labels:
                     cache = workdir / f"cache-{case}-{label}"  # empty: nothing traced before
+                    LOGS.mkdir(parents=True, exist_ok=True)
                     times[label] = _run(roots[label],
                                         flags if label == "new"
                                         else old_spelling(flags, old_commit),
-                                        cache, timeout_s)
+                                        cache, timeout_s, LOGS / f"{case}-{label}.log")
                     shutil.rmtree(cache, ignore_errors=True)
                     print(f"{case} {label}: {times[label][0]:.1f} s, {times[label][1]}",
                           flush=True)

@@ -150,17 +150,20 @@ py::dict replay_live_bytes(const Int64Array& actions, const Int64Array& addrs,
 
 }  // namespace
 
-// Defined in allocator_models/bindings.cpp, planned_arena.cpp and stitching_host.cpp (every
-// csrc/*.cpp and csrc/allocator_models/*.cpp builds into this one module).
+// Defined in allocator_models/bindings.cpp, planned_arena.cpp, stitching_host.cpp and
+// greedy_offsets.cpp (every csrc/*.cpp and csrc/allocator_models/*.cpp builds into this one
+// module).
 void register_allocator_models(py::module_& m);
 void register_planned_arena(py::module_& m);
 void register_stitching_allocator(py::module_& m);
+void register_greedy_offsets(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Megatron-MEMO C++ kernels (trace replay).";
   register_allocator_models(m);
   register_planned_arena(m);
   register_stitching_allocator(m);
+  register_greedy_offsets(m);
   m.attr("ALLOC") = static_cast<int64_t>(kAlloc);
   m.attr("FREE") = static_cast<int64_t>(kFree);
   m.attr("SEGMENT_ALLOC") = static_cast<int64_t>(kSegmentAlloc);

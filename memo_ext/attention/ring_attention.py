@@ -18,13 +18,14 @@ run on CPU/gloo and METP needs the ring inside its own autograd function.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from memo_ext.attention import kernels
 from memo_ext.attention.ring import KEY_VALUE_GRADIENTS_TAG, KEY_VALUE_TAG, Ring, Transfer
 from memo_ext.attention.zigzag import ZigzagLayout
+from memo_ext.tile_loop import tile_indices
 
 
 def _heads_first(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,6 +70,16 @@ class RingAttention:
     def _tiles(self, step: int):
         return list(self.layout.tiles(self.rank, (self.rank + step) % self.size, self.documents))
 
+    def _steps(self) -> Iterable[int]:
+        """The ring steps a loop runs: through memo_ext.tile_loop when steps 1 .. size-1 attend
+        alike tiles (rank 0 of a zigzag ring without documents: every other rank's chunks
+        follow its first), so that the tracer may record the middle ones as copies; otherwise
+        every step from here."""
+        later = [self._tiles(step) for step in range(1, self.size)]
+        if all(tiles == later[0] for tiles in later):
+            return tile_indices(self.size)
+        return range(self.size)
+
     def tile_count(self) -> int:
         return sum(len(self._tiles(step)) for step in range(self.size))
 
@@ -88,7 +99,7 @@ class RingAttention:
         lse = torch.full(q.shape[:3], float("-inf"), device=query.device)
         out_view = _heads_first(output)
         buffers = [key_value, torch.empty_like(key_value)] if self.size > 1 else [key_value]
-        for step in range(self.size):
+        for step in self._steps():
             transfer = self._exchange(buffers, step, KEY_VALUE_TAG)
             key, value = _split(buffers[step % 2])
             for tile in self._tiles(step):
@@ -113,7 +124,7 @@ class RingAttention:
         buffers = [key_value, torch.empty_like(key_value)] if self.size > 1 else [key_value]
         incoming: Optional[torch.Tensor] = None
         accumulator_transfer: Optional[Transfer] = None
-        for step in range(self.size):
+        for step in self._steps():
             transfer = self._exchange(buffers, step, KEY_VALUE_TAG)
             key, value = _split(buffers[step % 2])
             contribution = torch.zeros_like(key_value)

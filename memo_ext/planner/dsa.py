@@ -156,50 +156,26 @@ def greedy_offsets(blocks: Sequence[Request]) -> list[int]:
     Offline: it knows every lifetime. The allocator models' stand-in plan,
     memo_ext._C.plan_best_fit (csrc/allocator_models/online_best_fit.cpp), is a different
     algorithm, not a copy: online, in event order, without lifetimes (best fit among freed gaps,
-    else the arena's top), as a plan-less allocator would place them."""
+    else the arena's top), as a plan-less allocator would place them. In C++
+    (csrc/greedy_offsets.cpp): every block scans the placed ones, tens of thousands of blocks
+    for a long-sequence trace."""
     import numpy as np
 
-    n = len(blocks)
-    order = sorted(range(n),
-                   key=lambda i: (-blocks[i].size, -(blocks[i].end - blocks[i].start),
-                                  blocks[i].start))
-    offsets = [0] * n
-    if not n:
-        return offsets
-    # Vectorised: a pure-Python scan of every placed block per block is O(n^2) interpreter
-    # steps (tens of seconds on a 20k-block iteration). The placed blocks' lifetimes and byte ranges
-    # live in numpy arrays in placement order (the first k rows are the k placed blocks), so
-    # finding the ones alive together with the next block is one mask over them, and the
-    # first-fit scan over their byte ranges is a prefix max (below).
-    sizes = [blocks[i].size for i in order]
-    starts = [blocks[i].start for i in order]
-    ends = [blocks[i].end for i in order]
-    magnitude = max(max(map(abs, starts)), max(map(abs, ends)), sum(map(abs, sizes)))
-    start = _int_array(starts, magnitude)
-    end = _int_array(ends, magnitude)
-    low = _int_array([0] * n, magnitude)       # placed byte range [low, high)
-    high = _int_array([0] * n, magnitude)
-    zero = _int_array([0], magnitude)
-    for k, i in enumerate(order):
-        size = sizes[k]
-        alive = (start[:k] < ends[k]) & (end[:k] > starts[k])
-        busy_low = low[:k][alive]
-        offset = 0
-        if len(busy_low):
-            by_low = np.argsort(busy_low, kind="stable")
-            busy_low = busy_low[by_low]
-            busy_high = high[:k][alive][by_low]
-            # Scanning the busy ranges by their low end, the candidate offset before range r
-            # is max(0, highs of ranges 0..r-1); the first range that starts at or above
-            # candidate + size ends the scan (ties in low cannot change the outcome: once a
-            # range does not end the scan, the candidate is past the shared low).
-            before = np.maximum.accumulate(np.concatenate((zero, busy_high)))
-            fits = np.flatnonzero(before[:-1] + size <= busy_low)
-            offset = int(before[fits[0]] if len(fits) else before[-1])
-        offsets[i] = offset
-        low[k] = offset
-        high[k] = offset + size
-    return offsets
+    from memo_ext import _C
+
+    if not blocks:
+        return []
+    columns = [[b.size for b in blocks], [b.start for b in blocks], [b.end for b in blocks]]
+    if sum(map(abs, columns[0])) >= INT64_LIMIT or \
+            max(max(map(abs, column)) for column in columns[1:]) >= INT64_LIMIT:
+        raise ValueError(f"blocks of {sum(map(abs, columns[0]))} bytes in all: the placement "
+                         "works in 64-bit integers (offsets below 2**62 bytes)")
+    return _C.greedy_offsets(*(np.asarray(column, dtype=np.int64) for column in columns)).tolist()
+
+
+#: Bytes (summed over blocks) and times greedy_offsets places: an offset plus a size stays in
+#: int64.
+INT64_LIMIT = 1 << 62
 
 
 def _pairs(blocks: Sequence[Request]) -> list[tuple[int, int]]:

@@ -64,7 +64,7 @@ def test_greedy_placements_are_valid_and_never_below_the_bound(seed):
 
 def _reference_greedy_offsets(blocks):
     """greedy_offsets as it was in pure Python (O(n^2) interpreter steps): the reference the
-    vectorised one must match exactly."""
+    C++ one (csrc/greedy_offsets.cpp) must match exactly."""
     order = sorted(range(len(blocks)),
                    key=lambda i: (-blocks[i].size, -(blocks[i].end - blocks[i].start),
                                   blocks[i].start))
@@ -99,12 +99,15 @@ def test_greedy_offsets_match_the_pure_python_reference(seed):
     assert offsets == _reference_greedy_offsets(blocks)
     assert all(type(offset) is int for offset in offsets)
     dsa.check_placement(blocks, offsets, max(o + b.size for o, b in zip(offsets, blocks)))
-    # Odd inputs (sizes 0 or negative, empty lifetimes) and sizes beyond int64: still the same.
+    # Odd inputs (sizes 0 or negative, empty lifetimes): still the same. Sizes whose sum
+    # leaves int64 (the C++ placement's integers): one clear error.
     odd = [dsa.Request(rng.randint(-2, 5), s, s + rng.randint(-1, 4))
            for s in (rng.randrange(30) for _ in range(100))]
     assert dsa.greedy_offsets(odd) == _reference_greedy_offsets(odd)
-    huge = [dsa.Request(b.size << 60, b.start, b.end) for b in blocks[:50]]
+    huge = [dsa.Request(b.size << 40, b.start, b.end) for b in blocks[:50]]
     assert dsa.greedy_offsets(huge) == _reference_greedy_offsets(huge)
+    with pytest.raises(ValueError, match="64-bit"):
+        dsa.greedy_offsets([dsa.Request(1 << 61, 0, 1)] * 3)
     assert dsa.greedy_offsets([]) == []
 
 

@@ -1,7 +1,7 @@
 """memo_ext.trace.tile_copies: the tracer records the middle tiles of a loop (the tiled MLP's
-and projections' sequence tiles, the attention's head chunks) as copies of the third, and the
-trace is the one running every tile records, event for event and in its work; blocks that the
-copy would not reproduce run every tile."""
+and projections' sequence tiles, the attention's head chunks, a ring's steps) as copies of the
+third, and the trace is the one running every tile records, event for event and in its work;
+blocks that the copy would not reproduce run every tile."""
 
 from __future__ import annotations
 
@@ -45,13 +45,16 @@ def _record(argv: list, seq: int, copying: bool, monkeypatch) -> tuple:
     # (7 s): the default case covers every loop.
     pytest.param(["--tensor-model-parallel-size", "2", "--recompute-granularity", "full",
                   "--memo-attention-head-chunks", "4"], marks=pytest.mark.slow),
-], ids=["memo-cp2", "full-recompute-tp2"])
+    # a CP=8 ring without tiles: rank 0's steps 1..7 attend alike tiles and are copied
+    ["--context-parallel-size", "8"],
+], ids=["memo-cp2", "full-recompute-tp2", "ring-cp8"])
 def test_copied_tiles_record_the_trace_of_every_tile(layout, monkeypatch):
     argv = [*SHAPE, *TILED, *layout]
     copied, copied_loops = _record(argv, 4096, True, monkeypatch)
     every, none_copied = _record(argv, 4096, False, monkeypatch)
     assert copied_loops and not none_copied
-    # 8 tiles: 3 + 1 run, 4 copied (8 chunks alike; 4 chunks are too few to copy)
+    # 8 tiles (head chunks, ring steps): 3 + 1 run, 4 copied; 4 head chunks and a ring of 2
+    # are too few to copy
     assert set(copied_loops) == {4}
     assert copied.events == every.events
     assert copied.header == every.header  # the work counts among it
