@@ -16,8 +16,8 @@ k-1's leftovers where block 2 freed block 1's; block 2's leftovers, still alive,
 copy's, so the real last tile frees those; the work counts (FLOPs, bytes, collectives) of block
 2 are added once per copy. Anything else (fewer than five tiles, blocks that differ, a leftover
 that outlives the next block) runs every tile. The result is the trace running every tile
-records, event for event (tests/unit/trace/test_tile_copies.py): the middle tiles run the same
-code on tensors of the same shapes.
+records, event for event (tests/unit/memo_ext/trace/test_tile_copies.py): the middle tiles run
+the same code on tensors of the same shapes.
 
 Hand-written: no library records a loop's allocations by copying an iteration.
 """
