@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from memo_ext.storage_tracker import DEVICE, HOST, DeviceMemoryTracker, storage_of
@@ -241,6 +242,11 @@ class AllocationRecorder(DeviceMemoryTracker):
         # input's storage coming back is a view or an in-place op), with a flattening fast
         # enough for the tens of thousands of ops of a large model's iteration.
         if func is _DEVICE_QUERY:
+            tensor = args[0]
+            if type(tensor) is FakeTensor and not tensor.fake_mode.in_kernel_invocation:
+                # FakeTensor.__torch_dispatch__'s own answer, without dispatching again
+                # through FakeTensorMode (35,303 of 61,712 ops of a tiled 7B MEMO trace).
+                return tensor.fake_device
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         input_keys = set()
