@@ -1,6 +1,8 @@
-"""The tracer's tile loops recorded by copies (memo_ext/trace/tile_copies.py): one trace's time
-with the copies and with every tile run, for 7B stages the recommender traces, and whether the
-two traces are the same (events and work), beside the untiled stage.
+"""The tracer's tile loops recorded by copies (memo_ext/trace/tile_copies.py) and its fast path
+for device queries and views (memo_ext/trace/fake_fast_path.py): one trace's time with every
+tile run through FakeTensorMode alone, with the copies, and with both, for 7B stages the
+recommender traces, and whether the traces are the same (events and work), beside the untiled
+stage.
 
     python bench/tile_copies.py
 
@@ -38,19 +40,23 @@ CASES = {
 }
 
 
-def _timed(request, copying: bool):
+def _timed(request, copying: bool, fast_path: bool):
     from megatron.training import tracing
-    from memo_ext.trace import tile_copies
+    from memo_ext.trace import fake_fast_path, tile_copies
 
-    limit = tile_copies.MIN_TILES_TO_COPY
+    saved = tile_copies.MIN_TILES_TO_COPY, fake_fast_path.view, fake_fast_path.device_query
     if not copying:
         tile_copies.MIN_TILES_TO_COPY = 1 << 30
+    if not fast_path:
+        fake_fast_path.view = fake_fast_path.device_query = \
+            lambda *args: fake_fast_path.NOT_HANDLED
     try:
         started = time.perf_counter()
         trace, _ = tracing.record(request)
         return time.perf_counter() - started, trace
     finally:
-        tile_copies.MIN_TILES_TO_COPY = limit
+        (tile_copies.MIN_TILES_TO_COPY, fake_fast_path.view,
+         fake_fast_path.device_query) = saved
 
 
 def main() -> int:
@@ -67,33 +73,41 @@ def main() -> int:
         untiled = Layout(pp=1, dp=1, **{**fields, "head_chunks": 1})
         request = tiled.trace_request(model.with_layers(layers), SEQ, hardware)
         if first:  # imports and first-call costs, untimed
-            _timed(request, True)
+            _timed(request, True, True)
             first = False
-        plain, _ = _timed(untiled.trace_request(model.with_layers(layers), SEQ, hardware), True)
-        copied, with_copies = _timed(request, True)
-        every, without = _timed(request, False)
-        same = with_copies.events == without.events and with_copies.header == without.header
-        rows.append((name, plain, every, copied, same, len(without.events)))
+        plain, _ = _timed(untiled.trace_request(model.with_layers(layers), SEQ, hardware),
+                          True, True)
+        every, reference = _timed(request, False, False)
+        copied, with_copies = _timed(request, True, False)
+        fast, with_both = _timed(request, True, True)
+        same = all(trace.events == reference.events and trace.header == reference.header
+                   for trace in (with_copies, with_both))
+        rows.append((name, plain, every, copied, fast, same, len(reference.events)))
         print(f"{name}: untiled {plain:.1f} s, every tile {every:.1f} s, copies {copied:.1f} s, "
-              f"same trace {same}", flush=True)
+              f"copies and fast path {fast:.1f} s, same trace {same}", flush=True)
     lines = [
-        "# Tile loops traced by copies",
+        "# Tile loops traced by copies, views and device queries without FakeTensorMode's cache",
         "",
         f"Commit {commit()}, {machine()}. `python bench/tile_copies.py`: one trace of 7B "
         f"(`--model 7b`) at {SEQ:,} tokens per request, the estimator's own request on the A800 "
         "profile (16 MLP and projection tiles; head chunks as the recommender sets them), all "
-        "in one process after one untimed trace. The times are this CPU's.",
+        "in one process after one untimed trace (the untiled one with copies and the fast path, "
+        "which change nothing there but the device queries and views). The times are this "
+        "CPU's. Same trace: the copies' and both's traces equal the reference's, events and "
+        "header (work counts).",
         "",
-        "| stage | untiled | tiled, every tile run | tiled, middle tiles copied | speed-up | "
-        "same trace (events, work) | events |",
-        "|---|---|---|---|---|---|---|",
+        "| stage | untiled | tiled, every tile, FakeTensorMode alone (reference) | "
+        "middle tiles copied | copied, views and device queries by the fast path | speed-up | "
+        "same trace | events |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, plain, every, copied, same, events in rows:
-        lines.append(f"| {name} | {plain:.1f} s | {every:.1f} s | **{copied:.1f} s** | "
-                     f"{every / copied:.1f}x | {'yes' if same else '**no**'} | {events:,} |")
+    for name, plain, every, copied, fast, same, events in rows:
+        lines.append(f"| {name} | {plain:.1f} s | {every:.1f} s | {copied:.1f} s | "
+                     f"**{fast:.1f} s** | {every / fast:.1f}x | {'yes' if same else '**no**'} "
+                     f"| {events:,} |")
     write_atomic(RESULTS / "tile_copies.md", "\n".join(lines) + "\n")
     _plot(rows, RESULTS / "tile_copies.png")
-    return 0 if all(row[4] for row in rows) else 1
+    return 0 if all(row[5] for row in rows) else 1
 
 
 def _plot(rows, path: Path) -> None:
@@ -104,9 +118,10 @@ def _plot(rows, path: Path) -> None:
 
     fig, axis = plt.subplots(figsize=(9, 4))
     xs = range(len(rows))
-    for offset, index, label in ((-0.27, 1, "untiled"), (0, 2, "tiled, every tile"),
-                                 (0.27, 3, "tiled, copies")):
-        axis.bar([x + offset for x in xs], [row[index] for row in rows], 0.27, label=label)
+    for offset, index, label in ((-0.3, 1, "untiled"), (-0.1, 2, "tiled, every tile"),
+                                 (0.1, 3, "tiled, copies"),
+                                 (0.3, 4, "tiled, copies and fast path")):
+        axis.bar([x + offset for x in xs], [row[index] for row in rows], 0.2, label=label)
     axis.set_xticks(list(xs), [row[0].split(";")[0].replace(", ", "\n", 2) for row in rows],
                     fontsize=7)
     axis.set_ylabel("seconds per trace (this CPU)")

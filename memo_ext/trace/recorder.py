@@ -11,10 +11,10 @@ from collections.abc import Iterable
 from typing import Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from memo_ext.storage_tracker import DEVICE, HOST, DeviceMemoryTracker, storage_of
+from memo_ext.trace import fake_fast_path
 from memo_ext.trace.cuda_rules import CudaKernelRules, CudaTarget, cuda_kernel_paths
 from memo_ext.trace.format import (
     ACTIVATION,
@@ -242,12 +242,9 @@ class AllocationRecorder(DeviceMemoryTracker):
         # input's storage coming back is a view or an in-place op), with a flattening fast
         # enough for the tens of thousands of ops of a large model's iteration.
         if func is _DEVICE_QUERY:
-            tensor = args[0]
-            if type(tensor) is FakeTensor and not tensor.fake_mode.in_kernel_invocation:
-                # FakeTensor.__torch_dispatch__'s own answer, without dispatching again
-                # through FakeTensorMode (35,303 of 61,712 ops of a tiled 7B MEMO trace).
-                return tensor.fake_device
-            return func(*args, **(kwargs or {}))
+            device = fake_fast_path.device_query(args)
+            return func(*args, **(kwargs or {})) if device is fake_fast_path.NOT_HANDLED \
+                else device
         kwargs = kwargs or {}
         input_keys = set()
         for tensor in _tensors_in((args, kwargs)):
@@ -255,7 +252,9 @@ class AllocationRecorder(DeviceMemoryTracker):
             if st is not None:
                 input_keys.add(st._cdata)
         name = str(func)
-        out = func(*args, **kwargs)
+        out = fake_fast_path.view(func, args, kwargs)
+        if out is fake_fast_path.NOT_HANDLED:
+            out = func(*args, **kwargs)
         traced = self.recording and not getattr(_TLS, "untraced", 0)
         if traced:
             phase, _, layer = self._context()

@@ -9,7 +9,7 @@ import pytest
 
 from megatron.training import tracing
 from memo_ext import tile_loop
-from memo_ext.trace import tile_copies
+from memo_ext.trace import fake_fast_path, tile_copies
 from tests.conftest import trace_request
 
 SHAPE = ["--num-layers", "3", "--hidden-size", "128", "--num-attention-heads", "8",
@@ -19,7 +19,9 @@ TILED = ["--memo-mlp-tiles", "8", "--memo-attention-projection-tiles", "8"]
 
 
 def _record(argv: list, seq: int, copying: bool, monkeypatch) -> tuple:
-    """(trace, loops copied) of the tracer's request ``argv`` at ``seq`` tokens."""
+    """(trace, loops copied) of the tracer's request ``argv`` at ``seq`` tokens; without
+    ``copying``, the reference: every tile run, each op through FakeTensorMode (no
+    memo_ext.trace.fake_fast_path either, so the default cases check it too)."""
     copied = []
     emit = tile_copies._emit_copies
 
@@ -31,6 +33,9 @@ def _record(argv: list, seq: int, copying: bool, monkeypatch) -> tuple:
         patch.setattr(tile_copies, "_emit_copies", counting)
         if not copying:
             patch.setattr(tile_copies, "MIN_TILES_TO_COPY", 1 << 30)
+            patch.setattr(fake_fast_path, "view", lambda *args: fake_fast_path.NOT_HANDLED)
+            patch.setattr(fake_fast_path, "device_query",
+                          lambda *args: fake_fast_path.NOT_HANDLED)
         trace, _ = tracing.record(trace_request(argv, seq))
     return trace, copied
 
