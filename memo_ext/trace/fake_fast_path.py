@@ -17,12 +17,17 @@ tensor) returns :data:`NOT_HANDLED` and goes through FakeTensorMode as before.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
 NOT_HANDLED = object()
 
-_DEVICE_QUERY = torch.ops.prim.device.default
+#: A query of a tensor's device, no data: the autograd engine and TensorIterator ask it of every
+#: fake tensor they touch, over half of a tiled MEMO trace's dispatched ops (35,303 of 61,712,
+#: 7B TP=4 CP=2, 16 MLP tiles, 128K tokens). It allocates, frees and computes nothing.
+DEVICE_QUERY = torch.ops.prim.device.default
 
 
 def device_query(args) -> object:
@@ -34,15 +39,10 @@ def device_query(args) -> object:
     return NOT_HANDLED
 
 
+@functools.cache
 def _is_plain_view(func) -> bool:
-    cached = _PLAIN_VIEWS.get(func)
-    if cached is None:
-        cached = _PLAIN_VIEWS[func] = (isinstance(func, torch._ops.OpOverload) and func.is_view
-                                       and not func._schema.is_mutable)
-    return cached
-
-
-_PLAIN_VIEWS: dict = {}
+    return isinstance(func, torch._ops.OpOverload) and func.is_view \
+        and not func._schema.is_mutable
 
 
 def view(func, args, kwargs) -> object:

@@ -42,11 +42,6 @@ from memo_ext.trace.tagging import (
 from memo_ext.trace.tile_copies import repeat_tiles
 from memo_ext.trace.work import WorkCounter
 
-#: A query of a tensor's device, no data: the autograd engine and TensorIterator ask it of every
-#: fake tensor they touch, over half of a tiled MEMO trace's dispatched ops (82,223 of 146,612,
-#: 7B TP=4 CP=2, 16 MLP tiles, 64K tokens). It allocates, frees and computes nothing.
-_DEVICE_QUERY = torch.ops.prim.device.default
-
 #: ``torch.tensor(data)`` builds its tensor outside the dispatcher and then calls lift_fresh:
 #: with real tensors the output is that (unseen) tensor, under FakeTensorMode a new fake one.
 #: Either way it is a fresh allocation (a host-to-device copy on GPU), recorded in both modes.
@@ -241,7 +236,7 @@ class AllocationRecorder(DeviceMemoryTracker):
         # DeviceMemoryTracker's rule (a new storage among the outputs is an allocation; an
         # input's storage coming back is a view or an in-place op), with a flattening fast
         # enough for the tens of thousands of ops of a large model's iteration.
-        if func is _DEVICE_QUERY:
+        if func is fake_fast_path.DEVICE_QUERY:
             device = fake_fast_path.device_query(args)
             return func(*args, **(kwargs or {})) if device is fake_fast_path.NOT_HANDLED \
                 else device
