@@ -147,13 +147,14 @@ class SearchChecks:
 
 
 class LongestRanking:
-    """Layouts at their own longest fitting sequences, added a batch at a time
-    (:meth:`add`); :meth:`ranked` is longest first, then by MFU. With ``top``, a layout whose
-    bound is shorter than the table's last row so far is not solved. With ``checks``, each
-    layout solved is trusted first. ``upper`` holds, per traced layout added, the longest
-    length it can fit: its answer, or its bound when it was not solved (what
-    :func:`search_longest` prunes the variants it dominates with). ``log`` hears each answer
-    and the best so far as soon as they are known."""
+    """Layouts at their own longest fitting sequences. Models are offered (:meth:`offer`: their
+    bounds are computed, they wait unsolved) and solved best bound first (:meth:`solve_best`);
+    :meth:`add` offers a batch and solves it. :meth:`ranked` is longest first, then by MFU.
+    With ``top``, a layout whose bound is shorter than the table's last row so far is not
+    solved. With ``checks``, each layout solved is trusted first. ``upper`` holds, per traced
+    layout settled, the longest length it can fit: its answer, or its bound when it was not
+    solved (what :func:`search_longest` prunes the variants it dominates with). ``log`` hears
+    each answer and the best so far as soon as they are known."""
 
     def __init__(self, step: int, maximum: int, fine_step: Optional[int] = None,
                  top: Optional[int] = None, log: Callable[[str], None] = lambda line: None,
@@ -162,6 +163,8 @@ class LongestRanking:
         self.top, self.log, self.checks = top, log, checks
         self.predictions: list = []
         self.upper: dict = {}
+        #: (bound, model) offered and not yet settled, best bound first
+        self.pending: list = []
 
     def threshold(self) -> float:
         """The length a layout must reach to enter the table (0 until ``top`` rows exist)."""
@@ -172,29 +175,44 @@ class LongestRanking:
     def ranked(self) -> list:
         return sorted(self.predictions, key=lambda p: (-p.seq, -p.mfu))
 
-    def add(self, models: list) -> "LongestRanking":
+    def offer(self, models: list) -> None:
+        """Bound ``models`` and keep them to be solved (stable: equal bounds keep their
+        order)."""
         bounds = [bound_longest(m, self.step, self.maximum, self.fine_step) for m in models]
-        order = sorted(zip(bounds, models), key=lambda item: -item[0])
-        for index, (bound, model) in enumerate(order):
-            if bound < self.threshold():
-                self.log(f"not solved: {_name(model)}: its bound, {bound:.0f} tokens, is "
-                         "below the table")
-                self._remember(model, bound)
-                if self.checks is not None:
-                    self.checks.cancel(model)
-                continue
-            if self.checks is not None and hasattr(model, "trusted"):
-                model = self._trusted(model, order[index:])
-            longest = model.longest(self.step, self.maximum, self.fine_step)
-            self._remember(model, longest)
-            if not longest:
-                self.log(f"{_name(model)}: nothing fits")
-                continue
-            self.predictions.append(model.predict(longest - longest % model.multiple))
-            best = self.ranked()[0]
-            self.log(f"{_name(model)}: {longest} tokens; best so far {best.describe()} at "
-                     f"{best.seq} tokens, MFU {best.mfu:.1%}")
+        self.pending = sorted([*self.pending, *zip(bounds, models)], key=lambda item: -item[0])
+
+    def best_bound(self) -> float:
+        """The best bound among the models offered and not settled (-inf when none)."""
+        return self.pending[0][0] if self.pending else -math.inf
+
+    def add(self, models: list) -> "LongestRanking":
+        self.offer(models)
+        while self.pending:
+            self.solve_best()
         return self
+
+    def solve_best(self) -> None:
+        """Settle the pending model with the best bound: not solved when the bound is below the
+        table, else trusted (with ``checks``) and solved."""
+        bound, model = self.pending.pop(0)
+        if bound < self.threshold():
+            self.log(f"not solved: {_name(model)}: its bound, {bound:.0f} tokens, is "
+                     "below the table")
+            self._remember(model, bound)
+            if self.checks is not None:
+                self.checks.cancel(model)
+            return
+        if self.checks is not None and hasattr(model, "trusted"):
+            model = self._trusted(model, [(bound, model), *self.pending])
+        longest = model.longest(self.step, self.maximum, self.fine_step)
+        self._remember(model, longest)
+        if not longest:
+            self.log(f"{_name(model)}: nothing fits")
+            return
+        self.predictions.append(model.predict(longest - longest % model.multiple))
+        best = self.ranked()[0]
+        self.log(f"{_name(model)}: {longest} tokens; best so far {best.describe()} at "
+                 f"{best.seq} tokens, MFU {best.mfu:.1%}")
 
     def _remember(self, model, upper: float) -> None:
         if hasattr(model, "layout"):  # a traced layout (SPPO's analytic ones dominate none)
@@ -234,12 +252,15 @@ def search_longest(layouts: list[Layout], build: Callable[[list[Layout]], list],
     or its bound, is already below the table. ``build(layouts)`` returns their models (layouts
     it could not predict are left out). Returns the ranking's table.
 
-    The undominated layouts are traced first, all at once. After them, best first: of the
-    layouts whose dominating variant is answered, the ``batch`` whose variant reaches the
-    longest length are traced and solved before the next, so the table fills with the longest
-    rows before a shorter shape's variants come up, and those are pruned against it. (Tracing
-    every ready layout at once traced the mixed (a)/(b) stages of 7B's TP=1 CP=8 shape, 2.49M
-    tokens at most, while the table was still being filled; it ended at 3.8M.)"""
+    Best first, a branch and bound over two kinds of work: solving a traced layout (its reach
+    is its bound) and tracing layouts that wait (their reach is their dominating variant's
+    answer or bound). The undominated layouts are traced first, all at once (nothing bounds
+    them before their traces). Then, each time, whichever reaches further goes next, solving
+    on a tie: a traced layout is solved, or the ``batch`` waiting layouts that reach furthest
+    are traced. So the table fills with the longest rows before a shorter shape's layouts
+    are solved or its variants traced, and those are pruned against it. (Solving every traced
+    layout as soon as it was traced filled 7B's table on 8 GPUs with three shapes' 2.4M rows,
+    each checked by a trace, before the variants of the 4.46M shape came up.)"""
     partner = {layout: dominating(layout, layouts) for layout in layouts}
     ranking.add(list(untraced))
     waiting = list(layouts)
@@ -248,7 +269,7 @@ def search_longest(layouts: list[Layout], build: Callable[[list[Layout]], list],
         frugal = partner[layout]
         return math.inf if frugal is None else ranking.upper[frugal]
 
-    while waiting:
+    while waiting or ranking.pending:
         ready = [layout for layout in waiting
                  if partner[layout] is None or partner[layout] in ranking.upper]
         for layout in ready:
@@ -259,19 +280,26 @@ def search_longest(layouts: list[Layout], build: Callable[[list[Layout]], list],
                     f"{frugal.describe()}, which fits {ranking.upper[frugal]:.0f} tokens at "
                     "most, below the table")
         pruned = [layout for layout in ready if layout in ranking.upper]
+        waiting = [layout for layout in waiting if layout not in pruned]
         ready = sorted((layout for layout in ready if layout not in ranking.upper),
                        key=lambda layout: -reach(layout))  # stable: ties keep their order
-        traced = ready if any(partner[layout] is None for layout in ready) else ready[:batch]
-        waiting = [layout for layout in waiting if layout not in pruned and layout not in traced]
-        if not traced:
-            if not pruned:  # dominating() pairs never cycle; a cycle would loop here forever
+        furthest = reach(ready[0]) if ready else -math.inf
+        if ranking.pending and (ranking.best_bound() >= furthest
+                                or ranking.best_bound() < ranking.threshold()):
+            ranking.solve_best()
+            continue
+        if not ready:
+            if not pruned and not ranking.pending:
+                # dominating() pairs never cycle; a cycle would loop here forever
                 raise ValueError("layouts wait on each other's answers: "
                                  f"{[layout.describe() for layout in waiting]}")
             continue
+        traced = ready if any(partner[layout] is None for layout in ready) else ready[:batch]
+        waiting = [layout for layout in waiting if layout not in traced]
         models = build(traced)
         built = {model.layout for model in models}
         for layout in traced:  # not predicted: nothing it dominates can be pruned by it
             if layout not in built:
                 ranking.upper[layout] = math.inf
-        ranking.add(models)
+        ranking.offer(models)
     return ranking.ranked()

@@ -172,14 +172,16 @@ def test_search_traces_a_dominated_variant_only_if_it_can_enter_the_table():
     # without a table size every layout is traced and solved
     built.clear()
     ranked = search_longest(layouts, build, LongestRanking(STEP, MAXIMUM))
-    assert sorted(len(batch) for batch in built) == [2, 2]
+    assert sorted(map(str, (layout for batch in built for layout in batch))) == \
+        sorted(map(str, layouts))
     assert len(ranked) == 5 - 1  # the untraced model was not given
 
 
 def test_dominated_variants_go_best_first_and_are_pruned_by_the_rows_before_them():
     """Traced one at a time, the variant of the shape that reaches furthest comes first; its
-    answer raises the table so the other shape's variant, which a round-by-round search would
-    have traced, is pruned."""
+    answer fills the table before the other shape's frugal variant is solved, so that one is
+    not solved (its bound is below the table) and its own variant, which a round-by-round
+    search would have traced, is pruned."""
     a, b = _variants(tp=2, dp=4), _variants(tp=4, dp=2)
     models = {a["full"]: StandIn(a["full"], 524288, 524288),
               b["full"]: StandIn(b["full"], 1 << 20, 1 << 20),
@@ -191,11 +193,19 @@ def test_dominated_variants_go_best_first_and_are_pruned_by_the_rows_before_them
         built.append(list(wanted))
         return [models[layout] for layout in wanted]
 
+    heard = []
     ranked = search_longest([a["full"], a["none"], b["full"], b["none"]], build,
-                            LongestRanking(STEP, MAXIMUM, top=2), batch=1,
+                            LongestRanking(STEP, MAXIMUM, top=2, log=heard.append), batch=1,
                             log=Progress(4, counted.append))
     assert built == [[a["full"], b["full"]], [b["none"]]]
-    assert [p.seq for p in ranked] == [1 << 20, 786432, 524288]  # no row for a["none"]
+    assert [p.seq for p in ranked] == [1 << 20, 786432]  # no row for a["full"] nor a["none"]
+    assert [line.split(": ")[:2] for line in heard][:2] == [
+        [b["full"].describe(), "1048576 tokens; best so far TP=4 CP=1 PP=1 DP=2 mbs=1 Megatron "
+         "full recompute at 1048576 tokens, MFU 50.0%"],
+        [b["none"].describe(), "786432 tokens; best so far TP=4 CP=1 PP=1 DP=2 mbs=1 Megatron "
+         "full recompute at 1048576 tokens, MFU 50.0%"]]
+    assert heard[2:] == [f"not solved: {a['full'].describe()}: its bound, 524288 tokens, is "
+                         "below the table"]
     assert counted == [f"[1/4] not traced: {a['none'].describe()}: it keeps more than "
                        f"{a['full'].describe()}, which fits 524288 tokens at most, below the "
                        "table"]
