@@ -254,21 +254,46 @@ def model_gemms(model: dict, layout: dict) -> list[tuple[int, int, int, int]]:
 def at_model_shapes(base: Efficiency, hardware: dict, model: dict, layout: dict) -> Efficiency:
     """``base`` with its GEMM and attention efficiencies read from the profile's kernel table
     at this model's shapes and the rank's sequence length (``model["seq_length"]`` over CP)."""
-    rows = kernel_rows(hardware)
-    peak = float(hardware["bf16_tflops"])
-    flops = seconds = 0.0
-    for m, n, k, count in model_gemms(model, layout):
-        work = 2.0 * m * n * k * count
-        flops += work
-        seconds += work / gemm_tflops(rows["gemm"], m, n, k)
     hidden, heads = model["hidden_size"], model["num_attention_heads"]
     head_dim = model.get("kv_channels") or hidden // heads
     seq = max(1, model["seq_length"] // layout["cp"])
     causal = model.get("attn_mask_type", "causal") == "causal"
-    forward, backward = (attention_tflops(rows["attention"], direction, causal, head_dim, seq)
+    gemm, forward, backward = _efficiencies(_profile_key(hardware),
+                                            dispatched_attention_kernel(hardware),
+                                            tuple(model_gemms(model, layout)), head_dim, seq,
+                                            causal)
+    return replace(base, gemm=gemm, attention_forward=forward, attention_backward=backward)
+
+
+def _profile_key(hardware: dict) -> str:
+    """The profile as a key of :func:`_efficiencies` (its contents: a profile is a plain dict
+    that may be copied or edited between calls)."""
+    return json.dumps(hardware, sort_keys=True, default=str)
+
+
+@lru_cache(maxsize=None)
+def _priced_from_key(key: str, dispatched: Optional[str]) -> PricedRows:
+    """priced_rows of the profile ``key`` whose dispatched attention kernel is ``dispatched``
+    (part of the key: it depends on the installed kernels, not on the profile alone)."""
+    return priced_rows(json.loads(key))
+
+
+@lru_cache(maxsize=1 << 16)
+def _efficiencies(key: str, dispatched: Optional[str], gemms: tuple, head_dim: int, seq: int,
+                  causal: bool) -> tuple[float, float, float]:
+    """(GEMM, attention forward, attention backward) efficiencies of the profile ``key`` at
+    these shapes: a search reads the tables at the same shapes hundreds of thousands of times
+    (SPPO's subsequences, each layout's predictions), each lookup a scan of the rows."""
+    rows = _priced_from_key(key, dispatched)
+    peak = float(json.loads(key)["bf16_tflops"])
+    flops = seconds = 0.0
+    for m, n, k, count in gemms:
+        work = 2.0 * m * n * k * count
+        flops += work
+        seconds += work / gemm_tflops(rows.gemm, m, n, k)
+    forward, backward = (attention_tflops(rows.attention, direction, causal, head_dim, seq)
                          / peak for direction in DIRECTIONS)
-    return replace(base, gemm=flops / seconds / peak, attention_forward=forward,
-                   attention_backward=backward)
+    return flops / seconds / peak, forward, backward
 
 
 __all__ = ["FALLBACK_ATTENTION_KERNEL", "TABLES_FILE", "at_model_shapes", "attention_tflops",

@@ -196,18 +196,32 @@ class MemoryPlan:
 
 def trace_digest(events: list[dict]) -> str:
     """SHA-256 of the device request sequence a plan depends on: actions, aligned sizes, the
-    alloc each free closes, phases, layers and micro-batches."""
+    alloc each free closes, phases, layers and micro-batches; per event, the bytes of
+    ``json.dumps([action, alloc number, size, phase, layer, micro-batch])`` (what plan files
+    store: a 32-layer trace has ~100,000 events, so they are written here without a
+    ``json.dumps`` call each)."""
     order: dict[int, int] = {}
-    h = hashlib.sha256()
+    encoded: dict = {}
+
+    def encode(value) -> str:
+        if type(value) is int:
+            return str(value)
+        key = (type(value), value)  # True == 1 == 1.0 as dict keys
+        if key not in encoded:
+            encoded[key] = json.dumps(value)
+        return encoded[key]
+
+    parts = []
     for event in events:
         if event["action"] == "alloc":
             order[event["id"]] = len(order)
             size = align(event["bytes"])
         else:
             size = 0
-        h.update(json.dumps([event["action"], order.get(event["id"]), size, event["phase"],
-                             event["layer"], event["microbatch"]]).encode())
-    return h.hexdigest()
+        parts.append(f"[{encode(event['action'])}, {encode(order.get(event['id']))}, "
+                     f"{encode(size)}, {encode(event['phase'])}, {encode(event['layer'])}, "
+                     f"{encode(event['microbatch'])}]")
+    return hashlib.sha256("".join(parts).encode()).hexdigest()
 
 
 def plan_trace(trace: Trace, time_limit_s: float = DEFAULT_TIME_LIMIT_S,

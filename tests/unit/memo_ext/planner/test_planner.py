@@ -398,3 +398,29 @@ def test_runtime_arena_falls_back_on_a_longer_sequence_than_planned(traced, tmp_
     assert stats["size_mismatches"] > 0
     with pytest.raises(ValueError, match="made for trace"):
         P.validate_plan(plan, longer)
+
+
+def test_trace_digest_is_the_json_of_each_event_request(traced):
+    """The digest plan files store: SHA-256 over ``json.dumps([action, alloc number, aligned
+    size, phase, layer, micro-batch])`` per device event, written without a json.dumps call
+    each; a real trace and events with None, booleans and escaped strings hash alike."""
+    import hashlib
+
+    def reference(events):
+        order, h = {}, hashlib.sha256()
+        for e in events:
+            if e["action"] == "alloc":
+                order[e["id"]] = len(order)
+            size = dsa.align(e["bytes"]) if e["action"] == "alloc" else 0
+            h.update(json.dumps([e["action"], order.get(e["id"]), size, e["phase"],
+                                 e["layer"], e["microbatch"]]).encode())
+        return h.hexdigest()
+
+    odd = [{"action": "alloc", "id": 1, "bytes": 3, "phase": 'say "x"\n', "layer": None,
+            "microbatch": True},
+           {"action": "alloc", "id": 2, "bytes": 1 << 40, "phase": "forward", "layer": 1,
+            "microbatch": 1},
+           {"action": "free", "id": 7, "bytes": 0, "phase": "backward", "layer": 0,
+            "microbatch": None}]
+    for events in (P._device_events(traced[1]), odd):
+        assert P.trace_digest(events) == reference(events)
