@@ -280,3 +280,24 @@ def test_candidates_carry_each_offload_fraction():
     hardware["device_memory_bytes"] = 20 * params  # everything fits: each layout twice
     both, _ = candidate_layouts(shape, 1, hardware, optimizer_offloads=(None, 1.0), **common)
     assert [layout.optimizer_offload for layout in both] == [None, 1.0, None, 1.0]
+
+
+def test_bounds_keep_only_the_undominated_live_lines():
+    """A stage's live-bytes lines (memo_ext.estimate.layout.model) are cut to those no other
+    line is at or above in both intercept and slope; the maximum at every length >= 0 is the
+    same to the bit, ties and flat stretches included."""
+    import numpy as np
+
+    from memo_ext.estimate.layout.model import _max_of_lines, _undominated
+
+    rng = np.random.default_rng(0)
+    for trial in range(50):
+        n = int(rng.integers(1, 3000))
+        a = np.cumsum(rng.integers(-10**9, 10**9, n).astype(float))
+        b = np.cumsum(rng.integers(-10**4, 10**4, n).astype(float))
+        if trial % 3 == 0:
+            b[:] = b[0]
+        seqs = [0, *sorted(rng.integers(1, 10**7, 40).tolist())]
+        kept_a, kept_b = _undominated(a, b)
+        assert len(kept_a) < n or n < 3
+        assert np.array_equal(_max_of_lines(kept_a, kept_b, seqs), _max_of_lines(a, b, seqs))
