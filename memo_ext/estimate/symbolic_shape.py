@@ -2,8 +2,8 @@
 
 The trainer spreads a stage's ``count`` checkpoint-mode (b) layers evenly over its ``offloaded``
 layers (memo_ext.offload.modes.checkpoint_layer_indices: the middle of each of ``count`` equal
-runs), so the modes repeat: 16 of 31 is ``b a b a ... b`` (8 of 31, ``a b a a`` seven times
-and ``a b a``, repeats four layers: longer than MAX_PERIOD). A stage of a few layers with the same pattern, whose one period is copied to the
+runs), so the modes repeat: 16 of 31 is ``b a b a ... b``, 8 of 31 ``a b a a`` seven times
+and ``a b a``. A stage of a few layers with the same pattern, whose one period is copied to the
 stage's depth (memo_ext.estimate.symbolic.expand_events with ``period``), stands for the whole
 stage, and is checked against a stage one period deeper, as a one-layer copy is.
 
@@ -25,10 +25,10 @@ from memo_ext.offload.modes import checkpoint_layer_indices
 
 #: The deepest few-layer stage tried (tracing costs grow with its layers).
 MAX_FEW_LAYERS = 12
-#: The longest run of layers copied. Two is checked (tests/unit/memo_ext/estimate/test_symbolic.py); a run of
-#: four (8 of 31 layers in (b): a b a a) expands to a trace that frees a block twice, so such
-#: stages are traced whole until the expansion handles them.
-MAX_PERIOD = 2
+#: The longest run of layers copied. Two and four are checked
+#: (tests/unit/memo_ext/estimate/test_symbolic.py); a run of four (8 of 31 layers in (b):
+#: a b a a) is followed by a whole period in the few-layer stage (mixed_symbolic_shape).
+MAX_PERIOD = 4
 #: Layers each side of the copied run, in the few-layer stage (MEMO's warm-up leaves per-layer
 #: buffers a shorter neighbourhood does not repeat: memo_ext.estimate.layout.SYMBOLIC_LAYERS).
 NEIGHBOURS = 2
@@ -77,7 +77,13 @@ def mixed_symbolic_shape(offloaded: int, count: int, kept: int) -> Optional[Symb
             check_periods = -(-2 // period)
             for few_count in range(1, few):
                 pattern = _modes(few, few_count, kept)
-                for copied in range(NEIGHBOURS, layers - NEIGHBOURS - period + 1):
+                # After the run, NEIGHBOURS layers; a run longer than that is followed by
+                # one whole period of offloaded layers too: a run's last layer frees what the
+                # next layer allocated, which in the stage is the next copy's first layer, so
+                # the layer after the run must be traced as one (four layers of 8 of 31 in
+                # (b), a b a a, followed by the kept layer alone freed a block twice).
+                after = max(NEIGHBOURS, period + kept) if period > NEIGHBOURS else NEIGHBOURS
+                for copied in range(NEIGHBOURS, layers - after - period + 1):
                     run = pattern[copied:copied + period]
                     head, tail = pattern[:copied + period], pattern[copied + period:]
                     if head + run * (added // period) + tail != target:

@@ -483,11 +483,11 @@ def test_tiled_layers_all_in_checkpoint_mode_are_symbolic_and_checked(cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layers, count, period", [(12, 6, 2)])
+@pytest.mark.parametrize("layers, count, period", [(12, 6, 2), (20, 5, 4)])
 def test_a_mixed_stage_is_symbolic_by_one_period_of_its_pattern(cache, layers, count, period):
-    """MEMO with ``count`` of a stage's offloaded layers in (b), spread evenly (b a b a ...),
-    tiled, one buffer: one period of the pattern is copied, the check one period
-    deeper passes, and at a fitted length and one far beyond, the symbolic stage is the stage
+    """MEMO with ``count`` of a stage's offloaded layers in (b), spread evenly (b a b a ...,
+    and a b a a ... with a period of four, the 7B recommender's 8 of 31), tiled, one buffer:
+    one period of the pattern is copied, the check one period deeper passes, and at a fitted length and one far beyond, the symbolic stage is the stage
     traced whole event by event, with the same peak and MFU."""
     mixed = Layout(2, 1, 1, 1, "memo", 0.0, checkpoint_layers=count, offload_buffers=1,
                    mlp_tiles=2, projection_tiles=2, head_chunks=2)

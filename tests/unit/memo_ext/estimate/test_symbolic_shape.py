@@ -27,8 +27,10 @@ def _expanded(shape, kept: int, layers: int) -> str:
 
 @pytest.mark.parametrize("offloaded, count, kept, period", [
     (31, 16, 1, 2),  # 7B, one buffer, half in (b): b a b a ... b
+    (31, 8, 1, 4),   # a quarter: a b a a, seven times, then a b a
     (30, 15, 2, 2),  # two buffers
     (79, 40, 1, 2),  # 65B
+    (79, 20, 1, 4),
 ])
 def test_the_headline_mixes_repeat_one_period(offloaded, count, kept, period):
     shape = mixed_symbolic_shape(offloaded, count, kept)
@@ -53,12 +55,14 @@ def test_every_shape_found_is_the_stage_and_the_check_is_one_period_deeper():
                 # the copied run has NEIGHBOURS layers on each side in the few-layer stage
                 assert shape.copied >= NEIGHBOURS
                 assert shape.layers - shape.copied - shape.period >= NEIGHBOURS
+                if shape.period > NEIGHBOURS:  # a whole period of offloaded layers after it
+                    assert shape.layers - shape.copied - 2 * shape.period >= kept
     assert found >= 40  # many mixes repeat a short period (not a vacuous loop)
 
 
 def test_a_pattern_no_few_layer_stage_repeats_is_none():
-    # a quarter: a b a a seven times, then a b a; a period of four is not copied (MAX_PERIOD)
-    assert mixed_symbolic_shape(31, 8, 1) is None
+    # two buffers, 8 of 30: a b a a a b a a a b a a a b a a b ...: no one period repeats
+    assert mixed_symbolic_shape(30, 8, 2) is None
     # 10 of 11 in (b): one (a) layer in the middle, nothing repeats around it
     assert _pattern(11, 10, 1) == "bbbbbabbbbbk"
     assert mixed_symbolic_shape(11, 10, 1) is None
