@@ -64,8 +64,7 @@ def write_trace(trace: Trace, path) -> None:
     # written at once: a 32-layer trace has ~100,000 of them.
     encode = json.JSONEncoder(separators=(",", ":")).encode
     lines = [json.dumps(header, sort_keys=True)]
-    lines += [encode(event if len(event) == len(EVENT_FIELDS) and tuple(event) == EVENT_FIELDS
-                     else {k: event[k] for k in EVENT_FIELDS}) for event in trace.events]
+    lines += [encode({k: event[k] for k in EVENT_FIELDS}) for event in trace.events]
     with open(partial, "wb") as raw, \
             gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz:
         gz.write(("\n".join(lines) + "\n").encode())
