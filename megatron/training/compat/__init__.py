@@ -17,6 +17,9 @@ megatron.core symbol it replaces:
 - megatron_fsdp.py: distributed.fsdp.mcore_fsdp_adapter's ``DeviceMesh`` (--use-megatron-fsdp
   builds its mesh with device type 'cuda'); devices.py's ``torch.device`` answers its
   ``torch.device(f"cuda:{torch.cuda.current_device()}")`` with the CPU.
+- gloo_coalescing.py: distributed.param_and_grad_buffer's and Megatron-FSDP's
+  ``_coalescing_manager``: torch's gloo corrupts the heap under an asynchronous coalesced
+  all-gather, so on gloo those all-gathers are issued one by one.
 - norm.py: transformer.torch_norm.WrappedTorchNorm in the layer spec (refuses sequence parallel).
 - attention.py: transformer.dot_product_attention.DotProductAttention in the layer spec
   (refuses context parallel; materialises s x s scores).
@@ -95,6 +98,7 @@ def apply_cpu_shims() -> None:
     )
     from megatron.training.compat import hybrid_optimizer
     from megatron.training.compat.distrib_optimizer import sort_cpu_parameters_as_cuda
+    from megatron.training.compat.gloo_coalescing import issue_gloo_all_gathers_one_by_one
     from megatron.training.compat.megatron_fsdp import build_meshes_on_the_cpu
     from megatron.training.compat.rng import use_cpu_generator_in_rng_tracker
 
@@ -105,4 +109,5 @@ def apply_cpu_shims() -> None:
     sort_cpu_parameters_as_cuda()
     hybrid_optimizer.apply()
     build_meshes_on_the_cpu()
+    issue_gloo_all_gathers_one_by_one()
     _applied = True
