@@ -1,5 +1,5 @@
-"""Does torch's gloo survive asynchronous coalesced collectives? (docs/training.md, "A rare crash
-on CPU", and megatron.training.compat.gloo_coalescing)
+"""Does torch's gloo survive asynchronous coalesced collectives? (docs/training.md, "On CPU",
+and megatron.training.compat.gloo_coalescing)
 
 Two gloo ranks (fresh processes, loopback) each run ``--steps`` steps of what Megatron-FSDP's
 parameter prefetch does: six all-gathers of 1,000-1,200 floats issued and left in flight, fifty

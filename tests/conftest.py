@@ -1,14 +1,19 @@
-"""Shared test helpers: launching pretrain_gpt.py under torchrun on loopback and reading the
-metrics it writes."""
+"""Shared test helpers: launching pretrain_gpt.py's ranks on loopback as torchrun would and
+reading the metrics it writes."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -95,28 +100,88 @@ def subprocess_env() -> dict:
     return env
 
 
-def run_torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
-                 script: Path = PRETRAIN_GPT) -> subprocess.CompletedProcess:
-    """Run pretrain_gpt.py (or another trainer ``script``) under torchrun (standalone
-    rendezvous on a free loopback port)."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", str(script), *args,
-    ]
-    launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=subprocess_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = launcher.communicate(timeout=timeout)
-    except BaseException:  # a timeout, pytest-timeout, or an interrupt (CI's slow-slice budget)
-        stop_launcher(launcher)
-        raise
-    result = subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr)
-    if check and result.returncode != 0:
+def run_trainer(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
+                script: Path = PRETRAIN_GPT) -> subprocess.CompletedProcess:
+    """Run pretrain_gpt.py (or another trainer ``script``) on ``nproc`` ranks on this machine,
+    each started as ``torchrun --standalone`` starts its workers (``python -u script args``
+    with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and a free loopback
+    MASTER_PORT; rank 0's init_process_group serves the store) but without torchrun's own
+    process, which imports torch only to start them: 2.6 s a launch on 2 cores, about a
+    minute and a half of the default suite. The tests of the launch itself use torchrun
+    (test_determinism_and_resume.py's SIGTERM, test_long_context_peak_rss.py, the examples).
+
+    As under torchrun, a rank that fails ends the run: the others are given ``grace`` seconds
+    to end on their own (a rank blocked in a collective fails once its peer is gone) and are
+    then stopped. The result's stdout and stderr are the ranks' own, rank 0 first; its return
+    code is 0, or 1 when a rank failed (torchrun's)."""
+    with tempfile.TemporaryDirectory(prefix="ranks_") as logs:
+        port = _free_port()
+        ranks = [_start_rank(rank, nproc, port, script, args, Path(logs))
+                 for rank in range(nproc)]
+        try:
+            failed = _wait_for_ranks(ranks, timeout)
+        except BaseException:  # a timeout, pytest-timeout, or an interrupt (CI's slow-slice budget)
+            stop_ranks(ranks)
+            raise
+        stdout, stderr = ("".join((Path(logs) / f"{rank}.{stream}").read_text(errors="replace")
+                                  for rank in range(nproc)) for stream in ("out", "err"))
+    command = [sys.executable, "-u", str(script), *args]
+    result = subprocess.CompletedProcess(command, int(failed), stdout, stderr)
+    if check and failed:
         raise AssertionError(
-            f"torchrun exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
+            f"a rank of {nproc} exited non-zero\nstdout:\n{result.stdout[-4000:]}\n"
             f"stderr:\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_rank(rank: int, nproc: int, port: int, script: Path, args: list[str],
+                logs: Path) -> subprocess.Popen:
+    env = subprocess_env() | {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+    with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
+        # A session of its own, as under torchrun: stop_ranks ends it with its children.
+        return subprocess.Popen([sys.executable, "-u", str(script), *args], cwd=REPO_ROOT,
+                                env=env, stdout=out, stderr=err, start_new_session=True)
+
+
+def _wait_for_ranks(ranks: list[subprocess.Popen], timeout: float, grace: float = 10) -> bool:
+    """Wait for every rank; True when one failed. Raises subprocess.TimeoutExpired after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [rank.poll() for rank in ranks]
+        if all(code is not None for code in codes):
+            return any(codes)
+        if any(codes):  # one failed: the rest get ``grace`` seconds, then are stopped
+            deadline = min(deadline, time.monotonic() + grace)
+            if time.monotonic() >= deadline:
+                stop_ranks(ranks)
+                return True
+        elif time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired([rank.args for rank in ranks], timeout)
+        time.sleep(0.05)
+
+
+def stop_ranks(ranks: list[subprocess.Popen], grace: float = 30) -> None:
+    """SIGTERM to each running rank's session, SIGKILL to what is left ``grace`` s later."""
+    for signal_number in (signal.SIGTERM, signal.SIGKILL):
+        for rank in ranks:
+            if rank.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(rank.pid, signal_number)
+        end = time.monotonic() + grace
+        while any(rank.poll() is None for rank in ranks) and time.monotonic() < end:
+            time.sleep(0.05)
+    for rank in ranks:
+        rank.wait()
 
 
 def stop_launcher(launcher: subprocess.Popen, grace: float = 60) -> None:
@@ -159,7 +224,7 @@ def training_losses(nproc: int, args: list[str], tmp_path_factory,
     key = (nproc, str(script), _canonical_flags(args))
     if key not in _TRAINING_LOSSES:
         metrics = tmp_path_factory.mktemp("baseline") / "metrics.jsonl"
-        run_torchrun(nproc, [*args, "--log-metrics-jsonl", str(metrics)], script=script)
+        run_trainer(nproc, [*args, "--log-metrics-jsonl", str(metrics)], script=script)
         _TRAINING_LOSSES[key] = read_losses(metrics)
     return _TRAINING_LOSSES[key]
 

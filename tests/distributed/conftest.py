@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_trainer
 
 DISTRIBUTED = ["--use-distributed-optimizer"]
 SAVE_INTERVAL = 5
@@ -18,7 +18,7 @@ def dp2_distributed(tmp_path_factory) -> tuple[dict[int, float], Path]:
     checkpoints (every 5 iterations), which the resume tests copy from and never change."""
     root = tmp_path_factory.mktemp("distributed_dp2")
     checkpoints, metrics = root / "checkpoints", root / "metrics.jsonl"
-    run_torchrun(2, TINY_GPT_ARGS + DISTRIBUTED + [
+    run_trainer(2, TINY_GPT_ARGS + DISTRIBUTED + [
         "--save", str(checkpoints), "--save-interval", str(SAVE_INTERVAL),
         "--log-metrics-jsonl", str(metrics)])
     return read_losses(metrics), checkpoints

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_trainer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -32,7 +32,7 @@ def test_chunked_loss_trains_like_unfused(layout, tmp_path):
     losses = []
     for name, flags in (("unfused", []), ("chunked", CHUNKED)):
         metrics = tmp_path / f"{name}.jsonl"
-        run_torchrun(4, TINY_GPT_ARGS + LAYOUTS[layout] + flags
+        run_trainer(4, TINY_GPT_ARGS + LAYOUTS[layout] + flags
                      + ["--log-metrics-jsonl", str(metrics)])
         losses.append(read_losses(metrics))
     unfused, chunked = losses

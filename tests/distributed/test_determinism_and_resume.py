@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, TINY_GPT_ARGS, read_losses, run_torchrun, subprocess_env
+from tests.conftest import REPO_ROOT, TINY_GPT_ARGS, read_losses, run_trainer, subprocess_env
 
 pytestmark = pytest.mark.distributed
 
@@ -31,7 +31,7 @@ def uninterrupted(tmp_path_factory) -> tuple[dict[int, float], Path]:
     (every RESUME_AT iterations)."""
     root = tmp_path_factory.mktemp("full")
     metrics, checkpoints = root / "metrics.jsonl", root / "checkpoints"
-    run_torchrun(2, DROPOUT_TP2_ARGS + ["--log-metrics-jsonl", str(metrics), "--save",
+    run_trainer(2, DROPOUT_TP2_ARGS + ["--log-metrics-jsonl", str(metrics), "--save",
                                         str(checkpoints), "--save-interval", str(RESUME_AT)])
     return read_losses(metrics), checkpoints
 
@@ -47,7 +47,7 @@ def uninterrupted_losses(uninterrupted) -> dict[int, float]:
 @pytest.mark.slow
 def test_deterministic_mode_is_bitwise_reproducible(uninterrupted_losses, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    run_torchrun(2, DROPOUT_TP2_ARGS + ["--log-metrics-jsonl", str(metrics)])
+    run_trainer(2, DROPOUT_TP2_ARGS + ["--log-metrics-jsonl", str(metrics)])
     assert read_losses(metrics) == uninterrupted_losses
 
 
@@ -66,7 +66,7 @@ def test_resume_reproduces_uninterrupted_losses(uninterrupted, tmp_path):
                     checkpointing.checkpoint_dir(checkpoints, RESUME_AT))
     (checkpoints / checkpointing.TRACKER_FILENAME).write_text(str(RESUME_AT))
     second = tmp_path / "second.jsonl"
-    result = run_torchrun(2, DROPOUT_TP2_ARGS + [
+    result = run_trainer(2, DROPOUT_TP2_ARGS + [
         "--save", str(checkpoints), "--load", str(checkpoints), "--log-metrics-jsonl", str(second),
         "--tensorboard-dir", str(tmp_path / "tensorboard")])
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -107,7 +107,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
     saved = int((checkpoints / "latest_checkpointed_iteration.txt").read_text())
     assert 8 <= saved < 400
     metrics = tmp_path / "resumed.jsonl"
-    run_torchrun(2, TINY_GPT_ARGS + ["--tensor-model-parallel-size", "2", "--train-iters",
+    run_trainer(2, TINY_GPT_ARGS + ["--tensor-model-parallel-size", "2", "--train-iters",
                                      str(saved + 3), "--load", str(checkpoints),
                                      "--log-metrics-jsonl", str(metrics)])
     assert sorted(read_losses(metrics)) == [saved + 1, saved + 2, saved + 3]

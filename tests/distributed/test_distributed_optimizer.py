@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun, training_losses
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_trainer, training_losses
 from tests.distributed.conftest import DISTRIBUTED, SAVE_INTERVAL
 
 pytestmark = pytest.mark.distributed
@@ -106,7 +106,7 @@ def resume_from_iteration_5(checkpoints: Path, nproc: int, tmp_path: Path,
                     checkpointing.checkpoint_dir(load, SAVE_INTERVAL))
     (load / checkpointing.TRACKER_FILENAME).write_text(str(SAVE_INTERVAL))
     metrics = tmp_path / "resumed.jsonl"
-    result = run_torchrun(nproc, TINY_GPT_ARGS + flags + [
+    result = run_trainer(nproc, TINY_GPT_ARGS + flags + [
         "--load", str(load), "--exit-interval", str(RESUME_UNTIL),
         "--log-metrics-jsonl", str(metrics)])
     assert f"(iteration {SAVE_INTERVAL})" in result.stdout

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, run_torchrun, subprocess_env
+from tests.conftest import REPO_ROOT, run_trainer, subprocess_env
 from tests import hf_models as hf_oracle
 from tests.gloo_ranks import run_ranks
 
@@ -198,7 +198,7 @@ def test_commands_convert_train_at_tp2_and_export(tmp_path):
     checkpoint, trained, exported = (tmp_path / name for name in ("checkpoint", "trained", "out"))
     _convert("--loader", "hf", "--saver", "core", "--load-dir", str(hf),
              "--save-dir", str(checkpoint))
-    result = run_torchrun(2, [f"@{checkpoint}/model_flags.txt", "--load", str(checkpoint),
+    result = run_trainer(2, [f"@{checkpoint}/model_flags.txt", "--load", str(checkpoint),
                               "--save", str(trained), "--tensor-model-parallel-size", "2",
                               "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
                               "--train-iters", "10", "--lr", "1e-3", "--eval-iters", "0",
@@ -235,7 +235,7 @@ def test_converted_model_trains_under_megatron_fsdp(tmp_path):
             "--ckpt-format", "fsdp_dtensor"]
     for name, flags in (("ddp", []), ("fsdp", fsdp)):
         metrics = tmp_path / f"{name}.jsonl"
-        result = run_torchrun(2, [f"@{checkpoint}/model_flags.txt", "--load", str(checkpoint),
+        result = run_trainer(2, [f"@{checkpoint}/model_flags.txt", "--load", str(checkpoint),
                                   "--use-distributed-optimizer", *flags, "--mock-data",
                                   "--seq-length", "32", "--micro-batch-size", "2",
                                   "--train-iters", "3", "--lr", "1e-3", "--eval-iters", "0",

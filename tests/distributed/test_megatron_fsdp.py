@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun, training_losses
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_trainer, training_losses
 from tests.distributed.test_distributed_optimizer import (
     DISTRIBUTED,
     SAVE_INTERVAL,
@@ -87,7 +87,7 @@ def train_and_resume(tmp_path: Path, flags: list[str]) -> tuple[dict, dict]:
     """The DP=2 run of ``flags`` to iteration 10, saving every 5, and the run resumed from its
     iteration-5 checkpoint: (uninterrupted losses, resumed losses of iterations 6..10)."""
     checkpoints, metrics = tmp_path / "uninterrupted", tmp_path / "uninterrupted.jsonl"
-    run_torchrun(2, TINY_GPT_ARGS + flags + [
+    run_trainer(2, TINY_GPT_ARGS + flags + [
         "--save", str(checkpoints), "--save-interval", str(SAVE_INTERVAL),
         "--exit-interval", "10", "--log-metrics-jsonl", str(metrics)])
     return read_losses(metrics), resume_from_iteration_5(checkpoints, 2, tmp_path, flags=flags)
@@ -131,7 +131,7 @@ def offload_flags(fraction: float) -> list[str]:
 def train_saving(tmp_path: Path, flags: list[str]) -> tuple[dict, Path]:
     """20 iterations of ``flags`` at DP=2 saving every 5: (losses, checkpoint root)."""
     checkpoints, metrics = tmp_path / "uninterrupted", tmp_path / "uninterrupted.jsonl"
-    run_torchrun(2, TINY_GPT_ARGS + flags + [
+    run_trainer(2, TINY_GPT_ARGS + flags + [
         "--save", str(checkpoints), "--save-interval", str(SAVE_INTERVAL),
         "--log-metrics-jsonl", str(metrics)])
     return read_losses(metrics), checkpoints
@@ -211,7 +211,7 @@ def resumed_without_optimizer(checkpoints: Path, nproc: int, flags: list[str],
                     checkpointing.checkpoint_dir(load, SAVE_INTERVAL))
     (load / checkpointing.TRACKER_FILENAME).write_text(str(SAVE_INTERVAL))
     metrics = root / "resumed.jsonl"
-    run_torchrun(nproc, TINY_GPT_ARGS + flags + [
+    run_trainer(nproc, TINY_GPT_ARGS + flags + [
         "--load", str(load), "--no-load-optim", "--exit-interval", str(SAVE_INTERVAL + 2),
         "--log-metrics-jsonl", str(metrics)])
     return read_losses(metrics)
@@ -238,7 +238,7 @@ def test_torch_dist_weights_load_at_another_tensor_parallel_size(tmp_path):
     Iteration 6 after the load is the uninterrupted run's to 1e-5 (TP=2 sums the row-parallel
     products in another order; measured 3.9e-8)."""
     metrics = tmp_path / "uninterrupted.jsonl"
-    run_torchrun(2, TINY_GPT_ARGS + DISTRIBUTED + [
+    run_trainer(2, TINY_GPT_ARGS + DISTRIBUTED + [
         "--swiglu", "--save", str(tmp_path / "checkpoints"), "--save-interval",
         str(SAVE_INTERVAL), "--exit-interval", str(SAVE_INTERVAL + 1),
         "--log-metrics-jsonl", str(metrics)])

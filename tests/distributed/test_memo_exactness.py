@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun, training_losses
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_trainer, training_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -37,7 +37,7 @@ def baseline(layout: str, tmp_path_factory) -> dict[int, float]:
 def check_memo_matches(layout: str, alpha: str, tmp_path, tmp_path_factory,
                        checkpoint_layers: str = "0", buffers: str = "2") -> None:
     metrics = tmp_path / "metrics.jsonl"
-    result = run_torchrun(2, COMMON + LAYOUTS[layout] + [
+    result = run_trainer(2, COMMON + LAYOUTS[layout] + [
         "--memo-offload", "--memo-alpha", alpha, "--memo-checkpoint-layers", checkpoint_layers,
         "--memo-offload-buffers", buffers, "--log-metrics-jsonl", str(metrics)])
     assert "> MEMO offload: alpha" in result.stdout

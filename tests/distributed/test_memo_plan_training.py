@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT, TINY_GPT_ARGS, read_losses, run_torchrun, subprocess_env
+from tests.conftest import REPO_ROOT, TINY_GPT_ARGS, read_losses, run_trainer, subprocess_env
 
 pytestmark = pytest.mark.distributed
 
@@ -38,9 +38,9 @@ def _arena_counts(stdout: str) -> tuple[int, int, int, int]:
                          ids=["dp2", "tp2_sp"])
 def test_auto_plan_trains_with_identical_losses_and_serves_the_layers(layout, tmp_path):
     baseline_metrics = tmp_path / "baseline.jsonl"
-    run_torchrun(2, COMMON + layout + ["--log-metrics-jsonl", str(baseline_metrics)])
+    run_trainer(2, COMMON + layout + ["--log-metrics-jsonl", str(baseline_metrics)])
     planned_metrics = tmp_path / "planned.jsonl"
-    result = run_torchrun(2, COMMON + layout + ["--memo-plan", "auto", "--log-metrics-jsonl",
+    result = run_trainer(2, COMMON + layout + ["--memo-plan", "auto", "--log-metrics-jsonl",
                                                 str(planned_metrics)])
     assert read_losses(planned_metrics) == read_losses(baseline_metrics)
     assert "> MEMO plan (" in result.stdout and "MEMO plan: warming up" in result.stdout
@@ -66,11 +66,11 @@ def test_a_plan_for_another_run_is_refused_before_training(tmp_path):
         done = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, env=subprocess_env(),
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-    with pytest.raises(AssertionError) as failure:  # run_torchrun asserts exit status 0
-        run_torchrun(2, COMMON + ["--memo-plan", str(plan)])
+    with pytest.raises(AssertionError) as failure:  # run_trainer asserts exit status 0
+        run_trainer(2, COMMON + ["--memo-plan", str(plan)])
     assert "planned for model.seq_length=128, this run has 64" in str(failure.value)
     corrupted = tmp_path / "corrupted.json"
     corrupted.write_text(json.dumps({"format": "memo-plan", "version": 1}))
     with pytest.raises(AssertionError) as failure:
-        run_torchrun(2, COMMON + ["--memo-plan", str(corrupted)])
+        run_trainer(2, COMMON + ["--memo-plan", str(corrupted)])
     assert "corrupted plan" in str(failure.value)

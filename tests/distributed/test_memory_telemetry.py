@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_records, run_torchrun
+from tests.conftest import TINY_GPT_ARGS, read_records, run_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -31,7 +31,7 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 @pytest.mark.slow
 def test_four_ranks_print_telemetry_lines_with_per_rank_skew(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    result = run_torchrun(4, TINY_GPT_ARGS + TP2_PP2 + [
+    result = run_trainer(4, TINY_GPT_ARGS + TP2_PP2 + [
         "--train-iters", "4", "--log-interval", "2", "--memo-telemetry",
         "--memo-oom-report-dir", str(tmp_path / "reports"), "--log-metrics-jsonl", str(metrics)])
     lines = LINE.findall(result.stdout)
@@ -54,7 +54,7 @@ def test_tiny_capacity_stops_at_the_first_step_that_does_not_fit_with_a_report(t
     """Stage 0 peaks at ~2.6 MB per rank once Adam's state exists (step 2); 2.4 MB fit step 1."""
     reports = tmp_path / "reports"
     started = time.monotonic()
-    result = run_torchrun(4, TINY_GPT_ARGS + TP2_PP2 + [
+    result = run_trainer(4, TINY_GPT_ARGS + TP2_PP2 + [
         "--train-iters", "200", "--log-interval", "5", "--memo-telemetry",
         "--memo-device-capacity-gb", "0.0024", "--memo-estimated-peak-gb", "0.0026",
         "--memo-oom-report-dir", str(reports)], check=False)
@@ -85,7 +85,7 @@ def test_tiny_capacity_stops_at_the_first_step_that_does_not_fit_with_a_report(t
 @pytest.mark.slow  # ~35 s; the default suite keeps the tiny-capacity stop
 def test_capacity_just_above_the_peak_fails_fast_after_warmup(tmp_path):
     reports = tmp_path / "reports"
-    result = run_torchrun(4, TINY_GPT_ARGS + TP2_PP2 + [
+    result = run_trainer(4, TINY_GPT_ARGS + TP2_PP2 + [
         "--train-iters", "200", "--log-interval", "50", "--memo-telemetry",
         "--memo-device-capacity-gb", "0.0027", "--memo-telemetry-warmup-steps", "3",
         "--memo-oom-report-dir", str(reports)], check=False)
@@ -137,7 +137,7 @@ def test_estimated_peak_matches_the_measured_peak_of_the_demo_model(run_extra, t
     from memo_ext.estimate import estimate_at
 
     metrics = tmp_path / "metrics.jsonl"
-    run_torchrun(2, DEMO_ARGS + run_extra + [
+    run_trainer(2, DEMO_ARGS + run_extra + [
         "--train-iters", "2", "--log-interval", "2", "--memo-telemetry",
         "--memo-oom-report-dir", str(tmp_path / "reports"), "--log-metrics-jsonl", str(metrics)])
     measured = max(r["mem_peak_max_bytes"] for r in read_records(metrics)
@@ -153,7 +153,7 @@ def test_memo_auto_alpha_fills_the_simulated_device_up_to_the_fail_fast_limit(tm
     """On CPU the telemetry's capacity, less the fail-fast margin, is the device headroom
     MEMO's alpha LP reads: alpha is cut to fit, the run comes close to the limit and goes on."""
     metrics = tmp_path / "metrics.jsonl"
-    result = run_torchrun(2, DEMO_ARGS + [
+    result = run_trainer(2, DEMO_ARGS + [
         "--memo-offload", "--memo-alpha", "auto", "--memo-pcie-gbps", "3",
         "--train-iters", "4", "--log-interval", "2", "--memo-telemetry",
         "--memo-device-capacity-gb", "0.062", "--memo-oom-report-dir", str(tmp_path / "r"),

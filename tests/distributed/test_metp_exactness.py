@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -34,7 +34,7 @@ MECHANISMS = {"metp": ["--memo-metp"], "tp_sp": ["--sequence-parallel"]}
 def train(layout: str, mechanism: str, workdir: Path, extra: list[str] = ()):
     nproc, flags = LAYOUTS[layout]
     metrics = workdir / f"{mechanism}_{len(list(workdir.glob('*.jsonl')))}.jsonl"
-    result = run_torchrun(nproc, COMMON + flags + MECHANISMS[mechanism] + list(extra) +
+    result = run_trainer(nproc, COMMON + flags + MECHANISMS[mechanism] + list(extra) +
                           ["--log-metrics-jsonl", str(metrics)])
     return read_losses(metrics), result.stdout
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun, training_losses
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_trainer, training_losses
 from tests.distributed.test_distributed_optimizer import (
     DISTRIBUTED,
     LAYOUTS,
@@ -56,7 +56,7 @@ def dp2_half_offloaded(tmp_path_factory) -> tuple[dict[int, float], Path]:
     """The DP=2 run at fraction 0.5: its losses and its checkpoints (every 5 iterations)."""
     root = tmp_path_factory.mktemp("offload_dp2")
     checkpoints, metrics = root / "checkpoints", root / "metrics.jsonl"
-    run_torchrun(2, TINY_GPT_ARGS + offload(0.5) + [
+    run_trainer(2, TINY_GPT_ARGS + offload(0.5) + [
         "--save", str(checkpoints), "--save-interval", str(SAVE_INTERVAL),
         "--log-metrics-jsonl", str(metrics)])
     return read_losses(metrics), checkpoints

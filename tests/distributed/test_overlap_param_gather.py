@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_trainer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -29,7 +29,7 @@ OVERLAP = ["--overlap-param-gather"]
 
 def _run(tmp_path, name: str, extra: list[str]) -> tuple[dict[int, float], dict[int, float]]:
     metrics = tmp_path / f"{name}.jsonl"
-    run_torchrun(2, FLAGS + extra + ["--log-metrics-jsonl", str(metrics)])
+    run_trainer(2, FLAGS + extra + ["--log-metrics-jsonl", str(metrics)])
     validation = {}
     for line in metrics.read_text().splitlines():
         record = json.loads(line)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_losses, run_torchrun, training_losses
+from tests.conftest import TINY_GPT_ARGS, read_losses, run_trainer, training_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -37,7 +37,7 @@ def baseline(layout: str, tmp_path_factory) -> dict[int, float]:
 def check_sppo_matches(layout: str, sppo_flags: list[str], tmp_path, tmp_path_factory) -> str:
     nproc, flags = LAYOUTS[layout]
     metrics = tmp_path / "metrics.jsonl"
-    result = run_torchrun(nproc, COMMON + flags + ["--memo-sppo", *sppo_flags,
+    result = run_trainer(nproc, COMMON + flags + ["--memo-sppo", *sppo_flags,
                                                    "--log-metrics-jsonl", str(metrics)])
     sppo_losses, reference = read_losses(metrics), baseline(layout, tmp_path_factory)
     assert sorted(sppo_losses) == sorted(reference) == list(range(1, 21))

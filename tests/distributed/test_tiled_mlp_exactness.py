@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_GPT_ARGS, read_records, run_torchrun
+from tests.conftest import TINY_GPT_ARGS, read_records, run_trainer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -34,7 +34,7 @@ _untiled: list[dict] = []
 
 def _run(extra: list[str], tmp_path) -> tuple[dict[int, float], list[dict]]:
     metrics = tmp_path / "metrics.jsonl"
-    result = run_torchrun(2, COMMON + extra + ["--log-metrics-jsonl", str(metrics)])
+    result = run_trainer(2, COMMON + extra + ["--log-metrics-jsonl", str(metrics)])
     if "--memo-offload" in extra:
         assert "> MEMO offload: alpha" in result.stdout
     records = read_records(metrics)

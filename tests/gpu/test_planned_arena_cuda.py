@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO_ROOT, TINY_GPT_ARGS, read_losses, run_torchrun, subprocess_env
+from tests.conftest import REPO_ROOT, TINY_GPT_ARGS, read_losses, run_trainer, subprocess_env
 
 pytestmark = pytest.mark.gpu
 
@@ -105,8 +105,8 @@ def test_zero_bytes_small_untraced_requests_out_of_memory_and_a_late_free():
 def test_auto_plan_trains_with_the_losses_of_no_plan(tmp_path):
     common = TINY_GPT_ARGS + ["--deterministic-mode", "--train-iters", "8"]
     baseline, planned = tmp_path / "baseline.jsonl", tmp_path / "planned.jsonl"
-    run_torchrun(1, common + ["--log-metrics-jsonl", str(baseline)])
-    result = run_torchrun(1, common + ["--memo-plan", "auto", "--log-metrics-jsonl",
+    run_trainer(1, common + ["--log-metrics-jsonl", str(baseline)])
+    result = run_trainer(1, common + ["--memo-plan", "auto", "--log-metrics-jsonl",
                                        str(planned)])
     assert read_losses(planned) == read_losses(baseline)
     served = [int(n) for n in re.findall(r"MEMO arena: served (\d+) layer requests", result.stdout)]

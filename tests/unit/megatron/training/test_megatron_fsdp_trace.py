@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from memo_ext.trace.request import TracedModel, TraceRequest
-from tests.conftest import REPO_ROOT, run_torchrun, subprocess_env
+from tests.conftest import REPO_ROOT, run_trainer, subprocess_env
 
 #: The real state's kinds that are not persistent state of the trace (module docstring).
 STEP, GATHERED = "opt_step", "param"
@@ -65,7 +65,7 @@ def traced(strategy: str) -> list[dict]:
 def real(strategy: str, directory: Path) -> list[dict]:
     """Ranks 0 and 1's real bytes by kind (:func:`measure_this_rank`), from the trainer; each
     rank writes its own file (two ranks' stdout lines can interleave)."""
-    run_torchrun(2, [strategy, str(directory)], script=Path(__file__))
+    run_trainer(2, [strategy, str(directory)], script=Path(__file__))
     return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, TINY_GPT_ARGS, run_torchrun
+from tests.conftest import REPO_ROOT, TINY_GPT_ARGS, run_trainer
 
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
 #: Keys a W&B history record carries (protobuf: 0x12, length, the key).
@@ -36,7 +36,7 @@ def run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("upstream_logging")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WANDB_MODE", "offline")  # the run inherits it: nothing leaves the machine
-        result = run_torchrun(1, _argv(tmp_path), timeout=300)
+        result = run_trainer(1, _argv(tmp_path), timeout=300)
     return tmp_path, result
 
 

@@ -23,7 +23,7 @@ import pytest
 from megatron.training.arguments import ArgumentValidationError, parse_args
 from megatron.training.upstream_flags import REFUSED, refusal, registry
 from megatron.training.upstream_scripts import REFERENCE_SCRIPTS
-from tests.conftest import run_torchrun
+from tests.conftest import run_trainer
 from tests.hf_models import TOKENIZER_TEXTS, save_gpt2_files, save_tiny_tokenizer
 from tests.unit.tools.test_preprocess_data import _write_jsonl, preprocess_data
 
@@ -175,7 +175,7 @@ def test_the_scripts_honoured_flags_train_three_iterations(path, corpus, tmp_pat
     argv = honoured_part(shrink(script.default.argv, _script_paths(script, corpus, tmp_path)))
     kept = {word for word in argv if word.startswith("--")}
     assert set(script.default.flags) - kept == DROPPED[path]
-    result = run_torchrun(NPROC[path], argv, timeout=500)
+    result = run_trainer(NPROC[path], argv, timeout=500)
     iterations = re.findall(rf" iteration +(\d+)/ +{ITERATIONS} \|", result.stdout)
     assert iterations == [str(i) for i in range(1, ITERATIONS + 1)], result.stdout[-3000:]
     assert " validation at iteration 2 " in result.stdout
@@ -203,5 +203,5 @@ def test_every_other_variants_honoured_flags_train(path, index, corpus, tmp_path
     script = SCRIPTS[path]
     argv = honoured_part(shrink(script.variants[index].argv,
                                 _script_paths(script, corpus, tmp_path)))
-    result = run_torchrun(NPROC[path], argv, timeout=500)
+    result = run_trainer(NPROC[path], argv, timeout=500)
     assert len(re.findall(rf" iteration +\d+/ +{ITERATIONS} \|", result.stdout)) == ITERATIONS
