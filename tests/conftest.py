@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.gloo_ranks import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -115,7 +116,7 @@ def run_trainer(nproc: int, args: list[str], timeout: float = 300, check: bool =
     then stopped. The result's stdout and stderr are the ranks' own, rank 0 first; its return
     code is 0, or 1 when a rank failed (torchrun's)."""
     with tempfile.TemporaryDirectory(prefix="ranks_") as logs:
-        port = _free_port()
+        port = free_port()
         ranks = [_start_rank(rank, nproc, port, script, args, Path(logs))
                  for rank in range(nproc)]
         try:
@@ -133,12 +134,6 @@ def run_trainer(nproc: int, args: list[str], timeout: float = 300, check: bool =
             f"stderr:\n{result.stderr[-6000:]}"
         )
     return result
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _start_rank(rank: int, nproc: int, port: int, script: Path, args: list[str],

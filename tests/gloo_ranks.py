@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free loopback port (bound to 0 and released)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -35,7 +36,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn, args) -> None:
 def run_ranks(world_size: int, fn, *args, timeout: float = 120) -> None:
     """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raises on error or hang.
     ``fn`` must be a module-level function (it is pickled into spawned processes)."""
-    context = mp.start_processes(_rank_main, args=(world_size, _free_port(), fn, args),
+    context = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args),
                                  nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not context.join(timeout=max(0.1, deadline - time.monotonic())):
