@@ -25,7 +25,7 @@ import gc
 import tracemalloc
 
 from tests.conftest import REPO_ROOT, TINY_GPT_ARGS
-from tests.gloo_ranks import _free_port
+from tests.gloo_ranks import free_port
 
 WARMUP, CHECKED = 6, 8
 OURS = (str(REPO_ROOT / "megatron" / "training"), str(REPO_ROOT / "memo_ext"))
@@ -51,7 +51,7 @@ def test_iterations_keep_no_python_memory_of_ours(monkeypatch, capsys):
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.delenv("RANK", raising=False)
     log, snapshots, gained = training.TrainingLogger.log, [], []
 
