@@ -13,7 +13,9 @@ Three things keep a search short (docs/estimate.md "The recommender"):
   host bytes with alpha), so it fits no longer a sequence. :func:`search_longest`
   traces the dominating variants first and a dominated one only when its dominating variant's
   answer (or bound) reaches the table; otherwise it cannot enter it. The dominated ones go
-  best first, those whose dominating variant reaches furthest before the others.
+  best first, those whose dominating variant reaches furthest before the others. A data-
+  parallel shape's most frugal variant is dominated likewise by the same variant with more
+  context parallelism (:func:`wider_context`).
 - **Checks ahead of the solving.** A layout answered from symbolic traces is checked against a
   real trace before it is trusted (LayoutModel.trusted); :class:`SearchChecks` runs the checks
   of the next layouts in bound order while the current one is solved, and only for layouts
@@ -57,7 +59,40 @@ def _recomputed_layers(layout: Layout) -> Optional[int]:
         layout.policy, layout.recompute_layers if layout.policy == "megatron-block" else None)
 
 
-def dominating(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
+def dominating(layout: Layout, layouts: list[Layout], steps: tuple = ()) -> Optional[Layout]:
+    """The layout among ``layouts`` that fits at least as long a sequence as ``layout`` on a
+    grid of ``steps`` (tokens): its more frugal variant (:func:`frugal_variant`), else, for a
+    family's most frugal variant, the same variant with more context parallelism
+    (:func:`wider_context`). None when there is neither."""
+    return frugal_variant(layout, layouts) or wider_context(layout, layouts, steps)
+
+
+def wider_context(layout: Layout, layouts: list[Layout], steps: tuple = ()) -> Optional[Layout]:
+    """The same variant of ``layout`` among ``layouts`` with CP k times larger and DP k times
+    smaller (k the smallest prime factor of DP), for a layout with CP > 1 and no pipeline
+    parallelism; None when there is none.
+
+    At one sequence length its ranks keep no more than ``layout``'s: the same communicators
+    (TP, CP and DP x CP), the weights and gradients TP's shards either way, the distributed
+    optimizer's states sharded over DP x CP ranks (the same count), and every activation, ring
+    block and offloaded slot cut from a rank's CP shard of the sequence, k times shorter (the
+    RoPE table, over the whole sequence, is the same). A node holds as many ranks, each with
+    fewer host bytes. So it fits no shorter a sequence, and the data-parallel layout is traced
+    only when the context-parallel one reaches the table. Not from CP = 1 (no ring, and one
+    communicator fewer than any CP layout) nor with PP (more micro-batches, DP being smaller,
+    can put more of them in flight on the first stage). Its length multiple (2 x TP x CP) is k times larger: on a grid
+    of ``steps`` that it does not divide, its answers would be rounded below the grid, so
+    there it dominates nothing."""
+    if layout.pp != 1 or layout.dp == 1 or layout.cp == 1:
+        return None
+    k = next(p for p in range(2, layout.dp + 1) if layout.dp % p == 0)
+    wider = replace(layout, cp=layout.cp * k, dp=layout.dp // k)
+    if any(step % wider.seq_multiple for step in steps if step):
+        return None
+    return wider if wider in layouts else None
+
+
+def frugal_variant(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
     """The variant of ``layout`` among ``layouts`` (same TP, CP, PP, DP and micro-batch) that
     keeps the least more than ``layout`` spares: an untiled layer's tiled variant (the fewest
     tiles), else, at the same tiles, the next Megatron policy that recomputes more layers, or
@@ -261,9 +296,26 @@ def search_longest(layouts: list[Layout], build: Callable[[list[Layout]], list],
     are solved or its variants traced, and those are pruned against it. (Solving every traced
     layout as soon as it was traced filled 7B's table on 8 GPUs with three shapes' 2.4M rows,
     each checked by a trace, before the variants of the 4.46M shape came up.)"""
-    partner = {layout: dominating(layout, layouts) for layout in layouts}
-    ranking.add(list(untraced))
-    waiting = list(layouts)
+    steps = (ranking.step, ranking.fine_step)
+    partner = {layout: dominating(layout, layouts, steps) for layout in layouts}
+
+    def trace(traced: list[Layout], models: list) -> None:
+        built = {model.layout for model in models}
+        for layout in traced:  # not predicted: nothing it dominates can be pruned by it
+            if layout not in built:
+                ranking.upper[layout] = math.inf
+        ranking.offer(models)
+
+    # The undominated layouts are traced whatever the table holds: their tracing starts at
+    # once, and the untraced models (SPPO's, ~11 s of solving for 7B on 8 GPUs) are solved
+    # meanwhile rather than before it.
+    roots = [layout for layout in layouts if partner[layout] is None]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        first = pool.submit(build, roots) if roots else None
+        ranking.add(list(untraced))
+        if first is not None:
+            trace(roots, first.result())
+    waiting = [layout for layout in layouts if partner[layout] is not None]
 
     def reach(layout: Layout) -> float:
         frugal = partner[layout]
@@ -294,12 +346,7 @@ def search_longest(layouts: list[Layout], build: Callable[[list[Layout]], list],
                 raise ValueError("layouts wait on each other's answers: "
                                  f"{[layout.describe() for layout in waiting]}")
             continue
-        traced = ready if any(partner[layout] is None for layout in ready) else ready[:batch]
+        traced = ready[:batch]
         waiting = [layout for layout in waiting if layout not in traced]
-        models = build(traced)
-        built = {model.layout for model in models}
-        for layout in traced:  # not predicted: nothing it dominates can be pruned by it
-            if layout not in built:
-                ranking.upper[layout] = math.inf
-        ranking.offer(models)
+        trace(traced, build(traced))
     return ranking.ranked()

@@ -78,7 +78,8 @@ def _variants(tp=1, cp=1, dp=8):
 
 
 def test_dominating_pairs_variants_of_one_shape():
-    """Each variant's partner is the next more frugal one of its family and shape."""
+    """Each variant's partner is the next more frugal one of its family and shape; from CP=1
+    none crosses to another shape (one communicator fewer than any CP layout)."""
     mine, other = _variants(), _variants(dp=4, cp=2)
     layouts = [*mine.values(), *other.values()]
     partners = {name: dominating(layout, layouts) for name, layout in mine.items()}
@@ -90,6 +91,35 @@ def test_dominating_pairs_variants_of_one_shape():
     plain = [mine["none"], mine["full"], mine["memo1"]]
     assert dominating(mine["none"], plain) == mine["full"]
     assert dominating(mine["memo1"], plain) is None
+
+
+def test_a_data_parallel_shape_is_dominated_by_more_context_parallelism():
+    """A family's most frugal variant at CP > 1 and DP > 1 pairs with the same variant at CP
+    times the smallest prime factor of DP (DP divided by it); its other variants keep pairing
+    within the shape. Not with PP, not from CP=1, not when the wider shape's length multiple
+    does not divide the search's grid, and not when that shape is not a candidate."""
+    from dataclasses import replace
+
+    cp2, cp4, cp8 = _variants(cp=2, dp=4), _variants(cp=4, dp=2), _variants(cp=8, dp=1)
+    layouts = [*cp2.values(), *cp4.values(), *cp8.values()]
+    for name in ("full", "memo0"):
+        assert dominating(cp2[name], layouts) == cp4[name]
+        assert dominating(cp4[name], layouts) == cp8[name]
+        assert dominating(cp8[name], layouts) is None  # DP=1
+    assert dominating(cp2["memo1"], layouts) == cp2["memo.5"]
+    assert dominating(cp2["none"], layouts) == cp2["block2"]
+    # DP=3 (a prime): CP x 3
+    cp2dp3, cp6 = replace(cp2["full"], dp=3), replace(cp2["full"], cp=6, dp=1)
+    assert dominating(cp2dp3, [cp2dp3, cp6]) == cp6
+    # the wider shape's multiple, 2 x TP x CP = 16, divides 65536 but not 65536 + 8
+    assert dominating(cp4["full"], layouts, steps=(65536, 4096)) == cp8["full"]
+    assert dominating(cp4["full"], layouts, steps=(65536 + 8,)) is None
+    assert dominating(cp4["full"], [cp4["full"]]) is None
+    piped = {name: replace(layout, pp=2) for name, layout in cp2.items()}
+    wider = replace(piped["full"], cp=4, dp=2)
+    assert dominating(piped["full"], [*piped.values(), wider]) is None
+    cp1 = _variants(cp=1, dp=8)
+    assert dominating(cp1["full"], [cp1["full"], replace(cp1["full"], cp=2, dp=4)]) is None
 
 
 def test_untiled_variant_is_dominated_by_its_tiled_one():
@@ -301,3 +331,27 @@ def test_bounds_keep_only_the_undominated_live_lines():
         kept_a, kept_b = _undominated(a, b)
         assert len(kept_a) < n or n < 3
         assert np.array_equal(_max_of_lines(kept_a, kept_b, seqs), _max_of_lines(a, b, seqs))
+
+
+def test_untraced_models_are_solved_while_the_first_batch_is_traced():
+    """The undominated layouts' tracing starts before the untraced models (SPPO's) are solved:
+    here the untraced model's solving waits for the tracing to have started, which a search
+    solving it first would never see."""
+    import threading
+
+    tracing_started = threading.Event()
+    a = _variants(tp=2, dp=4)
+    models = {a["full"]: StandIn(a["full"], 589824, 655360)}
+
+    class WaitsForTracing(Untraced):
+        def longest(self, step, maximum, fine_step=None):
+            assert tracing_started.wait(timeout=30), "solved before any tracing started"
+            return self.answer
+
+    def build(wanted):
+        tracing_started.set()
+        return [models[layout] for layout in wanted]
+
+    ranked = search_longest([a["full"]], build, LongestRanking(STEP, MAXIMUM, top=2),
+                            untraced=[WaitsForTracing(1 << 20)])
+    assert [p.seq for p in ranked] == [1 << 20, 589824]
