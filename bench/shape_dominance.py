@@ -3,8 +3,8 @@ DP > 1, no PP) fits no longer a sequence than the same variant with CP k times l
 times smaller (memo_ext.estimate.search.wider_context), so the recommender traces it only when
 that one reaches its table.
 
-    python bench/shape_dominance.py                      # 7B on 8 A800s, ~10 min on 2 cores
-    python bench/shape_dominance.py --model 13b --gpus 16
+    python bench/shape_dominance.py                      # 7B on 8 A800s
+    python bench/shape_dominance.py --model 65b --gpus 64
 
 Each pair is built as the recommender builds its layouts (symbolic traces checked against a
 real trace, the shared trace cache: $MEMO_ESTIMATE_CACHE) and solved at its longest fitting
@@ -12,7 +12,7 @@ length on the recommender's grid (memo_ext.estimate.layout.LayoutModel.longest).
 are the recommender's frugal ones, those the rule pairs: Megatron full recompute, and MEMO
 alpha 0 with one offload buffer and 0 or every offloaded layer in checkpoint mode, all tiled
 (16 MLP and projection tiles). Every figure is predicted. Results:
-bench/results/shape_dominance.md.
+bench/results/shape_dominance_<model>_<gpus>gpus.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-RESULTS = REPO_ROOT / "bench" / "results" / "shape_dominance.md"
+RESULTS = REPO_ROOT / "bench" / "results"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="a800")
     parser.add_argument("--host-memory-gb", type=float, default=2048)
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path,
+                        help="default: bench/results/shape_dominance_<model>_<gpus>gpus.md")
     opts = parser.parse_args(argv)
+    opts.output = opts.output or RESULTS / f"shape_dominance_{opts.model}_{opts.gpus}gpus.md"
 
     from megatron.memo_tools.cli.estimate import (
         DEFAULT_GLOBAL_BATCH,
