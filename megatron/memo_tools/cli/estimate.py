@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -384,8 +385,13 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
     # With --json, stdout carries the answer alone; progress goes to stderr.
     out = sys.stderr if opts.json else sys.stdout
 
+    # Lines come from several threads at once (the first batch's builders log while SPPO's
+    # rows are solved): print writes a line and its newline separately.
+    said = threading.Lock()
+
     def say(line: str = "") -> None:
-        print(line, file=out, flush=True)
+        with said:
+            print(line, file=out, flush=True)
 
     try:
         network, shape = traced_model_and_shape(opts.model)
