@@ -80,9 +80,9 @@ def wider_context(layout: Layout, layouts: list[Layout], steps: tuple = ()) -> O
     fewer host bytes. So it fits no shorter a sequence, and the data-parallel layout is traced
     only when the context-parallel one reaches the table. Not from CP = 1 (no ring, and one
     communicator fewer than any CP layout) nor with PP (more micro-batches, DP being smaller,
-    can put more of them in flight on the first stage). Its length multiple (2 x TP x CP) is k times larger: on a grid
-    of ``steps`` that it does not divide, its answers would be rounded below the grid, so
-    there it dominates nothing."""
+    can put more of them in flight on the first stage). Its length multiple (2 x TP x CP) is
+    k times larger: on a grid of ``steps`` that it does not divide, its answers would be
+    rounded below the grid, so there it dominates nothing."""
     if layout.pp != 1 or layout.dp == 1 or layout.cp == 1:
         return None
     k = next(p for p in range(2, layout.dp + 1) if layout.dp % p == 0)
@@ -299,7 +299,7 @@ def search_longest(layouts: list[Layout], build: Callable[[list[Layout]], list],
     steps = (ranking.step, ranking.fine_step)
     partner = {layout: dominating(layout, layouts, steps) for layout in layouts}
 
-    def trace(traced: list[Layout], models: list) -> None:
+    def offer_built(traced: list[Layout], models: list) -> None:
         built = {model.layout for model in models}
         for layout in traced:  # not predicted: nothing it dominates can be pruned by it
             if layout not in built:
@@ -314,7 +314,7 @@ def search_longest(layouts: list[Layout], build: Callable[[list[Layout]], list],
         first = pool.submit(build, roots) if roots else None
         ranking.add(list(untraced))
         if first is not None:
-            trace(roots, first.result())
+            offer_built(roots, first.result())
     waiting = [layout for layout in layouts if partner[layout] is not None]
 
     def reach(layout: Layout) -> float:
@@ -348,5 +348,5 @@ def search_longest(layouts: list[Layout], build: Callable[[list[Layout]], list],
             continue
         traced = ready[:batch]
         waiting = [layout for layout in waiting if layout not in traced]
-        trace(traced, build(traced))
+        offer_built(traced, build(traced))
     return ranking.ranked()
