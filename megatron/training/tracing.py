@@ -244,14 +244,21 @@ def _tracing_memo(args, recorder, stack: contextlib.ExitStack, microbatches_in_f
 
 
 def warmup_mode(request: TraceRequest) -> str:
-    """The warm-up record_iteration runs: MEMO's rounding buffers and host slots need a whole
-    iteration to reach their steady state, and so do Megatron-FSDP's gathered-weight buckets
-    (a forward leaves the next units' buckets allocated for the backward, which frees them:
-    after a forward warm-up the recorded iteration would free "persistent" memory);
-    everything else is created in forward."""
+    """The warm-up record_iteration runs: a forward of micro-batch 0, which creates what an
+    iteration keeps (megatron's all-gather buffer, the RoPE cache, the autograd thread's
+    cuBLAS workspace, MEMO's host slots and rounding buffers at their sizes), after which MEMO
+    ends the micro-batch as its backward would (MemoOffload.abandon_forward). A whole
+    iteration where a forward is not enough: MEMO with several micro-batches in flight (the
+    others' host slots are taken in the recorded forward otherwise) and Megatron-FSDP (a
+    forward leaves the next units' gathered-weight buckets allocated for the backward, which
+    frees them: after a forward warm-up the recorded iteration would free "persistent"
+    memory). The forward warm-up records MEMO's traces event for event as the whole
+    iteration's did, at about half the cost (tests/unit/megatron/training/test_tracing_warmup.py)."""
     if request.warmup != "auto":
         return request.warmup
-    return "iteration" if request.memo_offload or request.megatron_fsdp else "forward"
+    if request.megatron_fsdp or (request.memo_offload and request.microbatches_in_flight > 1):
+        return "iteration"
+    return "forward"
 
 
 def traced_attention_kernel(request: TraceRequest, args: argparse.Namespace, target) -> str:
@@ -480,6 +487,7 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
         record_kwargs = {
             "forward_step": forward_step,
             "microbatch_backward_done": backward_done,
+            "abandon_warmup": None if memo is None else memo.abandon_forward,
             "microbatches": request.microbatches_in_flight,
             "warmup": warmup_mode(request),
             "optimizer_states": optimizer_states,

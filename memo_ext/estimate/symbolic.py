@@ -107,6 +107,7 @@ def _parts(events: list[dict]) -> _Parts:
     home: list[Optional[int]] = [None] * len(events)
     block = [False] * len(events)
     descending = set()
+    freed = {event["id"] for event in events if event["action"] == "free"}
     for index, section in enumerate(sections):
         by_section.setdefault(section, []).append(index)
     for section, rows in by_section.items():
@@ -129,10 +130,19 @@ def _parts(events: list[dict]) -> _Parts:
         for row in rows:
             if row < bounds[0]:
                 home[row] = order[0]  # prefix
+        # The last layer's rows are the tail; in ``init`` (the warm-up's leftovers) only those
+        # after its own last one, when none of its own is freed later (a block is freed
+        # relative to the layer freeing it): a forward warm-up leaves MEMO's host slots up to
+        # the copied layer and, after them, only workspaces no layer made.
+        tail_from = bounds[-2]
+        if events[rows[0]]["phase"] == "init":
+            own = [row for row in rows if events[row]["layer"] == order[-1]]
+            if not any(events[row]["id"] in freed for row in own):
+                tail_from = own[-1] + 1
         for position, layer in enumerate(order):
             for row in range(bounds[position], bounds[position + 1]):
                 home[row] = layer
-                block[row] = position < len(order) - 1
+                block[row] = row < tail_from
     return _Parts(sections, home, block, descending)
 
 

@@ -277,6 +277,12 @@ class MemoOffload:
                 torch.cuda.synchronize()
             self._forward_seconds.append(time.perf_counter() - start)
 
+    def abandon_forward(self) -> None:
+        """End a micro-batch whose forward ran and whose backward will not: its host slots go
+        back to the pool and its buffers are left as a whole iteration leaves them
+        (OffloadManager.abandon_forward)."""
+        self.manager.abandon_forward()
+
     def after_iteration(self) -> None:
         """With --memo-alpha auto, solve the LP once AUTO_ALPHA_MEASURING_ITERATIONS
         iterations have measured it (between iterations: it may resize the rounding buffers)."""

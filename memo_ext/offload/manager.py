@@ -554,6 +554,23 @@ class OffloadManager:
         if record.previous is not None and len(self.buffers) > 1:
             self._prefetch_if_evicted(record.previous)
 
+    def abandon_forward(self) -> None:
+        """End the layer forwards since the last backward as their backwards would have ended
+        them, for a micro-batch whose backward will not run (its output dropped after the
+        forward): each record's host slot goes back to the pool and its drop regions are
+        released, and one buffer is freed as after the chunk's first layer's backward. The
+        next forward then starts from the state a whole iteration leaves (the tracer's
+        forward warm-up relies on it: megatron.training.tracing.warmup_mode). Without it the
+        records stay chained to the last one until the next forward replaces it, and their
+        host slots are freed then and allocated again."""
+        record, self.last_record, self.active = self.last_record, None, None
+        while record is not None:
+            previous = record.previous
+            self._on_backward_end(record)
+            record = previous
+        if len(self.buffers) == 1:
+            self.buffers[0].release()
+
     def _on_backward_end(self, record: LayerRecord) -> None:
         if len(self.buffers) == 1 and record.previous is None and record.buffer.owner is record:
             # The chunk's first layer: no layer needs the one buffer until the next forward,

@@ -71,6 +71,7 @@ def record_iteration(
     optimizer_states: Optional[Callable[[], list]] = None,
     after_backward: Optional[Callable[[], None]] = None,
     microbatch_backward_done: Optional[Callable[[int], None]] = None,
+    abandon_warmup: Optional[Callable[[], None]] = None,
     constants: Sequence[tuple[str, int, str]] = (),
     deallocate_pipeline_outputs: bool = False,
     cuda_semantics: bool = True,
@@ -94,9 +95,11 @@ def record_iteration(
     ``warmup`` makes the trace the steady state rather than the first iteration: buffers a
     first iteration creates and keeps (megatron's global all-gather buffer, the RoPE cache,
     MEMO's rounding buffers and host slots) become "init" allocations. "forward" runs one
-    untraced forward of micro-batch 0 (enough for everything created in forward), "iteration"
-    a whole untraced iteration (MEMO: its buffers grow and its host slots cycle through a full
-    iteration), "none" records the first iteration as it is.
+    untraced forward of micro-batch 0 (enough for everything created in forward), then
+    ``abandon_warmup()`` (e.g. MEMO's abandon_forward: the micro-batch's host slots back to
+    the pool, its buffers as a backward leaves them), "iteration" a whole untraced iteration
+    (Megatron-FSDP: its gathered-weight buckets are freed in backward), "none" records the
+    first iteration as it is.
 
     A non-scalar stage output gets a received gradient of its shape (``torch.ones``) and,
     with ``deallocate_pipeline_outputs``, has its data freed after "sending" as megatron's
@@ -145,6 +148,8 @@ def record_iteration(
                     del output
                     if microbatch_backward_done is not None:
                         microbatch_backward_done(0)  # the micro-batch is abandoned: done
+                    if abandon_warmup is not None:
+                        abandon_warmup()
                 else:
                     _run_iteration(recorder, model, forward_step, microbatches, after_backward,
                                    microbatch_backward_done, deallocate_pipeline_outputs)

@@ -342,3 +342,28 @@ def test_unsupported_layer_is_refused(megatron_world):
         with pytest.raises(MemoConfigError, match="--memo-offload supports dense GPT layers"):
             build_module(spec, config=core_transformer_config_from_args(args), layer_number=1)
 
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_an_abandoned_forward_is_ended_as_its_backward_would_end_it(megatron_world, buffers):
+    """MemoOffload.abandon_forward after a forward whose backward never runs: its host slots
+    are back in the pool (the next iteration takes them, allocating none), one buffer is freed
+    as a backward frees it, and the next iteration's gradients are exact."""
+    args = model_args([])
+    _, reference = loss_and_grads(build_model(args))
+    with CopyEngine("cpu") as engine:
+        memo = MemoOffload(OffloadConfig(offload=True, alpha="0.5", offload_buffers=buffers),
+                           engine, NUM_LAYERS, 1, SHAPE, HOST_BYTES, BANDWIDTH,
+                           log=lambda message: None, position_wise_share=SHARE)
+        model = build_model(args, memo)
+        tokens = torch.zeros(BATCH, SEQ, dtype=torch.int64)
+        positions = torch.arange(SEQ)[None].expand(BATCH, -1)
+        model(tokens, positions, None, labels=tokens).sum()  # dropped: no backward
+        memo.abandon_forward()
+        pool = memo.manager.host_slots
+        slots = pool.allocated_bytes
+        assert slots and sum(map(len, pool.free.values())) == memo.offloaded_layer_count
+        assert (memo.manager.buffers[0].capacity == 0) == (buffers == 1)
+        _, grads = loss_and_grads(model)
+        assert pool.allocated_bytes == slots
+        assert worst_relative_gradient_error(grads, reference) < 1e-6
