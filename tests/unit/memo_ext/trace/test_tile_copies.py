@@ -41,7 +41,8 @@ def _record(argv: list, seq: int, copying: bool, monkeypatch) -> tuple:
 
 
 @pytest.mark.parametrize("layout", [
-    # MEMO offload (a whole warm-up iteration) over a CP=2 ring, 8 head chunks of 1 group
+    # MEMO offload (its warm-up forward ended by abandon_forward) over a CP=2 ring, 8 head
+    # chunks of 1 group
     ["--context-parallel-size", "2", "--memo-offload", "--memo-alpha", "1",
      "--memo-attention-head-chunks", "8",
      "--trainer-args=--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"],
