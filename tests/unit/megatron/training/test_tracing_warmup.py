@@ -1,6 +1,6 @@
 """megatron.training.tracing's warm-up: a MEMO trace warmed up by one forward (then
 MemoOffload.abandon_forward) records the iteration event for event as one warmed up by a whole
-iteration, at about half the tracing cost; where a forward is not enough, a whole iteration."""
+iteration, about a quarter cheaper; where a forward is not enough, a whole iteration."""
 
 from __future__ import annotations
 
