@@ -254,7 +254,7 @@ def warmup_mode(request: TraceRequest) -> str:
     frees them: after a forward warm-up the recorded iteration would free "persistent"
     memory). The forward warm-up records MEMO's traces event for event as the whole
     iteration's did, about a quarter cheaper (tests/unit/megatron/training/test_tracing_warmup.py;
-    docs/tracing.md "Steady state")."""
+    docs/tracing.md "What a rank holds", item 5)."""
     if request.warmup != "auto":
         return request.warmup
     if request.megatron_fsdp or (request.memo_offload and request.microbatches_in_flight > 1):
