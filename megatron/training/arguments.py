@@ -1100,7 +1100,8 @@ def _validate_attention(args: argparse.Namespace, attention: AttentionConfig,
     _require(args.transformer_impl == "local", f"{named} need --transformer-impl local, got "
              f"{args.transformer_impl}")
     groups = args.num_query_groups or args.num_attention_heads
-    attention.validate_with(groups // args.tensor_model_parallel_size)
+    attention.validate_with(args.num_attention_heads // args.tensor_model_parallel_size,
+                            groups // args.tensor_model_parallel_size)
     if attention.attention_projection_tile_size:
         TiledMLPConfig(mlp_tile_size=attention.attention_projection_tile_size).tile_rows(
             args.tensor_model_parallel_size, args.sequence_parallel,

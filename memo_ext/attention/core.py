@@ -15,9 +15,12 @@ tensor exists; forward keeps the output and the fp32 log-sum-exp, backward recom
 * Packed sequences: ``packed_seq_params.cu_seqlens_q`` (batch 1, offsets over the whole
   sequence) keeps every token inside its document (the trainer's --reset-attention-mask,
   megatron.training.packed_documents).
-* Head chunks (``--memo-attention-head-chunks``, UPipe's idea): the query groups run in chunks,
+* Head chunks (``--memo-attention-head-chunks``, UPipe's idea): the query heads run in chunks,
   one after another, each through the whole ring, so the ring's buffers, dQ/dK/dV and the
-  kernels' workspaces are one chunk's; the saved q/k/v/out are the layer's as before.
+  kernels' workspaces are one chunk's; the saved q/k/v/out are the layer's as before. A chunk
+  is whole query groups, or, with more chunks than a rank has groups (GQA at high TP: Llama-3-8B
+  at TP=4 has 2 groups of 4 heads a rank), a part of one group's query heads: its group's K/V
+  then travel the ring once per chunk, and its dK/dV are the sum of its chunks'.
 * Attention dropout: per-tile masks from seeds drawn in Megatron's model-parallel RNG fork; such
   tiles run the explicit kernel, which materialises each tile's scores (long-context runs use
   ``--attention-dropout 0``). The trainer says so in one line (:func:`attention_dropout_notice`).
@@ -41,6 +44,7 @@ from memo_ext.attention.ring import Ring
 from memo_ext.attention.ring_attention import (RingAttention, dropout_seeds, pack_key_value,
                                                _heads_first)
 from memo_ext.attention.zigzag import ZigzagLayout
+from memo_ext.config import head_chunks_split
 from memo_ext.tile_loop import tile_indices
 
 
@@ -54,12 +58,19 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _head_chunks(heads: int, groups: int, chunks: int) -> list[tuple[slice, slice]]:
-    """(query heads, K/V groups) of each of ``chunks`` chunks: whole query groups, in order
-    (megatron lays a group's query heads out next to each other)."""
-    if groups % chunks:
-        raise ValueError(f"{chunks} head chunks do not divide {groups} query groups")
-    heads_per, groups_per = heads // chunks, groups // chunks
-    return [(slice(i * heads_per, (i + 1) * heads_per), slice(i * groups_per, (i + 1) * groups_per))
+    """(query heads, K/V groups) of each of ``chunks`` chunks, in order (megatron lays a group's
+    query heads out next to each other): whole query groups when ``chunks`` divides ``groups``,
+    else, when it is a multiple of ``groups`` that divides ``heads``, an equal part of one
+    group's heads each (that group's K/V shared by its chunks)."""
+    if not head_chunks_split(heads, groups, chunks):
+        raise ValueError(f"{chunks} head chunks neither divide the {groups} query groups nor "
+                         f"split them into equal parts of the {heads} query heads")
+    if groups % chunks == 0:
+        heads_per, groups_per = heads // chunks, groups // chunks
+        return [(slice(i * heads_per, (i + 1) * heads_per),
+                 slice(i * groups_per, (i + 1) * groups_per)) for i in range(chunks)]
+    heads_per, per_group = heads // chunks, chunks // groups
+    return [(slice(i * heads_per, (i + 1) * heads_per), slice(i // per_group, i // per_group + 1))
             for i in range(chunks)]
 
 
@@ -125,17 +136,26 @@ class _CoreAttentionFunction(torch.autograd.Function):
             dq, dk, dv = _attend_backward(grad_out, query, key, value, out, lse, attention,
                                           causal, seeds)
             return dq, dk, dv, None, None, None, None
-        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        # Chunks within a group add their parts of its dK/dV (every chunk alike, so that the
+        # tracer may copy the middle ones: memo_ext.tile_loop); whole groups write theirs.
+        shared = chunks > key.shape[2]
+        make = torch.zeros_like if shared else torch.empty_like
+        dq, dk, dv = torch.empty_like(query), make(key), make(value)
         per_chunk = len(seeds) // chunks
         slices = _head_chunks(query.shape[2], key.shape[2], chunks)
         for index in tile_indices(chunks):
             heads, groups = slices[index]
-            grads = _attend_backward(
+            chunk_dq, chunk_dk, chunk_dv = _attend_backward(
                 grad_out[:, :, heads], query[:, :, heads], key[:, :, groups],
                 value[:, :, groups], out[:, :, heads], lse[:, heads], attention, causal,
                 seeds[index * per_chunk:(index + 1) * per_chunk])
-            dq[:, :, heads], dk[:, :, groups], dv[:, :, groups] = grads
-            del grads
+            dq[:, :, heads] = chunk_dq
+            if shared:
+                dk[:, :, groups] += chunk_dk
+                dv[:, :, groups] += chunk_dv
+            else:
+                dk[:, :, groups], dv[:, :, groups] = chunk_dk, chunk_dv
+            del chunk_dq, chunk_dk, chunk_dv
         return dq, dk, dv, None, None, None, None
 
 
@@ -146,7 +166,8 @@ def core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """Attention of this rank's tokens, [s, b, heads, d] / [s, b, groups, d] -> [s, b, heads, d].
     ``ring``: the context-parallel ring (this rank holds the zigzag chunks of its ring rank);
     ``documents``: cumulative offsets of the packed documents of the whole sequence;
-    ``head_chunks``: run the query groups in this many chunks, one after another."""
+    ``head_chunks``: run the query heads in this many chunks, one after another (whole groups,
+    or equal parts of one group: :func:`_head_chunks`)."""
     if not causal and (ring is not None or documents is not None):
         raise ValueError("context parallelism and packed documents need the causal mask")
     _head_chunks(query.shape[2], key.shape[2], head_chunks)  # raises unless it divides
@@ -178,11 +199,14 @@ class CoreAttention(MegatronModule):
                               else 1.0 / math.sqrt(config.kv_channels))
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp_size = config.context_parallel_size
-        groups = (config.num_query_groups or config.num_attention_heads) // \
-            config.tensor_model_parallel_size
-        if head_chunks < 1 or groups % head_chunks:
+        tp = config.tensor_model_parallel_size
+        groups = (config.num_query_groups or config.num_attention_heads) // tp
+        if head_chunks < 1 or not head_chunks_split(config.num_attention_heads // tp, groups,
+                                                    head_chunks):
             raise ValueError(f"--memo-attention-head-chunks {head_chunks} must divide the "
-                             f"{groups} query groups of a tensor-parallel rank")
+                             f"{groups} query groups of a tensor-parallel rank, or be a "
+                             f"multiple of them dividing its "
+                             f"{config.num_attention_heads // tp} query heads")
         self.head_chunks = head_chunks
         self._ring: Optional[Ring] = None
 

@@ -541,6 +541,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         attention = config_from_args(AttentionConfig, opts)  # the trainer's rules
         attention.validate()
         attention.validate_with(
+            shape["num_attention_heads"] // tp,
             (shape.get("num_query_groups") or shape["num_attention_heads"]) // tp)
         if (opts.memo_checkpoint_layers or opts.memo_offload_fp8
                 or opts.memo_offload_buffers != 2) and opts.policy != "memo":

@@ -60,10 +60,12 @@ def cases(seq: int) -> list[Case]:
     return [
         Case("one tile (control)"),
         Case("head chunks 2, micro-batch 2", head_chunks=2, batch=2),
+        Case("head chunks 4: parts of the 2 groups", head_chunks=4),
         Case("packed documents, CP=1", documents=documents),
         Case("zigzag ring CP=2", ranks=2),
         Case("zigzag ring CP=4", ranks=4),
         Case("zigzag ring CP=2, packed documents", ranks=2, documents=documents),
+        Case("zigzag ring CP=2, head chunks 4: parts of the 2 groups", ranks=2, head_chunks=4),
     ]
 
 

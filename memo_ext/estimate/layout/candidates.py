@@ -8,6 +8,7 @@ import itertools
 import math
 from typing import Optional
 
+from memo_ext.config import head_chunks_split
 from memo_ext.estimate.layout.spec import (
     BLOCK_RECOMPUTE_FRACTIONS,
     CHECKPOINT_FRACTIONS,
@@ -35,6 +36,18 @@ def block_recompute_layers(layers_per_stage: int,
 #: Head chunks of a tiled layout: at most this many (with the ring's messages 1/8 of a layer's
 #: K/V, the ring buffers stop mattering beside the saved q, k, v and output).
 MAX_HEAD_CHUNKS = 8
+
+
+def head_chunks_of(heads: int, groups: int, cp: int) -> int:
+    """The head chunks a tiled layout runs a rank's ``heads`` query heads in ``groups`` groups
+    in: at most MAX_HEAD_CHUNKS whole groups, or, without a ring (CP = 1), parts of groups
+    when that makes more chunks (GQA at high TP: Llama-3-8B at TP=4 has 2 groups of 4 heads).
+    Not parts of groups over a ring: a shared group's K/V would travel it once per chunk."""
+    whole = math.gcd(groups, MAX_HEAD_CHUNKS)
+    parts = math.gcd(heads, MAX_HEAD_CHUNKS)
+    if cp == 1 and parts > whole and head_chunks_split(heads, groups, parts):
+        return parts
+    return whole
 
 
 def checkpoint_layer_counts(layers_per_stage: int, fractions=CHECKPOINT_FRACTIONS,
@@ -90,8 +103,8 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                             optimizer_offload in itertools.product(
                                 variants, mlp_tiles, micro_batches, optimizer_offloads):
                         # A tiled layout tiles the whole layer: the MLP, the attention's
-                        # projections, and the core attention by chunks of query groups.
-                        chunks = math.gcd(groups // tp, MAX_HEAD_CHUNKS) if tiles else 1
+                        # projections, and the core attention by head chunks.
+                        chunks = head_chunks_of(heads // tp, groups // tp, cp) if tiles else 1
                         layout = Layout(tp, cp, pp, dp, policy, alpha, micro_batch,
                                         recompute_layers, count, fp8, tiles,
                                         projection_tiles=tiles, head_chunks=chunks,

@@ -142,15 +142,17 @@ def test_corrupt_tracker_file_is_a_clear_error(tmp_path):
 
 LONG_CONTEXT_PATH = ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "chunked",
                      "--cross-entropy-chunk-size", "24", "--memo-mlp-tile-size", "20",
-                     "--memo-attention-projection-tile-size", "20",
-                     "--memo-attention-head-chunks", "2"]
+                     "--memo-attention-projection-tile-size", "20"]
+#: Head chunks per variant: two whole heads (MHA), and four single heads sharing the GQA
+#: variant's 2 groups (each group's dK/dV the sum of its chunks').
+HEAD_CHUNKS = {"learned_gelu_bias": "2", "rope_swiglu_rmsnorm_gqa": "4"}
 
 
 @pytest.mark.parametrize("variant", ["learned_gelu_bias", "rope_swiglu_rmsnorm_gqa"])
 def test_long_context_path_gradients_equal_megatrons_tensor_by_tensor(megatron_world, variant,
                                                                       monkeypatch):
     """One step of the same weights through the million-token path (memo_ext's attention in
-    two head chunks, the chunked loss, the tiled MLP and attention projections) and through
+    head chunks, the chunked loss, the tiled MLP and attention projections) and through
     megatron.core's own modules (DotProductAttention, which builds the s x s scores, the
     unfused vocab-parallel loss, the untiled MLP and projections): the losses and every
     parameter's gradient agree to fp32 round-off."""
@@ -170,7 +172,7 @@ def test_long_context_path_gradients_equal_megatrons_tensor_by_tensor(megatron_w
         torch.manual_seed(0)
         return gpt.model_provider(core_transformer_config_from_args(args), args)
 
-    ours = model_for(LONG_CONTEXT_PATH)
+    ours = model_for(LONG_CONTEXT_PATH + ["--memo-attention-head-chunks", HEAD_CHUNKS[variant]])
     with monkeypatch.context() as patch:
         patch.setattr(layer_specs, "CoreAttention", MegatronAttention)
         reference = model_for([])

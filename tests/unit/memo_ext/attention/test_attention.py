@@ -69,9 +69,24 @@ def test_one_rank_equals_attention_at_once(kernel, causal):
         assert torch.equal(whole, by_chunk)
 
 
-def test_head_chunks_must_divide_the_query_groups():
-    with pytest.raises(ValueError, match="3 head chunks do not divide 2 query groups"):
-        run(*inputs(), head_chunks=3)
+@pytest.mark.parametrize("kernel", ["cpu_flash", "explicit"])
+def test_head_chunks_within_a_query_group(kernel):
+    """More chunks than groups (one head each here): the output and dQ are the whole
+    attention's bit for bit, dK/dV the sum of a group's chunks, as the reference has them."""
+    data = inputs()
+    with kernels.forced_kernel(kernel):
+        whole = run(*data)
+        chunked = run(*data, head_chunks=HEADS)
+    assert_close(chunked, reference(*data))
+    for name, a, b in zip(("out", "dq"), whole, chunked):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("chunks", [3, 8])
+def test_head_chunks_must_split_the_heads(chunks):
+    with pytest.raises(ValueError, match=f"{chunks} head chunks neither divide the 2 query "
+                                         "groups nor split them into equal parts of the 4"):
+        run(*inputs(), head_chunks=chunks)
 
 
 @pytest.mark.parametrize("kernel", ["cpu_flash", "explicit"])
@@ -110,7 +125,8 @@ def _check_ring(rank, size):
     layout = ZigzagLayout(SEQ, size)
     positions = layout.positions(rank)
     for documents, kernel, chunks in ((None, "cpu_flash", 1), ([0, 7, 30, SEQ], "cpu_flash", 1),
-                                      (None, "explicit", 1), ([0, 7, 30, SEQ], "cpu_flash", 2)):
+                                      (None, "explicit", 1), ([0, 7, 30, SEQ], "cpu_flash", 2),
+                                      (None, "cpu_flash", HEADS)):
         data = inputs()
         want = reference(*data, documents=documents)
         with kernels.forced_kernel(kernel):

@@ -312,6 +312,22 @@ def test_candidates_carry_each_offload_fraction():
     assert [layout.optimizer_offload for layout in both] == [None, 1.0, None, 1.0]
 
 
+def test_tiled_layouts_chunk_heads_within_groups_only_without_a_ring():
+    """A tiled layout's head chunks: whole query groups (up to 8), and parts of groups when a
+    rank has fewer groups than heads, but only at CP = 1 (over a ring a shared group's K/V
+    would travel once per chunk). Every count is one the trainer accepts."""
+    from memo_ext.config import head_chunks_split
+    from memo_ext.estimate.layout.candidates import head_chunks_of
+
+    # (heads, groups) per rank, CP -> chunks: MHA 7B at TP=4; Llama-3-8B at TP=4 and TP=8;
+    # 12 heads in 6 groups, where 4 parts would not split 6 groups evenly.
+    cases = {(8, 8, 2): 8, (8, 2, 1): 8, (8, 2, 2): 2, (4, 1, 1): 4, (4, 1, 4): 1,
+             (12, 6, 1): 2, (32, 32, 1): 8}
+    for (heads, groups, cp), chunks in cases.items():
+        assert head_chunks_of(heads, groups, cp) == chunks, (heads, groups, cp)
+        assert head_chunks_split(heads, groups, chunks)
+
+
 def test_bounds_keep_only_the_undominated_live_lines():
     """A stage's live-bytes lines (memo_ext.estimate.layout.model) are cut to those no other
     line is at or above in both intercept and slope; the maximum at every length >= 0 is the

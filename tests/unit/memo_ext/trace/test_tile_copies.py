@@ -42,9 +42,9 @@ def _record(argv: list, seq: int, copying: bool, monkeypatch) -> tuple:
 
 @pytest.mark.parametrize("layout", [
     # MEMO offload (its warm-up forward ended by abandon_forward) over a CP=2 ring, 8 head
-    # chunks of 1 group
+    # chunks of one query head, 4 sharing each of 2 GQA groups (their dK/dV summed)
     ["--context-parallel-size", "2", "--memo-offload", "--memo-alpha", "1",
-     "--memo-attention-head-chunks", "8",
+     "--num-query-groups", "2", "--memo-attention-head-chunks", "8",
      "--trainer-args=--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"],
     # Megatron's full recompute (the tiles run again inside the recompute) at TP=2 with
     # sequence parallelism: the projections' tiles gather and scatter across TP ranks. Slow
