@@ -22,6 +22,7 @@ from typing import Any, Optional
 # Re-exported: the configs' flag API (importers keep ``from memo_ext.config import ...``).
 from memo_ext.flags import (ARG_PREFIX, ToolVariant, add_config_arguments,  # noqa: F401
                             add_config_flags, arg_dest, arg_flag, config_from_args, memo_field)
+from memo_ext.head_chunks import head_chunks_split, valid_head_chunks
 
 #: Bytes in one GB as used by the ``--memo-*-gb`` / ``--memo-*-gbps`` flags.
 BYTES_PER_GB = 10**9
@@ -479,14 +480,10 @@ class AttentionConfig:
         1, flag="--memo-attention-head-chunks", metavar="N",
         help="Run the core attention, its context-parallel ring included, over N chunks of "
              "this rank's query heads one after another (UPipe's head chunking, arXiv "
-             "2602.21196): only one chunk's K/V travel the ring and its buffers, dQ/dK/dV "
-             "and the kernel workspaces are 1/N of the layer's, for N times as many ring "
-             "messages of 1/N the size. Same result as N=1 (heads are independent; a shared "
-             "group's dK/dV up to summation order). "
-             "1 (the default): all heads at once. N must divide the rank's query groups "
-             "(--num-query-groups / --tensor-model-parallel-size), or be a multiple of them "
-             "dividing its query heads: then each chunk is part of one group, whose K/V "
-             "travel the ring once per chunk and whose dK/dV sum its chunks'.")
+             "2602.21196): the ring's buffers, dQ/dK/dV and the kernel workspaces are one "
+             "chunk's. N divides the rank's query groups (--num-query-groups / TP), or is a "
+             "multiple of them dividing its heads (chunks inside a group: its K/V travel the "
+             "ring once per chunk, its dK/dV sum theirs). 1 (the default): all at once.")
     attention_projection_tile_size: int = memo_field(
         0, flag="--memo-attention-projection-tile-size", metavar="TOKENS",
         help="Run the attention's QKV and output projections over tiles of this many tokens "
@@ -508,29 +505,15 @@ class AttentionConfig:
                 f"--memo-attention-projection-tile-size {self.attention_projection_tile_size} "
                 "is negative; give a tile of TOKENS > 0, or 0 to turn tiling off")
 
-    def validate_with(self, query_heads_per_rank: int, query_groups_per_rank: int) -> None:
-        """Raise MemoConfigError unless the chunks split this rank's heads
-        (:func:`head_chunks_split`)."""
-        chunks = self.attention_head_chunks
-        if not head_chunks_split(query_heads_per_rank, query_groups_per_rank, chunks):
-            divisors = [n for n in range(1, query_heads_per_rank + 1) if head_chunks_split(
-                query_heads_per_rank, query_groups_per_rank, n)]
+    def validate_with(self, heads_per_rank: int, groups_per_rank: int) -> None:
+        """Raise MemoConfigError unless the chunks split this rank's heads (head_chunks_split)."""
+        if not head_chunks_split(heads_per_rank, groups_per_rank, self.attention_head_chunks):
             raise MemoConfigError(
-                f"--memo-attention-head-chunks {chunks} does not split the "
-                f"{query_heads_per_rank} query heads in {query_groups_per_rank} query groups of "
-                "a tensor-parallel rank (--num-attention-heads, --num-query-groups / "
-                "--tensor-model-parallel-size); pick one of "
-                + ", ".join(str(n) for n in divisors))
-
-
-def head_chunks_split(heads: int, groups: int, chunks: int) -> bool:
-    """Whether ``chunks`` head chunks split a rank's ``heads`` query heads in ``groups`` query
-    groups evenly: whole groups each (``chunks`` divides ``groups``), or equal parts of one
-    group's heads each (a multiple of ``groups`` dividing ``heads``). The attention's rule
-    (memo_ext.attention.core), the trainer's check and the estimator's candidates."""
-    if chunks < 1:
-        return False
-    return groups % chunks == 0 or (chunks % groups == 0 and heads % chunks == 0)
+                f"--memo-attention-head-chunks {self.attention_head_chunks} does not split the "
+                f"{heads_per_rank} query heads in {groups_per_rank} query groups of a tensor-"
+                "parallel rank (--num-attention-heads, --num-query-groups / --tensor-model-"
+                "parallel-size); pick one of " + ", ".join(
+                    str(n) for n in valid_head_chunks(heads_per_rank, groups_per_rank)))
 
 
 @dataclass

@@ -44,7 +44,7 @@ from memo_ext.attention.ring import Ring
 from memo_ext.attention.ring_attention import (RingAttention, dropout_seeds, pack_key_value,
                                                _heads_first)
 from memo_ext.attention.zigzag import ZigzagLayout
-from memo_ext.config import head_chunks_split
+from memo_ext.head_chunks import head_chunks_split
 from memo_ext.tile_loop import tile_indices
 
 

@@ -8,7 +8,7 @@ import itertools
 import math
 from typing import Optional
 
-from memo_ext.config import head_chunks_split
+from memo_ext.head_chunks import head_chunks_split
 from memo_ext.estimate.layout.spec import (
     BLOCK_RECOMPUTE_FRACTIONS,
     CHECKPOINT_FRACTIONS,

@@ -316,7 +316,7 @@ def test_tiled_layouts_chunk_heads_within_groups_only_without_a_ring():
     """A tiled layout's head chunks: whole query groups (up to 8), and parts of groups when a
     rank has fewer groups than heads, but only at CP = 1 (over a ring a shared group's K/V
     would travel once per chunk). Every count is one the trainer accepts."""
-    from memo_ext.config import head_chunks_split
+    from memo_ext.head_chunks import head_chunks_split
     from memo_ext.estimate.layout.candidates import head_chunks_of
 
     # (heads, groups) per rank, CP -> chunks: MHA 7B at TP=4; Llama-3-8B at TP=4 and TP=8;
