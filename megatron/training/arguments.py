@@ -112,6 +112,15 @@ def add_optimizer_offload_args(group, flags=tuple(OPTIMIZER_OFFLOAD_FLAGS)) -> N
         group.add_argument(flag, **OPTIMIZER_OFFLOAD_FLAGS[flag])
 
 
+def add_grad_reduce_in_bf16_arg(group) -> None:
+    """Megatron-LM's --grad-reduce-in-bf16, one definition for the trainer and the tools that
+    model it (tools/trace.py, tools/estimate.py)."""
+    group.add_argument(
+        "--grad-reduce-in-bf16", action="store_true",
+        help="With --bf16: accumulate and reduce gradients in bf16, a gradient buffer half "
+        "the size (default fp32, as Megatron-LM).")
+
+
 def add_model_shape_args(group, flags=tuple(MODEL_SHAPE_FLAGS)) -> None:
     """Add the named :data:`MODEL_SHAPE_FLAGS` to ``group``, in that order."""
     for flag in flags:
@@ -348,11 +357,7 @@ def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--loss-scale", type=float, default=None)
     group.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     group.add_argument("--attention-softmax-in-fp32", action="store_true")
-    group.add_argument(
-        "--grad-reduce-in-bf16", action="store_true",
-        help="With --bf16: accumulate and reduce gradients in bf16 (default fp32, as "
-        "Megatron-LM).",
-    )
+    add_grad_reduce_in_bf16_arg(group)
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:

@@ -51,7 +51,10 @@ from megatron.memo_tools.cli.quiet import (
 
 hide_library_warnings()  # before the first import of megatron.core (cli/quiet.py)
 
-from megatron.training.arguments import add_optimizer_offload_args  # noqa: E402
+from megatron.training.arguments import (  # noqa: E402
+    add_grad_reduce_in_bf16_arg,
+    add_optimizer_offload_args,
+)
 from megatron.training.megatron_fsdp import add_megatron_fsdp_args  # noqa: E402
 from megatron.memo_tools.cli.trace import (  # noqa: E402
     TRACED_OFFLOAD_FLAGS,
@@ -141,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_optimizer_offload_args(optimizer, ("--optimizer-cpu-offload",
                                            "--optimizer-offload-fraction"))
     add_megatron_fsdp_args(optimizer)  # traced: megatron-core's own Megatron-FSDP buffers
+    add_grad_reduce_in_bf16_arg(optimizer)  # one layout: a numerics choice, not searched
     parser.add_argument("--host-memory-gb", type=float, default=None,
                         help="host memory per node for MEMO's offload (default: the profile's)")
     parser.add_argument("--allocator", choices=("caching", "expandable", "arena"), default=None,
@@ -410,6 +414,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         searching = bool(opts.recommend or (opts.gpus and not fixed_layout))
         optimizer_offload = optimizer_offload_fraction(opts, searching)
         fsdp_strategy = megatron_fsdp_strategy(opts, fixed_layout)
+        check_grad_reduce_in_bf16(opts, fixed_layout)
         if searching:
             if not opts.gpus:
                 raise UsageError("--recommend needs --gpus N")
@@ -557,7 +562,8 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                         optimizer_offload=optimizer_offload,
                         megatron_fsdp=fsdp_strategy,
                         fsdp_double_buffer=opts.fsdp_double_buffer,
-                        fsdp_unit_size=opts.suggested_communication_unit_size)
+                        fsdp_unit_size=opts.suggested_communication_unit_size,
+                        grad_reduce_in_bf16=opts.grad_reduce_in_bf16)
         if cpu:
             hardware = cpu_hardware(layout, shape, opts.seq_length, say)
             device = int(hardware["device_memory_bytes"])
@@ -654,6 +660,20 @@ def searched_optimizer_offloads(opts: argparse.Namespace, given) -> tuple:
         raise UsageError(f"--optimizer-offload-fractions {opts.optimizer_offload_fractions}: "
                          "give each in [0, 1] (0: the optimizer on the device)")
     return tuple(dict.fromkeys(f or None for f in fractions))
+
+
+def check_grad_reduce_in_bf16(opts: argparse.Namespace, fixed_layout: bool) -> None:
+    """--grad-reduce-in-bf16 is estimated for one traced layout: the user's numerics choice,
+    which the recommender does not make for them, and SPPO's analytic model has fp32
+    gradients."""
+    if not opts.grad_reduce_in_bf16:
+        return
+    if opts.recommend or not fixed_layout:
+        raise UsageError("--grad-reduce-in-bf16 is estimated for one layout: give its parallel "
+                         "sizes (--tensor-model-parallel-size, ...), not a search")
+    if opts.policy == "sppo":
+        raise UsageError("--grad-reduce-in-bf16 --policy sppo: SPPO's analytic model keeps fp32 "
+                         "gradients; use another --policy")
 
 
 def megatron_fsdp_strategy(opts: argparse.Namespace, fixed_layout: bool):

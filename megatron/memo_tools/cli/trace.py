@@ -59,6 +59,7 @@ from memo_ext.config import (  # noqa: E402
 )
 from memo_ext.flags import refused_value  # noqa: E402
 from megatron.training.arguments import (  # noqa: E402
+    add_grad_reduce_in_bf16_arg,
     add_model_shape_args,
     add_optimizer_offload_args,
 )
@@ -139,9 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "--optimizer-offload-fraction",
                                           "--overlap-cpu-optimizer-d2h-h2d", "--no-pin-cpu-grads",
                                           "--no-pin-cpu-params"))
-    training.add_argument("--param-dtype-grad-buffer", action="store_true",
-                          help="Gradient buffer in the parameter dtype instead of fp32 "
-                               "(Megatron-LM uses fp32 with --bf16).")
+    add_grad_reduce_in_bf16_arg(training)
     training.add_argument("--trainer-args", default="", metavar="'FLAGS'",
                           help="More pretrain_gpt.py flags for the traced model, appended to "
                                "the trainer command line (shell-split; write it with '=' when "
@@ -285,7 +284,7 @@ def request_from_opts(opts: argparse.Namespace) -> TraceRequest:
         optimizer_offload_fraction=opts.optimizer_offload_fraction,
         overlap_cpu_optimizer_d2h_h2d=opts.overlap_cpu_optimizer_d2h_h2d,
         pin_cpu_grads=opts.pin_cpu_grads, pin_cpu_params=opts.pin_cpu_params,
-        grad_buffer_fp32=not opts.param_dtype_grad_buffer,
+        grad_buffer_fp32=not opts.grad_reduce_in_bf16,
         extra_trainer_argv=tuple(shlex.split(opts.trainer_args)), gpu=opts.gpu,
         hardware_file=opts.hardware_file, cuda_semantics=not opts.no_cuda_semantics,
         flash_workspace=not opts.no_flash_workspace, cuda_context_mib=opts.cuda_context_mib,

@@ -108,6 +108,9 @@ class Layout:
     fsdp_double_buffer: bool = False
     # --suggested-communication-unit-size (None: megatron-core's default)
     fsdp_unit_size: Optional[int] = None
+    # --grad-reduce-in-bf16: the gradient buffer in bf16, not fp32 (a numerics choice the user
+    # makes; estimated for one layout, not searched)
+    grad_reduce_in_bf16: bool = False
 
     @property
     def gpus(self) -> int:
@@ -152,6 +155,8 @@ class Layout:
             fields.update(megatron_fsdp=self.megatron_fsdp,
                           fsdp_double_buffer=self.fsdp_double_buffer,
                           fsdp_unit_size=self.fsdp_unit_size)
+        if self.grad_reduce_in_bf16:
+            fields["grad_buffer_fp32"] = False
         return TraceRequest(model=model, seq_length=seq, **fields)
 
     def persistent_state(self) -> "Layout":
@@ -162,7 +167,8 @@ class Layout:
                       micro_batch=self.micro_batch, optimizer_offload=self.optimizer_offload,
                       megatron_fsdp=self.megatron_fsdp,
                       fsdp_double_buffer=self.fsdp_double_buffer,
-                      fsdp_unit_size=self.fsdp_unit_size)
+                      fsdp_unit_size=self.fsdp_unit_size,
+                      grad_reduce_in_bf16=self.grad_reduce_in_bf16)
 
     def without_optimizer_offload(self) -> "Layout":
         """This layout with its optimizer on the device: the one whose activation traces it
@@ -248,6 +254,8 @@ class Layout:
                          fsdp_double_buffer=self.fsdp_double_buffer,
                          suggested_communication_unit_size=self.fsdp_unit_size,
                          ckpt_format="fsdp_dtensor")
+        if self.grad_reduce_in_bf16:
+            flags["grad_reduce_in_bf16"] = True
         return render_flags(flags)
 
     def describe(self) -> str:
@@ -270,5 +278,7 @@ class Layout:
             policy += f" {self.recompute_layers} layers per stage"
         if self.optimizer_offload is not None:
             policy += f", optimizer {self.optimizer_offload:g} on the host"
+        if self.grad_reduce_in_bf16:
+            policy += ", gradients in bf16"
         return (f"TP={self.tp} CP={self.cp} PP={self.pp} DP={self.dp} mbs={self.micro_batch} "
                 f"{policy}")

@@ -5,6 +5,7 @@ longest sequence. The 7B checks against the MEMO paper are marked slow (two 7B t
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -368,6 +369,8 @@ def test_json_answer_keeps_stdout_to_itself():
     Layout(2, 2, 2, 1, "memo", 0.5),
     Layout(8, 1, 1, 1, "megatron"),
     Layout(2, 1, 2, 2, "megatron-block", recompute_layers=4),
+    Layout(4, 1, 1, 1, "memo", 0.0, mlp_tiles=16, projection_tiles=16, head_chunks=8,
+           grad_reduce_in_bf16=True),
 ])
 def test_trainer_flags_are_accepted_by_the_trainer(layout):
     """The flag line the recommender prints for a row passes pretrain_gpt.py's argument
@@ -388,7 +391,36 @@ def test_trainer_flags_are_accepted_by_the_trainer(layout):
         assert args.memo_offload_fp8 == layout.offload_fp8
         assert args.memo_offload_buffers == layout.offload_buffers
     # 16 tiles of this rank's CP shard (1048576 / CP 2 tokens), as fc1 sees them
-    assert args.memo_mlp_tile_size == (32768 if layout.mlp_tiles else 0)
+    assert args.memo_mlp_tile_size == (65536 // layout.cp if layout.mlp_tiles else 0)
+    assert args.memo_attention_head_chunks == layout.head_chunks
+    assert args.grad_reduce_in_bf16 == layout.grad_reduce_in_bf16
+    assert args.accumulate_allreduce_grads_in_fp32 == (not layout.grad_reduce_in_bf16)
+
+
+def test_grad_reduce_in_bf16_traces_a_bf16_gradient_buffer():
+    """A layout with --grad-reduce-in-bf16 traces its gradient buffer in bf16 (half the fp32
+    one, the parameters unchanged), in its persistent state too (the trace a symbolic stage
+    takes its model state from); it is the only difference from the layout without it."""
+    from megatron.training import tracing
+
+    model = TracedModel(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512)
+    hardware = load_hardware("a800")
+    plain = Layout(2, 1, 1, 1, "memo", 0.0)
+    bf16 = replace(plain, grad_reduce_in_bf16=True)
+    assert bf16.persistent_state().grad_reduce_in_bf16
+    requests = [layout.persistent_state().trace_request(model, 1024, hardware)
+                .replace(persistent_only=True) for layout in (plain, bf16)]
+    assert requests[1] == requests[0].replace(grad_buffer_fp32=False)
+
+    def bytes_of(trace, category):
+        return sum(e["bytes"] for e in trace.events
+                   if e["action"] == "alloc" and e["category"] == category)
+
+    fp32_trace, bf16_trace = (tracing.record(request)[0] for request in requests)
+    assert bytes_of(bf16_trace, "parameter") == bytes_of(fp32_trace, "parameter")
+    assert bytes_of(bf16_trace, "gradient") * 2 == bytes_of(fp32_trace, "gradient")
+    assert "gradients in bf16" in bf16.describe()
+    assert "--grad-reduce-in-bf16" in bf16.trainer_flags(4096, 8)
 
 
 @pytest.mark.slow  # ~2 min at load 12 (six layouts' traces); the default suite keeps the
@@ -441,6 +473,20 @@ def test_optimizer_offload_flags_are_refused_in_one_line(tmp_path, capsys):
         assert run_estimate_cli(argv + bad)[0] == 2, bad
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("estimate.py: error: --optimizer-"), line
+
+
+def test_grad_reduce_in_bf16_is_refused_beyond_one_traced_layout(tmp_path, capsys):
+    """--grad-reduce-in-bf16 is the user's numerics choice: estimated for one traced layout,
+    refused in one line for a search and for SPPO's analytic model (fp32 gradients)."""
+    argv = ["--model", "7b", "--gpu", "a800", "--gpus", "8", "--seq-length", "16384",
+            "--grad-reduce-in-bf16", "--cache-dir", str(tmp_path / "cache")]
+    for bad, start in ((["--recommend"], "is estimated for one layout"),
+                       (["--tensor-model-parallel-size", "8", "--policy", "sppo"],
+                        "--policy sppo: SPPO's analytic model keeps fp32")):
+        capsys.readouterr()
+        assert run_estimate_cli(argv + bad)[0] == 2, bad
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("estimate.py: error: --grad-reduce-in-bf16") and start in line
 
 
 FSDP_ESTIMATE_ARGV = ["--model", "7b", "--gpu", "a800", "--gpus", "8",

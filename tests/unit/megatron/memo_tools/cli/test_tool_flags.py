@@ -118,3 +118,13 @@ def test_tying_and_the_optimizer_default_as_the_trainer():
     # examples/configs untie: a preset does, flag or not.
     preset = trace.request_from_argv(["--model", "7b", "--seq-length", "128"])
     assert not preset.model.tie_embeddings
+
+
+@pytest.mark.parametrize("tool", [trace, estimate], ids=["trace", "estimate"])
+def test_grad_reduce_in_bf16_is_the_trainers_flag(tool):
+    """Both tools take the trainer's --grad-reduce-in-bf16 from its one definition (the tracer's
+    own --param-dtype-grad-buffer is gone)."""
+    trainer, ours = _by_flag(build_parser()), _by_flag(tool.build_parser())
+    mine, theirs = ours["--grad-reduce-in-bf16"], trainer["--grad-reduce-in-bf16"]
+    assert (mine.dest, mine.help, mine.const) == (theirs.dest, theirs.help, theirs.const)
+    assert "--param-dtype-grad-buffer" not in ours
