@@ -201,8 +201,7 @@ class CoreAttention(MegatronModule):
         self.cp_size = config.context_parallel_size
         tp = config.tensor_model_parallel_size
         groups = (config.num_query_groups or config.num_attention_heads) // tp
-        if head_chunks < 1 or not head_chunks_split(config.num_attention_heads // tp, groups,
-                                                    head_chunks):
+        if not head_chunks_split(config.num_attention_heads // tp, groups, head_chunks):
             raise ValueError(f"--memo-attention-head-chunks {head_chunks} must divide the "
                              f"{groups} query groups of a tensor-parallel rank, or be a "
                              f"multiple of them dividing its "
