@@ -731,6 +731,13 @@ def _validate_recompute(args: argparse.Namespace) -> None:
         )
         if args.recompute_modules is None:
             args.recompute_modules = ["core_attn"]
+        # megatron-core 0.16.1's CheckpointWithoutOutput (the layernorm recompute) sets its fp8
+        # switch to `fp8 is not None`, true for fp8=False, and then calls Transformer Engine's
+        # FP8GlobalStateManager: a NameError mid-forward without TE (docs/training.md).
+        _require("layernorm" not in args.recompute_modules or transformer_engine_installed(),
+                 "--recompute-modules layernorm needs Transformer Engine installed (megatron-core "
+                 "0.16.1's layernorm recompute calls it even without fp8); drop layernorm from "
+                 "--recompute-modules or install transformer-engine")
     else:
         _require(
             args.recompute_method is None and args.recompute_num_layers is None,

@@ -108,6 +108,21 @@ BAD_INPUTS = [
 ]
 
 
+def test_layernorm_recompute_without_transformer_engine_is_one_line(monkeypatch):
+    """Megatron-LM's --recompute-modules layernorm: megatron-core 0.16.1 runs it through
+    Transformer Engine even without fp8 (a NameError mid-forward without it), so without TE it
+    is refused before anything is built; with TE it passes."""
+    from megatron.training import arguments
+
+    argv = BASE + ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"]
+    monkeypatch.setattr(arguments, "transformer_engine_installed", lambda: False)
+    with pytest.raises(ArgumentValidationError, match=r"^--recompute-modules layernorm needs "
+                                                      r"Transformer Engine installed"):
+        parse_args(argv, world_size=1, cuda_available=False)
+    monkeypatch.setattr(arguments, "transformer_engine_installed", lambda: True)
+    assert parse_args(argv, world_size=1, cuda_available=False).recompute_modules == ["layernorm"]
+
+
 def test_memo_plan_with_telemetry_is_accepted_on_cuda():
     """Telemetry reads the arena's counters through memo_ext.device_memory
     (tests/unit/memo_ext/test_gpu_readiness.py), not PyTorch's statistics, which raise under it."""
