@@ -184,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MLP tile counts searched (comma-separated; 0: untiled; default "
                              "0,16): each layer's MLP run in K sequence tiles of the rank's CP "
                              "shard (the trainer's --memo-mlp-tile-size; docs/tiled_mlp.md), "
-                             "the attention's projections in K tiles too and its query groups "
-                             "in up to 8 chunks (--memo-attention-*). The untiled variant is "
+                             "the attention's projections in K tiles too and its heads in up "
+                             "to 8 chunks (whole query groups; parts of groups at CP=1; "
+                             "--memo-attention-*). The untiled variant is "
                              "traced only when its tiled one reaches the table")
     search.add_argument("--optimizer-offload-fractions", default="0",
                         help="optimizer CPU offload fractions searched (comma-separated, each "

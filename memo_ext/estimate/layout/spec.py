@@ -97,7 +97,7 @@ class Layout:
     offload_fp8: bool = False  # memo: whole-offloaded tensors stored as fp8 (lossy)
     mlp_tiles: int = 0  # the MLP run in this many sequence tiles (memo_ext.tiled_mlp); 0: not
     projection_tiles: int = 0  # the attention's QKV and output projections, likewise
-    head_chunks: int = 1  # the core attention over this many chunks of query groups
+    head_chunks: int = 1  # the core attention over this many chunks of its heads
     offload_buffers: int = 2  # memo: device buffers offloaded data passes through (1 or 2)
     # --optimizer-cpu-offload's --optimizer-offload-fraction (None: off; with the distributed
     # optimizer and --use-precision-aware-optimizer, Megatron-LM's requirements)
