@@ -1,6 +1,6 @@
 """Loops over equal tiles (the tiled MLP's and projections' sequence tiles, the attention's head
-chunks, the steps of a context-parallel ring whose later steps attend alike tiles), whose
-middle iterations the tracer may stand in for.
+chunks, the steps of a context-parallel ring whose later steps attend alike tiles, the chunked
+loss's sequence chunks), whose middle iterations the tracer may stand in for.
 
 A loop over ``count`` tiles asks :func:`tile_indices` which iterations to run. In training
 that is every one. While the tracer records a model on fake tensors

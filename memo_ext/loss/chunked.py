@@ -22,7 +22,9 @@ Every working buffer is allocated once, before the chunk loop, and the loop body
 views of them with ``out=`` and in-place ops. So the allocation sequence does not depend on the
 number of chunks: an allocation trace (memo_ext.trace) has the same structure at every sequence
 length, which the estimator's two-length interpolation requires, and a GPU run does not churn its
-caching allocator once per chunk.
+caching allocator once per chunk. The chunks are equal (the last may be shorter), so their loops
+are tile loops (memo_ext.tile_loop): the tracer runs four chunks and copies the rest, and a trace
+at 4M tokens costs what one at 256K does.
 
 Tensor parallelism: each rank holds ``V/TP`` rows of the weight. A chunk needs no communication
 in forward: each rank keeps its own log-sum-exp per token, and after the loop the per-token
@@ -41,6 +43,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from memo_ext.tile_loop import tile_indices
 
 #: Default bound on one chunk's logits (compute dtype plus the fp32 copy), from which the chunk's
 #: tokens follow: 256 MiB is 3328 tokens at 7B TP4 (V/TP = 12,672 rows, bf16) and 256 tokens at
@@ -123,7 +127,7 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         lse = torch.empty(seq * batch, dtype=torch.float32, device=hidden.device)
         target_logit = torch.empty_like(lse)
         row_max = torch.empty(layout.max_rows, dtype=torch.float32, device=hidden.device)
-        for k in range(layout.chunks):
+        for k in tile_indices(layout.chunks):
             x, start, rows = _chunk_input(hidden, gathered, layout, k, tp_group)
             chunk32 = _chunk_logits(x, weight, logits, logits32, rows)
             end = start + rows
@@ -176,7 +180,7 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             # Accumulate over chunks in fp32 and round once, as the unfused single GEMM does.
             grad_weight = torch.zeros_like(weight, dtype=torch.float32)
             wgrad_chunk = torch.empty_like(weight)
-        for k in range(layout.chunks):
+        for k in tile_indices(layout.chunks):
             x, start, rows = _chunk_input(hidden, gathered, layout, k, tp_group)
             chunk32 = _chunk_logits(x, weight, logits, logits32, rows)
             end = start + rows

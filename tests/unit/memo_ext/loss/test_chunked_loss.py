@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memo_ext import tile_loop
 from memo_ext.loss import chunked_vocab_parallel_cross_entropy
 
 S, B, H, V = 37, 2, 16, 50
@@ -128,6 +129,23 @@ def test_allocations_do_not_depend_on_the_chunk_count(megatron_world, dtype):
         counts.append(len(storages.sizes))
         assert (max(storages.sizes) >= logits_bytes) == (loss_fn is _unfused)
     assert counts[0] == counts[1]
+
+
+def test_chunk_loops_are_tile_loops(megatron_world):
+    """Forward and backward each loop over their chunks as a tile loop (memo_ext.tile_loop), so
+    the tracer may run four chunks and copy the rest (tests/unit/memo_ext/trace/
+    test_tile_copies.py checks the copies): 37 positions x 2 rows in chunks of 10 rows are 8
+    chunks of 5 positions."""
+    hidden, weight, target, mask = _problem(torch.float32)
+    asked = []
+
+    def every_tile(count):
+        asked.append(count)
+        return range(count)
+
+    with tile_loop.repeated_by(every_tile):
+        _losses_and_grads(_chunked(10), hidden, weight, target, mask)
+    assert asked == [8, 8]
 
 
 def test_labels_must_match_hidden():

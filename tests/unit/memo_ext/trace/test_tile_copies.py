@@ -1,5 +1,6 @@
 """memo_ext.trace.tile_copies: the tracer records the middle tiles of a loop (the tiled MLP's
-and projections' sequence tiles, the attention's head chunks, a ring's steps) as copies of the
+and projections' sequence tiles, the attention's head chunks, a ring's steps, the chunked
+loss's chunks) as copies of the
 third, and the trace is the one running every tile records, event for event and in its work;
 blocks that the copy would not reproduce run every tile."""
 
@@ -42,15 +43,20 @@ def _record(argv: list, seq: int, copying: bool, monkeypatch) -> tuple:
 
 @pytest.mark.parametrize("layout", [
     # MEMO offload (its warm-up forward ended by abandon_forward) over a CP=2 ring, 8 head
-    # chunks of one query head, 4 sharing each of 2 GQA groups (their dK/dV summed)
+    # chunks of one query head, 4 sharing each of 2 GQA groups (their dK/dV summed), and the
+    # chunked loss in 8 chunks of 256 of the rank's 2048 tokens
     ["--context-parallel-size", "2", "--memo-offload", "--memo-alpha", "1",
      "--num-query-groups", "2", "--memo-attention-head-chunks", "8",
-     "--trainer-args=--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"],
+     "--trainer-args=--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked "
+     "--cross-entropy-chunk-size 256"],
     # Megatron's full recompute (the tiles run again inside the recompute) at TP=2 with
-    # sequence parallelism: the projections' tiles gather and scatter across TP ranks. Slow
-    # (7 s): the default case covers every loop.
+    # sequence parallelism: the projections' tiles and the loss's 8 chunks (each gathering
+    # 256 positions of both ranks) gather and scatter across TP ranks. Slow (7 s): the default
+    # case covers every loop.
     pytest.param(["--tensor-model-parallel-size", "2", "--recompute-granularity", "full",
-                  "--memo-attention-head-chunks", "4"], marks=pytest.mark.slow),
+                  "--memo-attention-head-chunks", "4",
+                  "--trainer-args=--cross-entropy-loss-fusion --cross-entropy-fusion-impl "
+                  "chunked --cross-entropy-chunk-size 512"], marks=pytest.mark.slow),
     # a CP=8 ring without tiles: rank 0's steps 1..7 attend alike tiles and are copied
     ["--context-parallel-size", "8"],
 ], ids=["memo-cp2", "full-recompute-tp2", "ring-cp8"])
