@@ -251,21 +251,24 @@ def model_gemms(model: dict, layout: dict) -> list[tuple[int, int, int, int]]:
             (tokens, vocab // tp, hidden, 1)]
 
 
-def at_model_shapes(base: Efficiency, hardware: dict, model: dict, layout: dict) -> Efficiency:
+def at_model_shapes(base: Efficiency, hardware: dict, model: dict, layout: dict,
+                    tables_key: Optional[str] = None) -> Efficiency:
     """``base`` with its GEMM and attention efficiencies read from the profile's kernel table
-    at this model's shapes and the rank's sequence length (``model["seq_length"]`` over CP)."""
+    at this model's shapes and the rank's sequence length (``model["seq_length"]`` over CP).
+    ``tables_key``: :func:`profile_key` of ``hardware``, for a caller that reads the tables
+    many times over one profile (SPPO's solver: once per subsequence)."""
     hidden, heads = model["hidden_size"], model["num_attention_heads"]
     head_dim = model.get("kv_channels") or hidden // heads
     seq = max(1, model["seq_length"] // layout["cp"])
     causal = model.get("attn_mask_type", "causal") == "causal"
-    gemm, forward, backward = _efficiencies(_profile_key(hardware),
+    gemm, forward, backward = _efficiencies(tables_key or profile_key(hardware),
                                             dispatched_attention_kernel(hardware),
                                             tuple(model_gemms(model, layout)), head_dim, seq,
                                             causal)
     return replace(base, gemm=gemm, attention_forward=forward, attention_backward=backward)
 
 
-def _profile_key(hardware: dict) -> str:
+def profile_key(hardware: dict) -> str:
     """The profile as a key of :func:`_efficiencies` (its contents: a profile is a plain dict
     that may be copied or edited between calls)."""
     return json.dumps(hardware, sort_keys=True, default=str)
@@ -298,4 +301,5 @@ def _efficiencies(key: str, dispatched: Optional[str], gemms: tuple, head_dim: i
 
 __all__ = ["FALLBACK_ATTENTION_KERNEL", "TABLES_FILE", "at_model_shapes", "attention_tflops",
            "PricedRows", "cuda_attention_backend", "dispatched_attention_kernel", "gemm_tflops",
-           "kernel_rows", "kernel_rows_line", "model_gemms", "priced_rows", "published_gpus"]
+           "kernel_rows", "kernel_rows_line", "model_gemms", "priced_rows", "profile_key",
+           "published_gpus"]

@@ -198,10 +198,10 @@ def estimate_at(trace: Trace, capacity_bytes: int, policy: str = "caching",
         # The greedy placement first: the MIP only ever shrinks an arena, so when the greedy
         # one fits, the verdict is the MIP's (its solves take ~10 s each on 7B); when it does
         # not, the MIP decides. The peak reported may then be the greedy plan's, a little above.
-        plan = arena_plan(plan_trace(trace, use_mip=False), trace, iterations)
+        plan = arena_plan(plan_trace(trace, use_mip=False, digest=False), trace, iterations)
         result = replay(repeated, policy, allocator_capacity, plan=plan, timelines=False)
         if result.oom is not None:
-            plan = arena_plan(plan_trace(trace), trace, iterations)
+            plan = arena_plan(plan_trace(trace, digest=False), trace, iterations)
             result = replay(repeated, policy, allocator_capacity, plan=plan, timelines=False)
     else:
         result = replay(repeated, policy, allocator_capacity, plan=plan, timelines=False)

@@ -6,6 +6,9 @@ memo_ext.sppo.layout_model). Rows ranked side by side must not assume different 
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 from memo_ext.trace.cuda_rules import CudaKernelRules, CudaTarget
 from memo_ext.trace import ProcessConstants, communicators_for_layout
 
@@ -27,7 +30,14 @@ def outside_allocator_bytes(tp: int, cp: int, pp: int, dp: int) -> int:
 def workspace_bytes(hardware: dict) -> int:
     """The cuBLAS workspaces a rank keeps in the allocator on the profile's GPU, one per GEMM
     thread (memo_ext.trace.cuda_rules; a trace records them as persistent)."""
-    target = CudaTarget.for_gpu(hardware["name"], hardware.get("hardware_file"))
+    return _workspace_bytes(hardware["name"], hardware.get("hardware_file"))
+
+
+@functools.lru_cache(maxsize=None)
+def _workspace_bytes(name: str, hardware_file: Optional[str]) -> int:
+    # Once per GPU profile: SPPO's solver asks for every layout it evaluates (1,251 times in a
+    # 7B recommend), and each CudaTarget reads the profiles' file and the installed versions.
+    target = CudaTarget.for_gpu(name, hardware_file)
     return sum(workspace.nbytes for workspace in CudaKernelRules(target).steady_state_workspaces())
 
 

@@ -175,7 +175,7 @@ class MemoryPlan:
     """A bi-level plan: ``offsets`` maps each planned alloc's row in the device event list to
     its arena offset; ``level1`` and ``level2`` say how each problem went."""
 
-    trace_digest: str
+    trace_digest: Optional[str]  # None: planned without one (plan_trace(digest=False))
     arena_bytes: int
     offsets: dict[int, int]
     sizes: dict[int, int]
@@ -225,8 +225,10 @@ def trace_digest(events: list[dict]) -> str:
 
 
 def plan_trace(trace: Trace, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-               use_mip: bool = True) -> MemoryPlan:
-    """Plan the trace's iteration at both levels (module docstring)."""
+               use_mip: bool = True, digest: bool = True) -> MemoryPlan:
+    """Plan the trace's iteration at both levels (module docstring). Without ``digest`` the
+    plan names no trace (:func:`write_plan` refuses it): for a caller that replays it at once,
+    as the estimator does for each length it tries (the digest of a 32-layer stage is ~0.7 s)."""
     events = _device_events(trace)
     phases = layer_phases(events)
     kinds: dict[tuple, list[LayerPhase]] = {}
@@ -313,7 +315,7 @@ def plan_trace(trace: Trace, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
         offsets = {row_of_id[i]: offset for i, offset in zip(ids, single.offsets)}
         sizes = {row_of_id[i]: r.size for i, r in zip(ids, planned_requests)}
         chosen, arena = "single level", single.peak
-    plan = MemoryPlan(trace_digest=trace_digest(events), arena_bytes=arena,
+    plan = MemoryPlan(trace_digest=trace_digest(events) if digest else None, arena_bytes=arena,
                       offsets=offsets, sizes=sizes, level1=level1, level2=level2,
                       iteration_lower_bound=lower_bound(planned_requests),
                       header={k: trace.header.get(k) for k in ("model", "layout", "options")},
@@ -343,6 +345,8 @@ def validate_plan(plan: MemoryPlan, trace: Trace) -> None:
     """Raise ValueError unless ``plan`` was made for ``trace`` and its composed placement is
     sound: every planned request inside the arena, no two alive at once overlapping."""
     events = _device_events(trace)
+    if plan.trace_digest is None:
+        raise ValueError("the plan names no trace (planned with digest=False)")
     digest = trace_digest(events)
     if digest != plan.trace_digest:
         raise ValueError(f"the plan was made for trace {plan.trace_digest[:12]}, not this one "
@@ -367,6 +371,9 @@ def _validate_placement(plan: MemoryPlan, events: list[dict]) -> None:
 
 def write_plan(plan: MemoryPlan, path) -> None:
     """Write ``plan`` as JSON through a temporary file and a rename."""
+    if plan.trace_digest is None:
+        raise ValueError("the plan names no trace (planned with digest=False); plan the trace "
+                         "again with its digest to write it")
     payload = {
         "format": PLAN_FORMAT, "version": PLAN_VERSION, "trace_digest": plan.trace_digest,
         "arena_bytes": plan.arena_bytes,

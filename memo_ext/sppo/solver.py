@@ -68,7 +68,7 @@ from typing import Optional
 
 from memo_ext.estimate.cost import Efficiency
 from memo_ext.estimate.flops import model_flops_per_sequence, parameter_count
-from memo_ext.estimate.kernels import at_model_shapes
+from memo_ext.estimate.kernels import at_model_shapes, profile_key
 from memo_ext.estimate.rank_constants import (  # the traced rows' (rows ranked together)
     OPTIMIZER_BYTES_PER_PARAM,
     WEIGHT_AND_GRAD_BYTES_PER_PARAM,
@@ -233,6 +233,7 @@ def evaluate(problem: Problem, tp: int, pp: int, subsequences: int) -> Candidate
     """Predicted memory and step time of one layout (see the module docstring)."""
     model, hardware, seq = problem.model, problem.hardware, problem.seq
     efficiency = Efficiency.from_profile(hardware)
+    tables = profile_key(hardware)
     dp = problem.gpus // (tp * pp)
     hidden, layers = model["hidden_size"], model["num_layers"]
     per_stage = layers // pp
@@ -253,7 +254,7 @@ def evaluate(problem: Problem, tp: int, pp: int, subsequences: int) -> Candidate
         # The kernels' efficiencies at the subsequence's own length: short subsequences run
         # small GEMMs and short attention calls, which the kernel tables price.
         kernels = at_model_shapes(efficiency, hardware, {**model, "seq_length": s},
-                                  {"tp": tp, "cp": 1, "pp": pp})
+                                  {"tp": tp, "cp": 1, "pp": pp}, tables)
         linear = flops.linear * s / tp / (peak * kernels.gemm)
         attention_flops = (flops.of_range(a, b) - flops.linear * s) / tp
         attention = attention_flops / (peak * kernels.attention_forward)

@@ -291,6 +291,15 @@ def test_plan_file_round_trip_and_refusals(traced, tmp_path):
         assert message in str(error.value) and "\n" not in str(error.value), name
     with pytest.raises(P.PlanFileError, match="no such plan file"):
         P.read_plan(tmp_path / "missing.json")
+    # The estimator's plans (digest=False) are the same placement and name no trace: never
+    # written, never validated as a trace's.
+    unnamed = P.plan_trace(trace, digest=False)
+    assert unnamed.trace_digest is None and unnamed.offsets == plan.offsets
+    with pytest.raises(ValueError, match="names no trace"):
+        P.write_plan(unnamed, tmp_path / "unnamed.json")
+    with pytest.raises(ValueError, match="names no trace"):
+        P.validate_plan(unnamed, trace)
+    assert not (tmp_path / "unnamed.json").exists()
 
 
 def test_arena_policy_replays_the_plan_with_no_fallbacks(traced):
