@@ -137,8 +137,8 @@ def _max_of_lines(a: np.ndarray, b: np.ndarray, seqs: list[int]) -> np.ndarray:
 
 
 #: The length (tokens) a symbolic trace is checked at before it is trusted: twice the longer
-#: fitted length, with two layers more than traced (the chunked loss's ops grow with the length:
-#: a MEMO check at 1M costs 6 s, at 512K 3.5 s).
+#: fitted length, with two layers more than traced (a length the fits did not see; with the
+#: chunked loss's chunks copied by the tracer, a longer one would cost about the same).
 CHECK_SEQ = 2 * FIT_SEQS[1]
 
 
