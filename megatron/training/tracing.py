@@ -452,6 +452,7 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
         raise TraceError(str(exc)) from None
     recorder = AllocationRecorder(cuda_semantics=request.cuda_semantics, target=target)
     with contextlib.ExitStack() as stack:
+        stack.callback(_forget_rope_tables)  # last out: after the model is torn down
         stack.enter_context(fake_distributed(request.world_size, request.rank, request.tp,
                                              request.pp, request.cp))
         coordinates = rank_coordinates(request.rank)
@@ -503,6 +504,22 @@ def traced_rank(request: TraceRequest) -> Iterator[TracedRank]:
                          header=trace_header(request, args, coordinates, constants,
                                              attention_kernel),
                          record_kwargs=record_kwargs)
+
+
+def _forget_rope_tables() -> None:
+    """Empty megatron-core's RoPE table caches. ``RotaryEmbedding.forward`` (and YaRN's) is an
+    ``lru_cache`` of 32 entries keyed by the module: a trace's table is a storage whose
+    free-finalizer is bound to the trace's recorder, so each trace's recorder, with every event
+    it recorded, stayed alive in a tracer worker until 32 later models pushed it out
+    (tests/unit/megatron/training/test_tracing_leaves_nothing.py). A trace builds its own model,
+    so it never hits an earlier trace's entry: emptying the cache changes no trace."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    for embedding in (RotaryEmbedding, YarnRotaryEmbedding):
+        embedding.forward.cache_clear()
 
 
 def record(request: TraceRequest):
