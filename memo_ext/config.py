@@ -535,6 +535,17 @@ class TiledMLPConfig:
              "e.g. 4096-16384 on GPUs (a starting point, not tuned). "
              "0 (the default): off, Megatron's MLP as is. Under --sequence-parallel a multiple "
              "of --tensor-model-parallel-size.")
+    tile_norms: bool = memo_field(
+        False, flag="--memo-tile-norms",
+        help="Normalise inside the tiles: each layer's pre-MLP norm runs on every MLP tile "
+             "(--memo-mlp-tile-size) and its input norm on every QKV projection tile "
+             "(--memo-attention-projection-tile-size), recomputed with the tile in backward, "
+             "instead of once over the sequence. The norms' outputs, [s/CP/TP, micro-batch, "
+             "hidden] each (a whole layer input), are then never saved nor materialised, and "
+             "their gradients are one tile's. The norms' parameters and checkpoints are "
+             "unchanged; the results are the same but for the order in which the norms' weight "
+             "gradients sum over tiles (docs/tiled_mlp.md, \"Norms in the tiles\"). Off by "
+             "default.")
 
     @property
     def enabled(self) -> bool:

@@ -1033,6 +1033,8 @@ def _validate_memo(args: argparse.Namespace, cuda_available: bool) -> None:
     if tiled_mlp.enabled:
         _validate_tiled_mlp(args, tiled_mlp, metp)
     _validate_attention(args, attention, sppo.sppo or metp)
+    if tiled_mlp.tile_norms:
+        _validate_tile_norms(args, tiled_mlp, attention)
     if args.reset_attention_mask:
         _validate_packed_documents(args, sppo)
     if not offload.offload:
@@ -1092,6 +1094,22 @@ def _validate_packed_documents(args: argparse.Namespace, sppo: SPPOConfig) -> No
              "(its helper stages never see the documents); drop one")
     _require(args.transformer_impl == "local", "--reset-attention-mask needs memo_ext's core "
              f"attention (--transformer-impl local), got {args.transformer_impl}")
+
+
+def _validate_tile_norms(args: argparse.Namespace, tiled_mlp: TiledMLPConfig,
+                         attention: AttentionConfig) -> None:
+    """--memo-tile-norms moves the local spec's norms into the tiles
+    (memo_ext.tiled_mlp.with_tile_norms): it needs tiles to move them into, the local norms,
+    and no recompute of the norms by megatron-core (they would be recomputed twice)."""
+    _require(tiled_mlp.enabled or attention.attention_projection_tile_size > 0,
+             "--memo-tile-norms runs the norms inside the MLP and projection tiles; give "
+             "--memo-mlp-tile-size or --memo-attention-projection-tile-size, or drop it")
+    _require(args.transformer_impl == "local", "--memo-tile-norms needs the local spec's norms "
+             f"(--transformer-impl local), got {args.transformer_impl}")
+    modules = set(args.recompute_modules or ()) & {"layernorm"}
+    _require(not (args.recompute_granularity == "selective" and modules),
+             "--memo-tile-norms already recomputes the norms in the tiles; drop layernorm from "
+             "--recompute-modules")
 
 
 def _validate_attention(args: argparse.Namespace, attention: AttentionConfig,

@@ -34,7 +34,7 @@ def model_provider(config, args: argparse.Namespace, pre_process: bool = True,
 
         model_class = ChunkedLossGPTModel
         extra = {"cross_entropy_chunk_size": args.cross_entropy_chunk_size}
-    return model_class(
+    model = model_class(
         config=config,
         transformer_layer_spec=gpt_block_spec(args, config, memo, sppo, metp),
         vocab_size=args.padded_vocab_size,
@@ -51,6 +51,11 @@ def model_provider(config, args: argparse.Namespace, pre_process: bool = True,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         **extra,
     )
+    if getattr(args, "memo_tile_norms", False):
+        from memo_ext.tiled_mlp import with_tile_norms
+
+        with_tile_norms(model)  # before DDP and the optimizer see the parameters
+    return model
 
 
 def get_batch(data_iterator, every_stage: bool = False) -> dict:

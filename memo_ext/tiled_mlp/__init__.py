@@ -7,8 +7,9 @@ TransformerLayer ModuleSpec and the :class:`memo_ext.config.TiledMLPConfig` of
 megatron.core's MLP tile by tile and recomputes each tile in backward, so one layer's MLP
 working set is one tile's intermediate [T, b, ffn/TP] instead of [s, b, ffn/TP].
 :func:`with_tiled_projections` does the same for the attention's QKV and output projections
-(``--memo-attention-projection-tile-size``). :func:`tiled_recompute` is the mechanism itself,
-for any position-wise function.
+(``--memo-attention-projection-tile-size``), and :func:`with_tile_norms` moves a built model's
+norms into those tiles (``--memo-tile-norms``). :func:`tiled_recompute` is the mechanism
+itself, for any position-wise function.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from memo_ext.config import MemoConfigError, TiledMLPConfig
 from memo_ext.tiled_mlp.function import tile_bounds, tiled_recompute
 from memo_ext.tiled_mlp.linear import TiledColumnParallelLinear, TiledRowParallelLinear
 from memo_ext.tiled_mlp.module import TiledMLP
+from memo_ext.tiled_mlp.norms import with_tile_norms
 
 __all__ = ["TiledColumnParallelLinear", "TiledMLP", "TiledRowParallelLinear", "tile_bounds",
-           "tiled_recompute", "with_tiled_mlp", "with_tiled_projections"]
+           "tiled_recompute", "with_tile_norms", "with_tiled_mlp", "with_tiled_projections"]
 
 
 def with_tiled_mlp(layer_spec: ModuleSpec, config: TiledMLPConfig) -> ModuleSpec:

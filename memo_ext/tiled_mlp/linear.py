@@ -27,11 +27,16 @@ def _tiled(linear, parent, input_: torch.Tensor, input_blocks: int, output_block
     """(output, bias) of ``parent.forward(linear, ...)`` run tile by tile."""
     biases: list[Optional[torch.Tensor]] = [None]
 
+    norm = linear.tile_norm  # the QKV projection's input norm, run on each tile, or None
+
     def tile_forward(tile: torch.Tensor) -> torch.Tensor:
+        if norm is not None:
+            tile = norm.normalize(tile)
         output, biases[0] = parent.forward(linear, tile)
         return output
 
-    output = tiled_recompute(tile_forward, input_, linear.tile_rows, list(linear.parameters()),
+    parameters = [*linear.parameters(), *([] if norm is None else norm.parameters())]
+    output = tiled_recompute(tile_forward, input_, linear.tile_rows, parameters,
                              input_blocks, output_blocks)
     bias = biases[0]
     if bias is not None and not isinstance(bias, torch.nn.Parameter):
@@ -50,6 +55,10 @@ class TiledColumnParallelLinear(ColumnParallelLinear):
     """ColumnParallelLinear over tiles of ``tile_tokens`` tokens as the GEMM sees them (after
     the all-gather); its output holds every TP rank's rows (blocks of the tile)."""
 
+    #: the layer's input norm, run on each tile (memo_ext.tiled_mlp.norms); None: the layer
+    #: normalised the input
+    tile_norm = None
+
     def __init__(self, *args, tile_tokens: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.tile_rows = _tile_rows(self.config, tile_tokens)
@@ -66,6 +75,8 @@ class TiledColumnParallelLinear(ColumnParallelLinear):
 class TiledRowParallelLinear(RowParallelLinear):
     """RowParallelLinear over tiles of ``tile_tokens`` tokens as the GEMM sees them (before
     the reduce-scatter); its input holds every TP rank's rows (blocks of the tile)."""
+
+    tile_norm = None  # no norm feeds the output projection
 
     def __init__(self, *args, tile_tokens: int, **kwargs):
         super().__init__(*args, **kwargs)

@@ -26,6 +26,10 @@ class TiledMLP(MLP):
     (``--memo-mlp-tile-size``).
     """
 
+    #: the layer's pre-MLP norm, run on each tile (memo_ext.tiled_mlp.norms); None: the
+    #: layer normalised the input
+    tile_norm = None
+
     def __init__(self, config, submodules, tile_tokens: int, **kwargs):
         super().__init__(config, submodules, **kwargs)
         self.tile_tokens = tile_tokens
@@ -41,11 +45,14 @@ class TiledMLP(MLP):
         biases: list[Optional[torch.Tensor]] = [None]
 
         def tile_forward(tile: torch.Tensor) -> torch.Tensor:
+            if self.tile_norm is not None:
+                tile = self.tile_norm.normalize(tile)
             output, biases[0] = MLP.forward(self, tile)
             return output
 
+        norm_parameters = [] if self.tile_norm is None else list(self.tile_norm.parameters())
         output = tiled_recompute(tile_forward, hidden_states, self.tile_rows,
-                                 list(self.parameters()))
+                                 [*self.parameters(), *norm_parameters])
         # fc2 is built with skip_bias_add: its bias comes back unapplied (the layer's
         # bias-dropout-add adds it). It must be the parameter itself, identical for every tile;
         # a bias computed from the tile could not leave the tiles without its graph.
@@ -54,3 +61,4 @@ class TiledMLP(MLP):
             raise RuntimeError(f"{type(self.linear_fc2).__name__} returned a computed bias; the "
                                "tiled MLP needs fc2's bias parameter (skip_bias_add)")
         return output, bias
+

@@ -275,13 +275,14 @@ def _loss_and_grads(args, memo=None):
     return model, loss.item(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def _memo_saved_bytes(args, alpha):
+def _memo_saved_bytes(args, alpha, checkpoint_layers=0):
     from memo_ext.device import CopyEngine
     from memo_ext.offload import ActivationShape, MemoOffload
     from memo_ext.config import OffloadConfig
 
+    config = OffloadConfig(offload=True, alpha=alpha, checkpoint_layers=str(checkpoint_layers))
     with CopyEngine("cpu") as engine:
-        memo = MemoOffload(OffloadConfig(offload=True, alpha=alpha), engine, 6, 1,
+        memo = MemoOffload(config, engine, 6, 1,
                            ActivationShape(64, 2, 64, 1, False, 4), 10**10, 1e9,
                            log=lambda message: None, position_wise_share=0.5)
         model, loss, grads = _loss_and_grads(args, memo)
