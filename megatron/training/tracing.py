@@ -113,7 +113,7 @@ def trainer_argv(request: TraceRequest) -> list[str]:
         _tile_size(request, request.mlp_tiles) if request.mlp_tiles else 0)
     projection_tile_size = (_tile_size(request, request.projection_tiles)
                             if request.projection_tiles else 0)
-    configs.append(TiledMLPConfig(mlp_tile_size=mlp_tile_size))
+    configs.append(TiledMLPConfig(mlp_tile_size=mlp_tile_size, tile_norms=request.tile_norms))
     configs.append(AttentionConfig(attention_head_chunks=request.head_chunks,
                                    attention_projection_tile_size=projection_tile_size))
     loss = CHUNKED_LOSS_FLAGS if request.chunked_loss else {}

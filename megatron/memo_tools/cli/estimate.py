@@ -419,6 +419,10 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         if searching:
             if not opts.gpus:
                 raise UsageError("--recommend needs --gpus N")
+            if opts.memo_tile_norms:
+                raise UsageError("--memo-tile-norms is estimated for one layout (give "
+                                 "--tensor-model-parallel-size and the tiles); the search does "
+                                 "not try it")
             if opts.recommend:
                 policies = [p.strip() for p in opts.policies.split(",") if p.strip()]
             else:  # the best layout for --policy
@@ -549,6 +553,10 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         attention.validate_with(
             shape["num_attention_heads"] // tp,
             (shape.get("num_query_groups") or shape["num_attention_heads"]) // tp)
+        if opts.memo_tile_norms and not (opts.memo_mlp_tiles
+                                         or opts.memo_attention_projection_tiles):
+            raise UsageError("--memo-tile-norms runs the norms inside the tiles; give "
+                             "--memo-mlp-tiles or --memo-attention-projection-tiles, or drop it")
         if (opts.memo_checkpoint_layers or opts.memo_offload_fp8
                 or opts.memo_offload_buffers != 2) and opts.policy != "memo":
             raise UsageError("--memo-checkpoint-layers, --memo-offload-fp8 and "
@@ -560,6 +568,7 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                         offload_buffers=opts.memo_offload_buffers,
                         projection_tiles=opts.memo_attention_projection_tiles,
                         head_chunks=opts.memo_attention_head_chunks,
+                        tile_norms=opts.memo_tile_norms,
                         optimizer_offload=optimizer_offload,
                         megatron_fsdp=fsdp_strategy,
                         fsdp_double_buffer=opts.fsdp_double_buffer,

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The trainer's --memo-* flags, generated from memo_ext.config (one definition each).
     add_config_flags(training, OffloadConfig, fields=TRACED_OFFLOAD_FLAGS,
                      variants=TRACED_OFFLOAD_VARIANTS)
-    add_config_flags(training, TiledMLPConfig)
+    add_config_flags(training, TiledMLPConfig, fields=("mlp_tile_size",))
     add_tiling_arguments(training)
     training.add_argument("--use-distributed-optimizer", action="store_true",
                           help="The trainer's flag: shard optimizer state over data-parallel "
@@ -278,7 +278,7 @@ def request_from_opts(opts: argparse.Namespace) -> TraceRequest:
         memo_offload_fp8=opts.memo_offload_fp8, memo_offload_buffers=opts.memo_offload_buffers,
         mlp_tiles=opts.memo_mlp_tiles, mlp_tile_size=opts.memo_mlp_tile_size,
         projection_tiles=opts.memo_attention_projection_tiles,
-        head_chunks=opts.memo_attention_head_chunks,
+        head_chunks=opts.memo_attention_head_chunks, tile_norms=opts.memo_tile_norms,
         distributed_optimizer=opts.use_distributed_optimizer, optimizer=opts.optimizer,
         optimizer_cpu_offload=opts.optimizer_cpu_offload,
         optimizer_offload_fraction=opts.optimizer_offload_fraction,
@@ -312,9 +312,10 @@ def request_from_argv(argv: list[str]) -> TraceRequest:
 
 def add_tiling_arguments(parser) -> None:
     """The layer-tiling flags of a traced layout (memo_ext.estimate.layout.Layout's
-    mlp_tiles, projection_tiles, head_chunks), shared with tools/estimate.py: tile counts of
-    the sequence after CP, turned into the trainer's tile sizes at each traced length (so that
-    traces at two lengths are alike), and the trainer's head chunks."""
+    mlp_tiles, projection_tiles, head_chunks, tile_norms), shared with tools/estimate.py: tile
+    counts of the sequence after CP, turned into the trainer's tile sizes at each traced length
+    (so that traces at two lengths are alike), the trainer's head chunks and its norms in the
+    tiles."""
     parser.add_argument("--memo-mlp-tiles", type=int, default=0, metavar="K",
                         help="run every layer's MLP in K sequence tiles of the rank's CP shard "
                              "(the trainer's --memo-mlp-tile-size, docs/tiled_mlp.md; default "
@@ -324,6 +325,7 @@ def add_tiling_arguments(parser) -> None:
                              "(the trainer's --memo-attention-projection-tile-size; default 0: "
                              "untiled)")
     add_config_flags(parser, AttentionConfig, fields=("attention_head_chunks",))
+    add_config_flags(parser, TiledMLPConfig, fields=("tile_norms",))
 
 
 def traced_offload_config(opts: argparse.Namespace) -> OffloadConfig:

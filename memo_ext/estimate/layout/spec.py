@@ -98,6 +98,7 @@ class Layout:
     mlp_tiles: int = 0  # the MLP run in this many sequence tiles (memo_ext.tiled_mlp); 0: not
     projection_tiles: int = 0  # the attention's QKV and output projections, likewise
     head_chunks: int = 1  # the core attention over this many chunks of its heads
+    tile_norms: bool = False  # the norms run in the MLP and projection tiles (--memo-tile-norms)
     offload_buffers: int = 2  # memo: device buffers offloaded data passes through (1 or 2)
     # --optimizer-cpu-offload's --optimizer-offload-fraction (None: off; with the distributed
     # optimizer and --use-precision-aware-optimizer, Megatron-LM's requirements)
@@ -143,7 +144,7 @@ class Layout:
         if self.policy == "megatron-block":
             fields["recompute_num_layers"] = self.recompute_layers
         fields.update(mlp_tiles=self.mlp_tiles, projection_tiles=self.projection_tiles,
-                      head_chunks=self.head_chunks)
+                      head_chunks=self.head_chunks, tile_norms=self.tile_norms)
         if stage is not None and self.pp > 1:
             fields.update(rank=stage.rank, microbatches_in_flight=stage.microbatches_in_flight)
         fields.update(target_fields(hardware))
@@ -245,6 +246,7 @@ class Layout:
                 seq // self.cp, self.projection_tiles, self.tp)
         if self.head_chunks > 1:
             flags["memo_attention_head_chunks"] = self.head_chunks
+        flags["memo_tile_norms"] = self.tile_norms
         if self.optimizer_offload is not None:
             flags.update(use_precision_aware_optimizer=True, optimizer_cpu_offload=True,
                          optimizer_offload_fraction=f"{self.optimizer_offload:g}")
@@ -274,6 +276,8 @@ class Layout:
             policy += f", attention projections in {self.projection_tiles} tiles"
         if self.head_chunks > 1:
             policy += f", heads in {self.head_chunks} chunks"
+        if self.tile_norms:
+            policy += ", norms in the tiles"
         if self.policy == "megatron-block":
             policy += f" {self.recompute_layers} layers per stage"
         if self.optimizer_offload is not None:

@@ -366,6 +366,8 @@ def test_json_answer_keeps_stdout_to_itself():
     Layout(4, 2, 1, 1, "memo", 0.0, checkpoint_layers=15, offload_fp8=True, mlp_tiles=16),
     Layout(4, 2, 1, 1, "memo", 0.0, checkpoint_layers=16, mlp_tiles=16, projection_tiles=16,
            head_chunks=8, offload_buffers=1),
+    Layout(4, 2, 1, 1, "memo", 0.0, checkpoint_layers=31, mlp_tiles=16, projection_tiles=16,
+           head_chunks=8, offload_buffers=1, tile_norms=True),
     Layout(2, 2, 2, 1, "memo", 0.5),
     Layout(8, 1, 1, 1, "megatron"),
     Layout(2, 1, 2, 2, "megatron-block", recompute_layers=4),
@@ -395,6 +397,8 @@ def test_trainer_flags_are_accepted_by_the_trainer(layout):
     assert args.memo_attention_head_chunks == layout.head_chunks
     assert args.grad_reduce_in_bf16 == layout.grad_reduce_in_bf16
     assert args.accumulate_allreduce_grads_in_fp32 == (not layout.grad_reduce_in_bf16)
+    assert args.memo_tile_norms == layout.tile_norms
+    assert ("norms in the tiles" in layout.describe()) == layout.tile_norms
 
 
 def test_grad_reduce_in_bf16_traces_a_bf16_gradient_buffer():
@@ -510,3 +514,21 @@ def test_megatron_fsdp_refusals_are_one_line(bad, start, capsys):
     assert lines and start in lines[-1], lines
     assert run_estimate_cli([a for a in FSDP_ESTIMATE_ARGV if a != "--use-distributed-optimizer"]
                             + FSDP_FLAGS)[0] == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpus", "4", "--tensor-model-parallel-size", "4", "--memo-tile-norms"],
+     "--memo-tile-norms runs the norms inside the tiles; give --memo-mlp-tiles or "
+     "--memo-attention-projection-tiles, or drop it"),
+    (["--gpus", "4", "--recommend", "--memo-tile-norms"],
+     "--memo-tile-norms is estimated for one layout"),
+])
+def test_tile_norms_refusals(flags, message, capsys):
+    """tools/estimate.py --memo-tile-norms needs tiles and one layout: refused in one line
+    before anything is traced."""
+    from megatron.memo_tools.cli.estimate import main
+
+    assert main(["--model", "7b", "--gpu", "a800", "--policy", "memo", "--max-seq-length",
+                 *flags]) != 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if message in line]
+    assert len(lines) == 1
