@@ -9,6 +9,10 @@ them all from ``_validate_memo`` and adds the checks that need the trainer's oth
 Units: ``GB`` here is 10**9 bytes and ``GB/s`` is 10**9 bytes per second (the PCIe convention).
 
 Nothing here imports megatron.training (the trainer imports memo_ext, never the reverse).
+
+Why one file: the configs are the ``--memo-*`` flags' one definition, read together as one list
+(CONFIG_GROUPS) by the trainer's parser, its validation, the tools and the flag renderer; each
+is a few dozen lines of fields and help text, no mechanism.
 """
 
 from __future__ import annotations
