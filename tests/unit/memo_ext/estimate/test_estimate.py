@@ -117,6 +117,9 @@ def test_model_flag_file_is_the_shape_the_trainer_builds(tmp_path):
                                  num_attention_heads=32, num_query_groups=8, kv_channels=128,
                                  vocab_size=128256, swiglu=True, normalization="RMSNorm",
                                  disable_bias_linear=True)
+    # The example Llama-3-8B shape (bench/pareto.py, docs/estimate.md) is the same network.
+    example, _ = traced_model_and_shape(str(REPO_ROOT / "examples/models/llama3_8b.json"))
+    assert replace(example, kv_channels=128) == traced
     flags.write_text("--hidden-size\n4096\n")
     with pytest.raises(ModelError, match=r"the file lacks --num-layers, --num-attention-heads, "
                        "--vocab-size"):
