@@ -120,10 +120,11 @@ def frugal_variant(layout: Layout, layouts: list[Layout]) -> Optional[Layout]:
     if not layout.mlp_tiles:
         # The tiled layer keeps a subset of the untiled one's tensors (the MLP's and the
         # projections' inputs alone, one tile's intermediates and one head chunk's attention
-        # buffers at a time), so the tiled variant of a policy is the frugal one.
+        # buffers at a time; with its norms in the tiles, not even their outputs), so the
+        # tiled variant of a policy is the frugal one.
         tiled = [o for o in candidates if o.mlp_tiles and o == replace(
             layout, mlp_tiles=o.mlp_tiles, projection_tiles=o.projection_tiles,
-            head_chunks=o.head_chunks)]
+            head_chunks=o.head_chunks, tile_norms=o.tile_norms)]
         if tiled:
             return min(tiled, key=lambda o: o.mlp_tiles)
     candidates = [o for o in candidates if o.mlp_tiles == layout.mlp_tiles]

@@ -419,10 +419,9 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
         if searching:
             if not opts.gpus:
                 raise UsageError("--recommend needs --gpus N")
-            if opts.memo_tile_norms:
-                raise UsageError("--memo-tile-norms is estimated for one layout (give "
-                                 "--tensor-model-parallel-size and the tiles); the search does "
-                                 "not try it")
+            if opts.memo_tile_norms and not any(_numbers(opts.mlp_tiles, "--mlp-tiles", int)):
+                raise UsageError("--memo-tile-norms runs the norms inside the tiles; the search's "
+                                 f"--mlp-tiles {opts.mlp_tiles} has no tiled layout")
             if opts.recommend:
                 policies = [p.strip() for p in opts.policies.split(",") if p.strip()]
             else:  # the best layout for --policy
@@ -462,7 +461,8 @@ def _estimate(opts: argparse.Namespace, answer) -> int:
                 offload_fp8={"off": (False,), "on": (True,), "both": (False, True)}[
                     opts.offload_fp8], mlp_tiles=tuple(tiles),
                 offload_buffers=tuple(buffers),
-                optimizer_offloads=optimizer_offloads) if traced else ([], [])
+                optimizer_offloads=optimizer_offloads,
+                tile_norms=opts.memo_tile_norms) if traced else ([], [])
             sppo_models, sppo_dropped = sppo_layout_models(
                 shape, opts.gpus, hardware, global_batch=opts.global_batch_size,
                 host_memory_gb_per_node=opts.host_memory_gb,

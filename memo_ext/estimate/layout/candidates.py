@@ -66,11 +66,13 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                       offload_fp8: tuple[bool, ...] = (False,),
                       mlp_tiles: tuple[int, ...] = (0,),
                       offload_buffers: tuple[int, ...] = (2,),
-                      optimizer_offloads: tuple[Optional[float], ...] = (None,)
+                      optimizer_offloads: tuple[Optional[float], ...] = (None,),
+                      tile_norms: bool = False
                       ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """(layouts worth tracing, [(layout, why it was dropped)]) for ``gpus`` GPUs.
     ``optimizer_offloads``: the --optimizer-offload-fraction of each variant (None: the
-    optimizer on the device, no --optimizer-cpu-offload).
+    optimizer on the device, no --optimizer-cpu-offload). ``tile_norms``: every tiled layout
+    runs its norms in the tiles (--memo-tile-norms, the user's choice for the whole search).
 
     ``model``: num_layers, hidden_size, num_attention_heads, num_query_groups (optional),
     parameters. TP stays within a node (megatron's advice: its collectives sit on the critical
@@ -109,7 +111,8 @@ def candidate_layouts(model: dict, gpus: int, hardware: dict, *, policies: list[
                                         recompute_layers, count, fp8, tiles,
                                         projection_tiles=tiles, head_chunks=chunks,
                                         offload_buffers=buffers,
-                                        optimizer_offload=optimizer_offload)
+                                        optimizer_offload=optimizer_offload,
+                                        tile_norms=tile_norms and tiles > 0)
                         # alpha splits the (a) layers' tensors: with none, one alpha is traced
                         if policy == "memo" and pp == 1 and alpha != alphas[0] and \
                                 layout.every_layer_checkpointed(model["num_layers"],

@@ -523,12 +523,12 @@ def test_megatron_fsdp_refusals_are_one_line(bad, start, capsys):
     (["--gpus", "4", "--tensor-model-parallel-size", "4", "--memo-tile-norms"],
      "--memo-tile-norms runs the norms inside the tiles; give --memo-mlp-tiles or "
      "--memo-attention-projection-tiles, or drop it"),
-    (["--gpus", "4", "--recommend", "--memo-tile-norms"],
-     "--memo-tile-norms is estimated for one layout"),
+    (["--gpus", "4", "--recommend", "--memo-tile-norms", "--mlp-tiles", "0"],
+     "the search's --mlp-tiles 0 has no tiled layout"),
 ])
 def test_tile_norms_refusals(flags, message, capsys):
-    """tools/estimate.py --memo-tile-norms needs tiles and one layout: refused in one line
-    before anything is traced."""
+    """tools/estimate.py --memo-tile-norms needs tiles, for one layout or in a search: refused
+    in one line before anything is traced."""
     from megatron.memo_tools.cli.estimate import main
 
     assert main(["--model", "7b", "--gpu", "a800", "--policy", "memo", "--max-seq-length",

@@ -135,6 +135,30 @@ def test_untiled_variant_is_dominated_by_its_tiled_one():
     assert dominating(tiled["memo1"], layouts) == tiled["memo.5"]
     assert dominating(tiled["none"], layouts) == tiled["block2"]
     assert dominating(tiled["full"], layouts) is None and dominating(more, layouts) is None
+    # --memo-tile-norms in a search: the tiled layouts carry it, and still dominate
+    normed = {name: replace(layout, tile_norms=True) for name, layout in tiled.items()}
+    layouts = [*mine.values(), *normed.values()]
+    assert all(dominating(layout, layouts) == normed[name] for name, layout in mine.items())
+    assert dominating(normed["memo1"], layouts) == normed["memo.5"]
+
+
+def test_candidates_with_tile_norms_carry_them_on_tiled_layouts_only():
+    """candidate_layouts(tile_norms=True) (tools/estimate.py --recommend --memo-tile-norms) gives
+    every tiled layout its norms in the tiles and leaves the untiled ones as they are: the same
+    layouts otherwise."""
+    from dataclasses import replace
+
+    from memo_ext.estimate.layout import candidate_layouts
+
+    shape = {"num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 4096,
+             "num_attention_heads": 8, "vocab_size": 32000}
+    hardware = {"gpus_per_node": 8, "device_memory_bytes": 80 * 2**30}
+    common = dict(policies=["megatron", "memo"], alphas=[0.0], micro_batches=[1],
+                  global_batch=16, mlp_tiles=(0, 16))
+    plain, _ = candidate_layouts(shape, 2, hardware, **common)
+    normed, _ = candidate_layouts(shape, 2, hardware, tile_norms=True, **common)
+    assert any(layout.mlp_tiles for layout in plain) and any(not l.mlp_tiles for l in plain)
+    assert normed == [replace(layout, tile_norms=bool(layout.mlp_tiles)) for layout in plain]
 
 
 def test_two_buffer_variant_is_dominated_by_its_one_buffer_variant():
