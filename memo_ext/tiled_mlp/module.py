@@ -61,4 +61,3 @@ class TiledMLP(MLP):
             raise RuntimeError(f"{type(self.linear_fc2).__name__} returned a computed bias; the "
                                "tiled MLP needs fc2's bias parameter (skip_bias_add)")
         return output, bias
-

@@ -50,13 +50,12 @@ def _defer(norm: torch.nn.Module, tiled: torch.nn.Module) -> None:
     tiled.__dict__["tile_norm"] = norm
 
 
-def with_tile_norms(model: torch.nn.Module) -> int:
+def with_tile_norms(model: torch.nn.Module) -> None:
     """Move every transformer layer's norms of ``model`` into the tiled modules they feed
     (module docstring): the pre-MLP norm into a TiledMLP, the input norm into a tiled QKV
-    projection. Returns how many norms moved."""
+    projection (megatron.training.arguments refuses the flag where there is neither)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    moved = 0
     for layer in model.modules():
         if not isinstance(layer, TransformerLayer):
             continue
@@ -65,5 +64,3 @@ def with_tile_norms(model: torch.nn.Module) -> int:
                                   (layer.input_layernorm, qkv, TiledColumnParallelLinear)):
             if isinstance(tiled, kind) and not hasattr(norm, "normalize"):
                 _defer(norm, tiled)
-                moved += 1
-    return moved
