@@ -1,7 +1,8 @@
 """The sequence-tiled MLP in the trainer: 20 iterations of pretrain_gpt.py with
 --memo-mlp-tile-size give the untiled run's losses to 1e-5 relative at TP=2+SP, with and
 without --memo-offload (--deterministic-mode, dropout 0, fp32 on CPU); so do the attention's
-tiled projections and head chunks with MEMO's two offload modes.
+tiled projections and head chunks with MEMO's two offload modes, with the norms in the tiles
+too (--memo-tile-norms).
 
 Tile 24 tokens over a 64-token sequence: 12 rows per TP rank, so each rank's 32 rows run as
 tiles of 12, 12 and 8 (and under MEMO's alpha 0.25 its kept 8 rows as one tile, its dropped 24
@@ -49,8 +50,11 @@ def _untiled_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra", [TILE, TILE + MEMO,
-                                   LAYER + MEMO + ["--memo-checkpoint-layers", "1"]],
-                         ids=["tiled", "tiled_memo_offload", "tiled_layer_mixed_modes"])
+                                   LAYER + MEMO + ["--memo-checkpoint-layers", "1"],
+                                   LAYER + MEMO + ["--memo-checkpoint-layers", "1",
+                                                   "--memo-tile-norms"]],
+                         ids=["tiled", "tiled_memo_offload", "tiled_layer_mixed_modes",
+                              "tile_norms_mixed_modes"])
 def test_tiled_mlp_losses_equal_untiled(extra, tmp_path, tmp_path_factory):
     (losses, memory), (reference, reference_memory) = (_run(extra, tmp_path),
                                                        _untiled_run(tmp_path_factory))
