@@ -1106,8 +1106,8 @@ def _validate_tile_norms(args: argparse.Namespace, tiled_mlp: TiledMLPConfig,
              "--memo-mlp-tile-size or --memo-attention-projection-tile-size, or drop it")
     _require(args.transformer_impl == "local", "--memo-tile-norms needs the local spec's norms "
              f"(--transformer-impl local), got {args.transformer_impl}")
-    modules = set(args.recompute_modules or ()) & {"layernorm"}
-    _require(not (args.recompute_granularity == "selective" and modules),
+    _require(not (args.recompute_granularity == "selective"
+                  and "layernorm" in (args.recompute_modules or ())),
              "--memo-tile-norms already recomputes the norms in the tiles; drop layernorm from "
              "--recompute-modules")
 

@@ -51,7 +51,7 @@ def model_provider(config, args: argparse.Namespace, pre_process: bool = True,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         **extra,
     )
-    if getattr(args, "memo_tile_norms", False):
+    if args.memo_tile_norms:
         from memo_ext.tiled_mlp import with_tile_norms
 
         with_tile_norms(model)  # before DDP and the optimizer see the parameters

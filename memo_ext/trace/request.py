@@ -65,9 +65,9 @@ class TraceRequest:
     when ``memo_alpha`` is given (a fixed alpha: 'auto' needs measured layer times), the layer
     tiling as tile counts of the rank's CP shard (``mlp_tiles``, ``projection_tiles``: the
     trainer's tile sizes follow the length, so traces at two lengths are alike) or as a fixed
-    ``mlp_tile_size``, ``head_chunks``, the norms in the tiles (``tile_norms``), the chunked loss. ``extra_trainer_argv``: more trainer
-    flags as typed on a command line, after the others (tools/trace.py's --trainer-args; the
-    estimator gives none). Target: the GPU profile whose kernels' workspaces are recorded, or none
+    ``mlp_tile_size``, ``head_chunks``, the norms in the tiles (``tile_norms``), the chunked
+    loss. ``extra_trainer_argv``: more trainer flags as typed on a command line, after the
+    others (tools/trace.py's --trainer-args; the estimator gives none). Target: the GPU profile whose kernels' workspaces are recorded, or none
     (``cuda_semantics`` False: the CPU program as it allocates here). Recording: fake or
     ``live`` tensors, the warm-up, the persistent state alone. Optimizer: the distributed
     optimizer and Megatron-LM's optimizer CPU offload (``optimizer_cpu_offload`` with
